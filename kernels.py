@@ -1,0 +1,362 @@
+"""Per-token log-probs (and entropy) of an LM head without materialising [N x V] logits.
+
+Math (T = temperature, y = targets, rows with y == ignore_index are ignored):
+    z = H Wᵀ / T                      (N x V, fp32 accumulation, kept fp32)
+    lse = logsumexp(z),  logp = z[y] - lse,  p = softmax(z),  entropy = lse - Σ p·z
+Backward, with upstream gradients g (on logp) and e (on entropy):
+    dz = g·(onehot(y) - p) - e·p·(z - Σ p·z),   then / T        (fp32, rounded once)
+    dH = dz W,   dW = dzᵀ H                                      (fp32 accumulation)
+
+Design (shared by every backend): the logits are computed tile by tile, a tile being
+[token chunk C x vocab chunk Vc], by one matmul with fp32 output; a per-tile function turns
+the tile into row statistics (forward) or into dz (backward). The backward never keeps the
+logits: it recomputes each tile (8·N·d·V FLOPs in total, the floor for a per-token API).
+  * forward: running per-row state (m = max, s = Σ exp(z-m), t = Σ exp(z-m)·(z-m), z[y]) is
+    merged across vocab chunks in a fixed order, so lse = m + log s and
+    entropy = log s - t/s never subtract two large numbers (a common logit offset cancels).
+  * backward: the vocab loop is outer, so each slice of dW is accumulated in fp32 over the
+    token chunks and written exactly once; dH is accumulated in one fp32 [N x d] buffer
+    (N·d is much smaller than V·d, so this costs far less than an fp32 dW). The dz tile is
+    rounded once to the input dtype and fed to bf16 matmuls (no fp32 matmuls on bf16 data).
+  * determinism: no atomics; tiles are visited in a fixed order, so two runs, and a no-grad
+    forward and a grad forward, are bitwise equal.
+Backends differ only in the per-tile function:
+  * "eager":   plain torch ops (reference; the CPU default).
+  * "compile": the same torch functions under torch.compile(dynamic=True) so the few tile
+               shapes (full and ragged last chunks) share one compiled graph.
+  * "triton":  hand-written Triton kernels (CUDA; also runs under TRITON_INTERPRET=1): a
+               row kernel with an online logsumexp over vocab blocks (tail masked, int64
+               offsets) and an elementwise dz kernel; 1/T is a constexpr so it never becomes
+               an fp64 argument. Matmuls stay in cuBLAS (fast, deterministic).
+"auto" picks triton on CUDA when Triton imports, else compile on CUDA (inductor also
+needs Triton, so in practice eager), and eager on CPU (torch.compile costs ~20 s per
+process on CPU, more than it saves at CPU sizes).
+"""
+import math
+import os
+
+import torch
+
+try:  # Triton is optional: `import kernels` must work without it or without a GPU driver
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = tl = None
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "compile", "eager")
+TRITON_BLOCK_V = 1024  # vocab block of the Triton kernels (tests lower it to exercise tails)
+
+
+def _interpret():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend, device):
+    """Map a backend name (one of BACKENDS) to the one that will run on `device`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    cuda = torch.device(device).type == "cuda"
+    if backend == "auto":
+        if cuda and HAS_TRITON:
+            return "triton"
+        return "eager"
+    if backend == "triton" and not (HAS_TRITON and (cuda or _interpret())):
+        raise ValueError("backend 'triton' needs Triton and a CUDA device "
+                         "(or TRITON_INTERPRET=1 for CPU tensors)")
+    return backend
+
+
+# ----------------------------------------------------------------------------- matmuls
+_OUT_DTYPE_OK = {}
+
+
+def _out_dtype_ok(device):
+    """Whether torch.mm(bf16, bf16, out_dtype=float32) works and is exact-accumulating here
+    (CUDA, torch >= 2.8). Probed once per device; otherwise we upcast the operands."""
+    key = str(device)
+    if key not in _OUT_DTYPE_OK:
+        ok = False
+        if torch.device(device).type == "cuda":
+            try:
+                g = torch.Generator(device=device).manual_seed(0)
+                a = torch.randn(64, 256, device=device, generator=g).bfloat16()
+                b = torch.randn(256, 64, device=device, generator=g).bfloat16()
+                ref = a.double() @ b.double()
+                acc = torch.ones(64, 64, device=device)
+                r1 = torch.mm(a, b, out_dtype=torch.float32)
+                r2 = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = (r1.dtype == torch.float32 and (r1.double() - ref).abs().max() < 1e-3
+                      and (r2.double() - ref - 1).abs().max() < 1e-3)
+            except Exception:
+                ok = False
+        _OUT_DTYPE_OK[key] = bool(ok)
+    return _OUT_DTYPE_OK[key]
+
+
+def _mm_f32(a, b):
+    """a @ b with fp32 output and fp32 accumulation (bf16 logits would break the ratio)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _out_dtype_ok(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # bf16/fp16 products are exact in fp32
+
+
+def _addmm_f32(acc, a, b):
+    """acc += a @ b, acc fp32, accumulation fp32, a/b in the input dtype."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _out_dtype_ok(a.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+# ------------------------------------------------------------------ per-tile functions
+# z: raw logits tile [C, Vc] fp32 (not yet divided by T); yl: target index local to the
+# tile (int64, may lie outside [0, Vc): then the target is in another tile or ignored).
+
+def _fwd_tile_torch(z, yl, inv_t, m, s, x, t, zy):
+    """Merge one tile into the running row state; returns the new (m, s, x, t, zy):
+    m = max z, s = Σ exp(z - m), x = the same sum without the target, t = Σ exp(z - m)(z - m),
+    zy = z[y]."""
+    z = z * inv_t
+    mt = z.amax(1)
+    zc = z - mt[:, None]
+    ez = zc.exp()
+    tgt = torch.arange(z.shape[1], device=z.device) == yl[:, None]
+    st, xt, tt = ez.sum(1), ez.masked_fill(tgt, 0.0).sum(1), (ez * zc).sum(1)
+    hit = (yl >= 0) & (yl < z.shape[1])
+    zt = z.gather(1, yl.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+    mn = torch.maximum(m, mt)
+    a, b = (m - mn).exp(), (mt - mn).exp()
+    t_old = torch.where(s > 0, t + (m - mn) * s, 0.0)  # s == 0: empty state, m = -inf
+    return (mn, a * s + b * st, a * x + b * xt, a * t_old + b * (tt + (mt - mn) * st),
+            torch.where(hit, zt, zy))
+
+
+def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
+    """dz tile = (g·(onehot - p) - e·p·(z - Σp·z)) / T in fp32, rounded once. Logits are
+    taken relative to the row max m (so a common offset cancels exactly) and the target
+    column uses q = 1 - p_y from the forward (no cancellation when p_y -> 1)."""
+    zc = z * inv_t - m[:, None]
+    p = (zc - ls[:, None]).exp()
+    tgt = torch.arange(z.shape[1], device=z.device) == yl[:, None]
+    dz = torch.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
+    return (dz * inv_t).to(out_dtype)
+
+
+_COMPILED = {}
+
+
+def _compiled(name):
+    if name not in _COMPILED:
+        fn = {"fwd": _fwd_tile_torch, "bwd": _bwd_tile_torch}[name]
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
+
+
+def _tile_fns(backend):
+    if backend == "eager":
+        return _fwd_tile_torch, _bwd_tile_torch
+    if backend == "compile":
+        return _compiled("fwd"), _compiled("bwd")
+    return _fwd_tile_triton, _bwd_tile_triton
+
+
+# --------------------------------------------------------------------- Triton kernels
+if HAS_TRITON:
+    @triton.jit
+    def _fwd_stats_kernel(z_ptr, stride_z, yl_ptr, m_ptr, s_ptr, x_ptr, t_ptr, zy_ptr, n_cols,
+                          INV_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        # One program per row: online logsumexp over vocab blocks, merged into the row state.
+        row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2**31
+        base = z_ptr + row * stride_z
+        yl = tl.load(yl_ptr + row)
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        x = tl.zeros((), tl.float32)
+        t = tl.zeros((), tl.float32)
+        for start in range(0, n_cols, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V).to(tl.int64)
+            mask = offs < n_cols  # vocab tail: padded lanes must not add exp(0)
+            z = tl.load(base + offs, mask=mask, other=float("-inf")) * INV_T
+            mn = tl.maximum(m, tl.max(z, 0))
+            ez = tl.where(mask, tl.exp(z - mn), 0.0)
+            a = tl.exp(m - mn)
+            t = a * tl.where(s > 0, t + (m - mn) * s, 0.0) + tl.sum(tl.where(mask, ez * (z - mn), 0.0), 0)
+            s = a * s + tl.sum(ez, 0)
+            x = a * x + tl.sum(tl.where(offs == yl, 0.0, ez), 0)
+            m = mn
+        m0 = tl.load(m_ptr + row)
+        s0 = tl.load(s_ptr + row)
+        mn = tl.maximum(m0, m)
+        a = tl.exp(m0 - mn)
+        b = tl.exp(m - mn)
+        t0 = tl.where(s0 > 0, tl.load(t_ptr + row) + (m0 - mn) * s0, 0.0)
+        tl.store(m_ptr + row, mn)
+        tl.store(s_ptr + row, a * s0 + b * s)
+        tl.store(x_ptr + row, a * tl.load(x_ptr + row) + b * x)
+        tl.store(t_ptr + row, a * t0 + b * (t + (m - mn) * s))
+        hit = (yl >= 0) & (yl < n_cols)
+        zt = tl.load(base + tl.where(hit, yl, 0), mask=hit, other=0.0) * INV_T
+        tl.store(zy_ptr + row, zt, mask=hit)
+
+    @triton.jit
+    def _bwd_dz_kernel(z_ptr, stride_z, dz_ptr, stride_dz, yl_ptr, m_ptr, ls_ptr, tbar_ptr,
+                       q_ptr, g_ptr, e_ptr, n_cols, INV_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        # Elementwise over [row, vocab block]: dz in fp32, rounded once on the store.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask = offs < n_cols
+        zc = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0) * INV_T - tl.load(m_ptr + row)
+        p = tl.exp(zc - tl.load(ls_ptr + row))
+        g = tl.load(g_ptr + row)
+        e = tl.load(e_ptr + row)
+        tbar = tl.load(tbar_ptr + row)
+        q = tl.load(q_ptr + row)
+        yl = tl.load(yl_ptr + row)
+        dz = tl.where(offs == yl, g * q, -p * g) - p * e * (zc - tbar)
+        tl.store(dz_ptr + row * stride_dz + offs,
+                 (dz * INV_T).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def _fwd_tile_triton(z, yl, inv_t, m, s, x, t, zy):
+    # Updates the state slices in place (they are contiguous views of the [N] buffers).
+    _fwd_stats_kernel[(z.shape[0],)](z, z.stride(0), yl, m, s, x, t, zy, z.shape[1],
+                                     INV_T=inv_t, BLOCK_V=TRITON_BLOCK_V, num_warps=4)
+
+
+def _bwd_tile_triton(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
+    dz = torch.empty(z.shape, dtype=out_dtype, device=z.device)
+    grid = (z.shape[0], triton.cdiv(z.shape[1], TRITON_BLOCK_V))
+    _bwd_dz_kernel[grid](z, z.stride(0), dz, dz.stride(0), yl, m, ls, tbar, q, g, e, z.shape[1],
+                         INV_T=inv_t, BLOCK_V=TRITON_BLOCK_V, num_warps=4)
+    return dz
+
+
+# ------------------------------------------------------------------------- autograd
+def _default_chunks(device, d, V):
+    if torch.device(device).type == "cuda":
+        # ~2^23 fp32 elements for the [Vc x d] dW accumulator, 4096-token matmuls:
+        # big enough for cuBLAS, small enough that workspace stays ~150 MB.
+        vc = max(1024, 1 << int(math.log2(max(1, (1 << 23) // d))))
+        return 4096, min(V, vc)
+    return 1024, min(V, 8192)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, y, inv_t, backend, C, Vc):
+        N, V = h.shape[0], w.shape[0]
+        fwd_tile, _ = _tile_fns(backend)
+        f32 = dict(dtype=torch.float32, device=h.device)
+        m = torch.full((N,), float("-inf"), **f32)
+        state = [m] + [torch.zeros(N, **f32) for _ in range(4)]  # m, s, x, t, zy
+        # inv_t as a 0-d tensor for the compiled tile fns (no recompile per temperature)
+        it = torch.tensor(inv_t, **f32) if backend == "compile" else inv_t
+        for v0 in range(0, V, Vc):
+            wv = w[v0:v0 + Vc]
+            for c0 in range(0, N, C):
+                sl = slice(c0, c0 + C)
+                z = _mm_f32(h[sl], wv.t())
+                new = fwd_tile(z, y[sl] - v0, it, *(a[sl] for a in state))
+                for a, b in zip(state, new or ()):  # None: updated in place (Triton)
+                    a[sl] = b
+        m, s, x, t, zy = state
+        ls, tbar = s.log(), t / s
+        q = x / s  # 1 - p_y without cancellation
+        # log p_y = log1p(-q) is accurate for confident tokens; z_y - lse elsewhere
+        logp = torch.where(q < 0.5, torch.log1p(-q), zy - m - ls)
+        valid = y >= 0  # ignored rows were mapped to -1 by the caller
+        logp = torch.where(valid, logp, 0.0)
+        ent = torch.where(valid, ls - tbar, 0.0)
+        ctx.save_for_backward(h, w, y, m, ls, tbar, q)
+        ctx.cfg = (inv_t, backend, C, Vc)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, e):
+        h, w, y, m, ls, tbar, q = ctx.saved_tensors
+        inv_t, backend, C, Vc = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (g is None and e is None) or not (need_h or need_w):
+            return None, None, None, None, None, None, None
+        N, V = h.shape[0], w.shape[0]
+        valid = y >= 0
+        zero = torch.zeros(N, dtype=torch.float32, device=h.device)
+        # fold per-token upstream gradients into dz; ignored rows get exactly zero
+        g = zero if g is None else torch.where(valid, g.float(), 0.0).contiguous()
+        e = zero if e is None else torch.where(valid, e.float(), 0.0).contiguous()
+        _, bwd_tile = _tile_fns(backend)
+        it = torch.tensor(inv_t, dtype=torch.float32, device=h.device) if backend == "compile" else inv_t
+        dh_acc = torch.zeros(N, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
+        dw = torch.empty_like(w) if need_w else None
+        for v0 in range(0, V, Vc):
+            wv = w[v0:v0 + Vc]
+            dw_acc = torch.zeros(wv.shape, dtype=torch.float32, device=w.device) if need_w else None
+            for c0 in range(0, N, C):
+                sl = slice(c0, c0 + C)
+                z = _mm_f32(h[sl], wv.t())
+                dz = bwd_tile(z, y[sl] - v0, it, m[sl], ls[sl], tbar[sl], q[sl], g[sl], e[sl], h.dtype)
+                del z
+                if need_h:
+                    _addmm_f32(dh_acc[sl], dz, wv)
+                if need_w:
+                    _addmm_f32(dw_acc, dz.t(), h[sl])
+            if need_w:
+                dw[v0:v0 + Vc].copy_(dw_acc)  # each dW slice rounded and written once
+        dh = dh_acc.to(h.dtype) if need_h else None
+        return dh, dw, None, None, None, None, None
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, ignore_index=-100,
+                   return_entropy=False, backend="auto", chunk_size=None,
+                   vocab_chunk_size=None):
+    """log softmax(hidden @ weightᵀ / T)[targets] in fp32, optionally with the entropy.
+
+    hidden [..., d] and weight [V, d] (bf16, fp16 or fp32, same dtype); targets [...] int.
+    Rows whose target equals ignore_index give 0 and receive no gradient. Autograd flows to
+    hidden and weight (pass the tied embedding parameter itself to reach it). chunk_size
+    (tokens) and vocab_chunk_size set the logits tile; results do not depend on them
+    beyond fp32 rounding. Call it outside torch.compile regions.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} "
+                         "(expected hidden [..., d], weight [V, d])")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != hidden.shape[:-1] {tuple(hidden.shape[:-1])}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"hidden and weight must share a dtype in bf16/fp16/fp32, got "
+                         f"{hidden.dtype} and {weight.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    backend = resolve_backend(backend, hidden.device)
+    lead, d, V = hidden.shape[:-1], hidden.shape[-1], weight.shape[0]
+    h = hidden.reshape(-1, d).contiguous()
+    w = weight.contiguous()
+    y = targets.reshape(-1).to(device=h.device, dtype=torch.int64)
+    ignored = y == ignore_index
+    bad = ~ignored & ((y < 0) | (y >= V))
+    if bad.any():  # one host sync; a wrong index would silently read another token's logit
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target {int(y[i])} at flat position {i} is outside [0, {V}) "
+                         f"and is not ignore_index ({ignore_index})")
+    y = torch.where(ignored, -1, y)  # -1 never matches a vocab index in any tile
+    C0, Vc0 = _default_chunks(h.device, d, V)
+    C = max(1, int(chunk_size or C0))
+    Vc = max(1, min(V, int(vocab_chunk_size or Vc0)))
+    if h.shape[0] == 0:
+        logp = ent = (h.sum(1) + w.sum() * 0).float()  # keeps the graph connected
+    else:
+        logp, ent = _TokenLogprobs.apply(h, w, y, 1.0 / temperature, backend, C, Vc)
+    logp, ent = logp.reshape(lead), ent.reshape(lead)
+    return (logp, ent) if return_entropy else logp

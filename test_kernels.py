@@ -1,0 +1,359 @@
+"""Tests for kernels.token_logprobs against an fp64 reference built from the same inputs.
+
+Backends: every test runs on "eager"; a subset runs on "compile"; the Triton kernels run the
+whole file again in a subprocess with TRITON_INTERPRET=1 (the variable must be set before
+Triton decorates the kernels, i.e. before `import kernels`), on CPU tensors.
+
+Tolerances (all outputs vs fp64 of the same bf16/fp32-valued inputs):
+  * logp and entropy are fp32 whatever the input dtype (logits are exact-product fp32):
+    |err| <= 2e-5 + 1e-5·|ref|.
+  * gradients, norm-wise relative error: fp32 inputs <= 2e-5; bf16 inputs <= 1e-2 (dz is
+    rounded once to bf16 and the gradient is stored in bf16: ~2e-3 expected; the bugs this
+    guards against give errors of order 1).
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import token_logprobs
+
+INNER = os.environ.get("KERNELS_TEST_TRITON") == "1"  # set by test_triton_interpreter
+if INNER:
+    kernels.TRITON_BLOCK_V = 64  # several vocab blocks and a ragged tail at V = 123 / 517
+MAIN = ["triton"] if INNER else ["eager"]
+WITH_COMPILE = ["triton"] if INNER else ["eager", "compile"]
+GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+SMALL_TILES = dict(chunk_size=64, vocab_chunk_size=200)  # ragged token and vocab tiles
+
+
+def make(N, d, V, dtype=torch.float32, seed=0, peaked=0.25, ignore=0.1, scale=3.0):
+    """Non-uniform logits (std ~scale), a fraction of peaked rows (p_y > 0.999) and of
+    ignored rows (target -100)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, d, generator=g) * (scale / math.sqrt(d))
+    h = torch.randn(N, d, generator=g)
+    y = torch.randint(0, V, (N,), generator=g)
+    pk = torch.rand(N, generator=g) < peaked
+    # peaked row: hidden + a·w[y], with a bisected (fp64) so that p_y ~ 0.9995
+    u = w[y[pk]] / w[y[pk]].pow(2).sum(1, keepdim=True)
+    lo, hi = torch.zeros(len(u), 1), torch.full((len(u), 1), 200.0)
+    for _ in range(30):
+        a = (lo + hi) / 2
+        p = torch.softmax(((h[pk] * 0.3 + a * u) @ w.t()).double(), -1).gather(1, y[pk][:, None])
+        lo, hi = torch.where(p < 0.9995, a, lo), torch.where(p < 0.9995, hi, a)
+    h[pk] = h[pk] * 0.3 + hi * u
+    y[torch.rand(N, generator=g) < ignore] = -100
+    return h.to(dtype), w.to(dtype), y
+
+
+def reference(h, w, y, T=1.0, ignore_index=-100):
+    """fp64 logp, entropy and a closure giving fp64 gradients for upstream (gl, ge)."""
+    h64 = h.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    valid = y != ignore_index
+    lsm = torch.log_softmax(h64 @ w64.t() / T, -1)
+    logp = lsm.gather(1, torch.where(valid, y, 0)[:, None])[:, 0] * valid
+    ent = -(lsm.exp() * lsm).sum(-1) * valid
+
+    def grads(gl, ge):
+        dh, dw = torch.autograd.grad((logp * gl.double()).sum() + (ent * ge.double()).sum(),
+                                     (h64, w64), retain_graph=True)
+        return dh, dw
+    return logp.detach(), ent.detach(), grads
+
+
+def run(h, w, y, backend, need_w=True, **kw):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_(need_w)
+    lp, en = token_logprobs(h, w, y, return_entropy=True, backend=backend, **kw)
+    return h, w, lp, en
+
+
+def close(x, ref):
+    torch.testing.assert_close(x.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def upstream(N, seed=1, zero_frac=0.2):
+    g = torch.Generator().manual_seed(seed)
+    gl, ge = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    z = torch.rand(N, generator=g) < zero_frac  # zero-gradient rows
+    gl[z] = 0
+    ge[torch.roll(z, 1)] = 0
+    return gl, ge
+
+
+def check_all(h, w, y, backend, T=1.0, gl=None, ge=None, grad_tol=None, **kw):
+    N = h.shape[0]
+    if gl is None:
+        gl, ge = upstream(N)
+    h1, w1, lp, en = run(h, w, y, backend, temperature=T, **kw)
+    assert lp.dtype == en.dtype == torch.float32
+    rlp, ren, grads = reference(h, w, y, T)
+    close(lp, rlp)
+    close(en, ren)
+    ((lp * gl).sum() + (en * ge).sum()).backward()
+    dh, dw = grads(gl, ge)
+    tol = grad_tol or GRAD_TOL[h.dtype]
+    assert h1.grad.dtype == h.dtype and w1.grad.dtype == w.dtype
+    assert rel(h1.grad, dh) < tol, rel(h1.grad, dh)
+    assert rel(w1.grad, dw) < tol, rel(w1.grad, dw)
+    return h1, w1, lp, en
+
+
+# ------------------------------------------------------------------ correctness vs fp64
+@pytest.mark.parametrize("backend", MAIN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 24, 123), (7, 40, 517), (193, 72, 517)])
+def test_matches_fp64(backend, dtype, shape):
+    h, w, y = make(*shape, dtype=dtype)
+    check_all(h, w, y, backend, **SMALL_TILES)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+@pytest.mark.parametrize("T", [0.5, 0.7, 1.5])
+def test_temperature(backend, T):
+    h, w, y = make(65, 40, 517, dtype=torch.bfloat16, seed=2)
+    check_all(h, w, y, backend, T=T, **SMALL_TILES)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+@pytest.mark.parametrize("which", ["logp", "entropy"])
+def test_single_output_backward(backend, which):
+    # bug 11 (entropy gradient dropped) and bug 2 (per-token gradients folded before matmul)
+    h, w, y = make(50, 40, 123, seed=3)
+    gl, ge = upstream(50)
+    if which == "logp":
+        ge = torch.zeros(50)
+        h1, w1, lp, en = run(h, w, y, backend, **SMALL_TILES)
+        (lp * gl).sum().backward()
+    else:
+        gl = torch.zeros(50)
+        h1, w1, lp, en = run(h, w, y, backend, **SMALL_TILES)
+        (en * ge).sum().backward()
+    dh, dw = reference(h, w, y)[2](gl, ge)
+    assert rel(h1.grad, dh) < 2e-5 and rel(w1.grad, dw) < 2e-5
+
+
+@pytest.mark.parametrize("backend", MAIN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaked_rows(backend, dtype):
+    # bugs 1 and 3: an unmasked vocab tail or p_y rounded before 1 - p_y only show when peaked
+    h, w, y = make(40, 24, 123, dtype=dtype, seed=4, peaked=1.0, ignore=0.0)
+    assert reference(h, w, y)[0].exp().min() > 0.999
+    # 1 - p_y ~ 5e-4 must not be formed as 1 - p_y (fp32 cancellation alone gives ~1e-4)
+    check_all(h, w, y, backend, **SMALL_TILES)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_large_common_offset(backend):
+    # an extra hidden dim of 1 and weight column of 200 shift every logit by 200 (> 88, so a
+    # missing max-subtraction overflows fp32); outputs and the original grads must not move
+    h, w, y = make(33, 40, 123, dtype=torch.bfloat16, seed=5)
+    hb = torch.cat([h, torch.ones(33, 1, dtype=h.dtype)], 1)
+    wb = torch.cat([w, torch.full((123, 1), 200.0, dtype=w.dtype)], 1)
+    gl, ge = upstream(33)
+    h0, w0, lp0, en0 = run(h, w, y, backend)
+    h1, w1, lp1, en1 = run(hb, wb, y, backend)
+    torch.testing.assert_close(lp1, lp0, atol=1e-4, rtol=0)  # ulp(200) in fp32 is 1.5e-5
+    torch.testing.assert_close(en1, en0, atol=1e-4, rtol=0)
+    for lp, en in ((lp0, en0), (lp1, en1)):
+        ((lp * gl).sum() + (en * ge).sum()).backward()
+    assert torch.isfinite(h1.grad).all() and torch.isfinite(w1.grad).all()
+    assert rel(h1.grad[:, :40].float(), h0.grad.double()) < 1e-2
+    assert rel(w1.grad[:, :40].float(), w0.grad.double()) < 1e-2
+    # vs fp64 in fp32 only: with bf16 dz, Σ_v dz_v = 0 holds only to bf16 rounding, and the
+    # gradient of the constant column (Σ_v dz_v · 200) is that noise (naive torch too)
+    check_all(hb.float(), wb.float(), y, backend, gl=gl, ge=ge)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_ignored_rows(backend):
+    h, w, y = make(20, 24, 123, seed=6, ignore=0.0)
+    y[::3] = 7  # custom ignore_index inside the vocab range
+    h1, w1, lp, en = run(h, w, y, backend, ignore_index=7)
+    assert (lp[::3] == 0).all() and (en[::3] == 0).all()
+    (lp.sum() + en.sum()).backward()
+    assert (h1.grad[::3] == 0).all()
+    ref_h, ref_w, _, _ = run(h[y != 7], w, y[y != 7], "eager")
+    (token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[0].sum()
+     + token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[1].sum()).backward()
+    torch.testing.assert_close(w1.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_ignored(backend, dtype):
+    h, w, y = make(9, 24, 123, dtype=dtype, seed=7)
+    y[:] = -100
+    h1, w1, lp, en = run(h, w, y, backend)
+    assert (lp == 0).all() and (en == 0).all()
+    (lp.sum() + en.sum()).backward()
+    assert (h1.grad == 0).all() and (w1.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_invalid_arguments(backend):
+    h, w, y = make(5, 24, 123)
+    for bad in (123, -5, 10_000):
+        yb = y.clone()
+        yb[2] = bad
+        with pytest.raises(ValueError, match="outside"):
+            token_logprobs(h, w, yb, backend=backend)
+    for T in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            token_logprobs(h, w, y, temperature=T, backend=backend)
+    with pytest.raises(ValueError, match="eager"):
+        token_logprobs(h, w, y, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", WITH_COMPILE)
+def test_deterministic(backend):
+    # bug 13: bitwise equal across runs, and a no-grad forward equals the grad forward
+    h, w, y = make(193, 40, 517, dtype=torch.bfloat16, seed=8)
+    gl, ge = upstream(193)
+    outs = []
+    for _ in range(2):
+        h1, w1, lp, en = run(h, w, y, backend, **SMALL_TILES)
+        ((lp * gl).sum() + (en * ge).sum()).backward()
+        outs.append((lp, en, h1.grad, w1.grad))
+    with torch.no_grad():
+        lp_ng = token_logprobs(h, w, y, backend=backend, **SMALL_TILES)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(lp_ng, outs[0][0])
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_chunk_size_invariance(backend):
+    h, w, y = make(193, 40, 517, seed=9)
+    gl, ge = upstream(193)
+    res = []
+    for cs, vcs in [(None, None), (5, 517), (7, 64), (193, 1000), (50, 123)]:
+        h1, w1, lp, en = run(h, w, y, backend, chunk_size=cs, vocab_chunk_size=vcs)
+        ((lp * gl).sum() + (en * ge).sum()).backward()
+        res.append((lp, en, h1.grad, w1.grad))
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_noncontiguous(backend):
+    # bug 10: hidden[:, :-1]-style views, a transposed weight view, stride-0 upstream grads
+    h, w, y = make(31, 40, 123, seed=10)
+    big = torch.randn(31, 3, 41)
+    big[:, 1, :40] = h
+    hv = big[:, 1, :40].requires_grad_()  # leaf? no: make the view from a leaf
+    base_h = big.clone().requires_grad_()
+    hv = base_h[:, 1, :40]
+    base_w = w.t().contiguous().requires_grad_()  # [d, V] storage, used as [V, d] view
+    wv = base_w.t()
+    assert not hv.is_contiguous() and not wv.is_contiguous()
+    lp, en = token_logprobs(hv, wv, y, return_entropy=True, backend=backend, **SMALL_TILES)
+    (lp.sum() + en.sum()).backward()  # .sum() gives expanded stride-0 gradients
+    rlp, ren, grads = reference(h, w, y)
+    close(lp, rlp)
+    close(en, ren)
+    dh, dw = grads(torch.ones(31), torch.ones(31))
+    assert rel(base_h.grad[:, 1, :40], dh) < 2e-5 and rel(base_w.grad.t(), dw) < 2e-5
+    assert (base_h.grad[:, 0] == 0).all() and (base_h.grad[:, :, 40] == 0).all()
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_frozen_weight_and_hidden(backend):
+    h, w, y = make(17, 24, 123, seed=11)
+    gl, ge = upstream(17)
+    h1, w1, lp, en = run(h, w, y, backend, need_w=False)
+    ((lp * gl).sum() + (en * ge).sum()).backward()
+    assert w1.grad is None and h1.grad is not None
+    dh, dw = reference(h, w, y)[2](gl, ge)
+    assert rel(h1.grad, dh) < 2e-5
+    h2 = h.clone()  # hidden frozen: only the weight receives a gradient
+    w2 = w.clone().requires_grad_()
+    lp2 = token_logprobs(h2, w2, y, backend=backend)
+    (lp2 * gl).sum().backward()
+    assert rel(w2.grad, reference(h, w, y)[2](gl, torch.zeros(17))[1]) < 2e-5
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_leading_dims_and_tied_embedding(backend):
+    # bug 12: a tied head passes the embedding parameter itself, so both uses reach it
+    torch.manual_seed(12)
+    emb = torch.nn.Embedding(123, 24)
+    ids = torch.randint(0, 123, (3, 9))
+    hid = torch.tanh(emb(ids)) * 3
+    lp = token_logprobs(hid[:, :-1], emb.weight, ids[:, 1:], backend=backend)
+    assert lp.shape == (3, 8)
+    lp.sum().backward()
+    g_fused = emb.weight.grad.clone()
+    emb.weight.grad = None
+    hid = torch.tanh(emb(ids)) * 3
+    ref = torch.log_softmax(hid[:, :-1] @ emb.weight.t(), -1).gather(2, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp, ref, atol=2e-5, rtol=1e-5)
+    ref.sum().backward()
+    torch.testing.assert_close(g_fused, emb.weight.grad, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_empty_batch(backend):
+    h, w, y = make(0, 24, 123)
+    h1, w1, lp, en = run(h, w, y, backend)
+    assert lp.shape == (0,) and en.shape == (0,)
+    (lp.sum() + en.sum()).backward()
+    assert (w1.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", MAIN)
+def test_tiles_bounded(backend, monkeypatch):
+    # never materialise [N x V]: every logits matmul is at most one [chunk x vocab chunk] tile
+    sizes = []
+    orig = kernels._mm_f32
+    monkeypatch.setattr(kernels, "_mm_f32", lambda a, b: sizes.append(a.shape[0] * b.shape[1]) or orig(a, b))
+    h, w, y = make(100, 24, 517, seed=13)
+    h1, w1, lp, en = run(h, w, y, backend, chunk_size=16, vocab_chunk_size=64)
+    (lp.sum() + en.sum()).backward()
+    assert sizes and max(sizes) <= 16 * 64
+
+
+# ------------------------------------------------------------------- compile backend
+@pytest.mark.skipif(INNER, reason="outer process only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_matches_eager_and_fp64(dtype):
+    # bug 6: the compiled tile functions must give eager's numbers (no fp64 temperature)
+    for shape, T in [((193, 72, 517), 0.7), ((7, 40, 123), 1.0)]:
+        h, w, y = make(*shape, dtype=dtype, seed=14)
+        _, _, lp_c, en_c = check_all(h, w, y, "compile", T=T, **SMALL_TILES)
+        _, _, lp_e, en_e = run(h, w, y, "eager", temperature=T, **SMALL_TILES)
+        torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(en_c, en_e, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------- misc / driver
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_resolve_backend():
+    assert kernels.resolve_backend("auto", "cpu") == "eager"
+    assert kernels.resolve_backend("compile", "cpu") == "compile"
+    with pytest.raises(ValueError, match="auto, triton, compile, eager"):
+        kernels.resolve_backend("fused", "cpu")
+    if not kernels._interpret():
+        with pytest.raises(ValueError, match="triton"):
+            kernels.resolve_backend("triton", "cpu")
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+def test_triton_interpreter():
+    """Run this whole file for the Triton kernels under TRITON_INTERPRET=1 in a subprocess."""
+    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_TEST_TRITON="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        __file__], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
