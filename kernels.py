@@ -132,7 +132,7 @@ def _fwd_tile_torch(z, yl, inv_t, m, s, x, t, zy):
     zt = z.gather(1, yl.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
     mn = torch.maximum(m, mt)
     a, b = (m - mn).exp(), (mt - mn).exp()
-    t_old = torch.where(s > 0, t + (m - mn) * s, 0.0)  # s == 0: empty state, m = -inf
+    t_old = t + torch.where(s > 0, m - mn, 0.0) * s  # s == 0: empty state, m = -inf
     return (mn, a * s + b * st, a * x + b * xt, a * t_old + b * (tt + (mt - mn) * st),
             torch.where(hit, zt, zy))
 
@@ -184,9 +184,11 @@ if HAS_TRITON:
             mask = offs < n_cols  # vocab tail: padded lanes must not add exp(0)
             z = tl.load(base + offs, mask=mask, other=float("-inf")) * INV_T
             mn = tl.maximum(m, tl.max(z, 0))
-            ez = tl.where(mask, tl.exp(z - mn), 0.0)
+            zc = tl.where(mask, z - mn, 0.0)
+            ez = tl.where(mask, tl.exp(zc), 0.0)
             a = tl.exp(m - mn)
-            t = a * tl.where(s > 0, t + (m - mn) * s, 0.0) + tl.sum(tl.where(mask, ez * (z - mn), 0.0), 0)
+            # (m - mn) is -inf while the state is empty (s = 0): keep it out of the product
+            t = a * (t + tl.where(s > 0, m - mn, 0.0) * s) + tl.sum(ez * zc, 0)
             s = a * s + tl.sum(ez, 0)
             x = a * x + tl.sum(tl.where(offs == yl, 0.0, ez), 0)
             m = mn
@@ -195,7 +197,7 @@ if HAS_TRITON:
         mn = tl.maximum(m0, m)
         a = tl.exp(m0 - mn)
         b = tl.exp(m - mn)
-        t0 = tl.where(s0 > 0, tl.load(t_ptr + row) + (m0 - mn) * s0, 0.0)
+        t0 = tl.load(t_ptr + row) + tl.where(s0 > 0, m0 - mn, 0.0) * s0
         tl.store(m_ptr + row, mn)
         tl.store(s_ptr + row, a * s0 + b * s)
         tl.store(x_ptr + row, a * tl.load(x_ptr + row) + b * x)
