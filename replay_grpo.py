@@ -1,0 +1,1206 @@
+"""replay_grpo.py: GRPO / AsymRE with an experience-replay buffer, in one file.
+
+Implements "Efficient RL Training for LLMs with Experience Replay" (arXiv 2604.08706): rollouts go
+into a FIFO replay buffer of capacity N and each is reused in several gradient steps, so that
+far less is generated per step. Each step generates R fresh rollouts (prompts_per_step x G),
+pushes them, samples a batch of B uniformly (without replacement inside the batch, removing
+nothing) and takes one optimizer step. N = B = R with weights published every step is exactly
+on-policy GRPO: the baseline is this same code with different numbers.
+
+    python replay_grpo.py --help                 # every flag
+    python replay_grpo.py --preset cpu           # offline, learns in minutes on 2 cores
+    python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 960
+
+Sections follow the data: config, tasks and rewards, rollouts and buffer, generation, loss,
+training loop, main.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import tyro
+
+import kernels
+
+
+class UserError(Exception):
+    """A mistake in flags or input files: printed as one clear line, never as a traceback."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+PresetName = Literal["cpu", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b"]
+
+
+@dataclass
+class Args:
+    """GRPO / AsymRE with an experience-replay buffer. Every flag's default comes from --preset."""
+
+    preset: PresetName = "cpu"
+    """named set of defaults (cpu: offline tiny model, learns in minutes on 2 cores; the others:
+    hub models on GPU with the paper's settings). Flags given on the command line override it."""
+
+    # --- model ---
+    model: str = "tiny"
+    """policy: 'tiny' (a 0.5M-parameter Qwen2 built in code with a byte-level tokenizer), a hub id
+    (needs a network), a local Hugging Face folder, or a .gguf file."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """parameter dtype of the policy (log-probs are always computed in fp32)."""
+    device: str = "auto"
+    """torch device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
+    sft_warmup_steps: int = 0
+    """supervised steps on the task's gold solutions before RL (a warm start; the tiny model needs
+    it to get any reward). The result is cached under <out-dir>/.warmstart."""
+    sft_lr: float = 3e-3
+    """learning rate of the supervised warm start."""
+    sft_batch_size: int = 64
+    """examples per supervised warm-start step."""
+
+    # --- task ---
+    task: Literal["arith", "gsm8k", "math", "jsonl"] = "arith"
+    """arith: synthetic arithmetic (offline, seeded); gsm8k / math: hub data sets via `datasets`;
+    jsonl: a local file of {"prompt": ..., "answer": ...} lines (--data-path)."""
+    data_path: str | None = None
+    """for task=jsonl: the training JSONL file. For gsm8k/math: an optional local data set
+    (a folder saved by `datasets`, or a json/jsonl/parquet file) used instead of the hub."""
+    eval_data_path: str | None = None
+    """held-out JSONL for task=jsonl (default: a seeded 10% of --data-path is held out)."""
+    arith_max_operand: int = 99
+    """arith: operands are drawn from 0..arith_max_operand."""
+    arith_ops: str = "+-"
+    """arith: operators to draw from (any of '+-*')."""
+    arith_terms: int = 2
+    """arith: number of operands per problem."""
+    arith_worked: bool = False
+    """arith: gold solutions (used by the warm start) are worked step by step ('12+30=42, 42-7=35')
+    instead of the bare answer, so completions are longer and generation costs more."""
+    eval_size: int = 200
+    """held-out prompts used for pass@1 / greedy accuracy."""
+    verify_timeout: float = 5.0
+    """seconds a verifier may take on one completion; slower ones give reward 0 and are counted."""
+
+    # --- rollouts and the replay buffer ---
+    group_size: int = 16
+    """G: completions per prompt; GRPO advantages are z-scores within a group."""
+    prompts_per_step: int = 8
+    """fresh prompts generated per step: R = prompts_per_step x group_size rollouts per step."""
+    batch_size: int = 128
+    """B: rollouts sampled from the buffer for each optimizer step."""
+    buffer_size: int = 128
+    """N: capacity of the FIFO replay buffer, in rollouts. N = B = R is on-policy GRPO."""
+    positive_bias: float = 0.0
+    """delta: keep the (1-delta)N freshest rollouts plus the delta*N freshest correct older ones
+    (0 = plain FIFO; the paper tried 0, 0.2, 0.5)."""
+    zero_variance_groups: Literal["keep", "drop"] = "keep"
+    """groups whose G rewards are all equal have zero GRPO advantage: keep them in the buffer
+    (they dilute the batch) or drop them before the push (then more is generated until a batch
+    is available). Counted either way."""
+    max_new_tokens: int = 8
+    """maximum completion length; longer completions are cut and flagged truncated."""
+    temperature: float = 1.0
+    """sampling temperature for training rollouts; the trainer divides logits by the same value."""
+    top_p: float = 1.0
+    """nucleus sampling for training rollouts. Anything below 1 biases the importance ratio
+    (the trainer uses the full vocabulary), so it is refused unless --allow-truncated-sampling."""
+    top_k: int = 0
+    """top-k for training rollouts (0 = off); refused like top_p unless --allow-truncated-sampling."""
+    allow_truncated_sampling: bool = False
+    """accept top_p < 1 or top_k > 0 for training rollouts despite the biased ratio."""
+    generator: Literal["hf"] = "hf"
+    """generation backend: hf = transformers `generate` on a copy of the policy."""
+    gen_batch_prompts: int = 64
+    """prompts per generation call (each expands to G sequences)."""
+    publish_every: int = 1
+    """k: copy the trainer's weights to the generator every k optimizer steps."""
+
+    # --- loss ---
+    loss: Literal["grpo", "asymre"] = "grpo"
+    """grpo: per-token clipped ratio against the stored behaviour log-probs times the frozen
+    advantage. asymre: (r - (V + delta_v)) * log pi, V the frozen group mean, no ratio."""
+    clip_low: float = 0.2
+    """GRPO: ratios below 1 - clip_low are clipped."""
+    clip_high: float = 0.2
+    """GRPO: ratios above 1 + clip_high are clipped."""
+    asymre_delta_v: float = -0.05
+    """AsymRE baseline shift delta_V. The paper uses -0.1 with +-1 rewards; rewards here are {0,1},
+    where the same shift is -0.05. Negative values lean on successes (safer off-policy)."""
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    """token-mean: average over all completion tokens of the batch; seq-mean: average within
+    each completion, then over completions (original GRPO)."""
+    kl_coef: float = 0.0
+    """weight of a k3 KL penalty to the initial policy (0 = off, as in the paper)."""
+    logprob_backend: Literal["auto", "triton", "compile", "eager"] = "auto"
+    """kernels.token_logprobs backend for every log-prob the trainer computes."""
+
+    # --- optimisation ---
+    lr: float = 1e-4
+    """constant learning rate (Adam)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    weight_decay: float = 0.0
+    """decoupled weight decay (0 = plain Adam, as in the paper)."""
+    grad_clip: float = 1.0
+    """clip the gradient norm to this value (0 = off)."""
+    micro_batch_size: int = 64
+    """rollouts per forward/backward; gradients are accumulated over the batch."""
+    total_steps: int = 200
+    """optimizer steps to run."""
+    max_nonfinite_steps: int = 5
+    """a NaN/inf loss or gradient skips the step; this many in a row stop the run."""
+
+    # --- evaluation, logging, checkpoints ---
+    eval_every: int = 25
+    """held-out evaluation every this many steps (and at the start and end); 0 = only start/end."""
+    pass_k: int = 8
+    """k for pass@k (k samples per prompt at temperature 1, top-p 0.95)."""
+    pass_k_prompts: int = 50
+    """held-out prompts used for pass@k."""
+    out_dir: str = "runs"
+    """folder holding run folders (and the warm-start cache)."""
+    run_name: str | None = None
+    """run folder name under --out-dir (default: built from preset, loss, N, B, R, seed, time)."""
+    checkpoint_every: int = 50
+    """save model, optimizer, buffer, RNG states and step every this many steps (and at the end)."""
+    resume: bool = False
+    """continue the run in <out-dir>/<run-name> from its last checkpoint."""
+    seed: int = 0
+    """seed for model init, data order, buffer sampling and generation."""
+    wandb: bool = False
+    """also log to Weights & Biases."""
+    wandb_project: str = "replay-grpo"
+    """wandb project name."""
+    progress: bool = True
+    """show a progress bar on the console."""
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+PRESETS: dict[str, Args] = {
+    # Offline, 2 CPU cores: a tiny Qwen2 warm-started on a+b / a-b, then on-policy GRPO.
+    "cpu": Args(
+        preset="cpu", model="tiny", task="arith", sft_warmup_steps=150, max_new_tokens=6,
+        group_size=16, prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4,
+        total_steps=150, eval_every=25, eval_size=200, checkpoint_every=50,
+    ),
+    # GPU presets: the paper's settings (G=16, batch 60 prompts = 960 rollouts, clip 0.2/0.2,
+    # no KL, constant-LR Adam, temperature 1). Learning rates: the paper's for Qwen3-0.6B; ours
+    # (untuned) for the Qwen2.5 models, which the paper did not train at these sizes.
+    "gsm8k-qwen2.5-0.5b": Args(
+        preset="gsm8k-qwen2.5-0.5b", model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
+        dtype="bfloat16", max_new_tokens=512, group_size=16, prompts_per_step=60,
+        batch_size=960, buffer_size=960, lr=1e-6, micro_batch_size=16, total_steps=300,
+        eval_every=25, eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+    ),
+    "math-qwen3-0.6b": Args(
+        preset="math-qwen3-0.6b", model="Qwen/Qwen3-0.6B", task="math", dtype="bfloat16",
+        max_new_tokens=1024, group_size=16, prompts_per_step=60, batch_size=960,
+        buffer_size=960, lr=3.37e-7, micro_batch_size=8, total_steps=300, eval_every=25,
+        eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+    ),
+    "math-qwen2.5-1.5b": Args(
+        preset="math-qwen2.5-1.5b", model="Qwen/Qwen2.5-1.5B-Instruct", task="math",
+        dtype="bfloat16", max_new_tokens=1024, group_size=16, prompts_per_step=60,
+        batch_size=960, buffer_size=960, lr=5e-7, micro_batch_size=8, total_steps=300,
+        eval_every=25, eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+    ),
+}
+
+
+def validate(cfg: Args) -> None:
+    """Refuse settings that cannot work, naming the flag and what would be valid."""
+    if cfg.group_size < 2 and cfg.loss == "grpo":
+        raise UserError(f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per "
+                        "prompt to form an advantage (use >= 2, the paper uses 16)")
+    if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.batch_size < 1:
+        raise UserError("--group-size, --prompts-per-step and --batch-size must be >= 1")
+    if cfg.buffer_size < cfg.batch_size:
+        raise UserError(f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
+                        f"{cfg.batch_size}: a batch is sampled without replacement from the buffer,"
+                        " so N must be >= B")
+    if not 0.0 <= cfg.positive_bias < 1.0:
+        raise UserError(f"--positive-bias {cfg.positive_bias}: must be in [0, 1)")
+    if not (cfg.temperature > 0 and math.isfinite(cfg.temperature)):
+        raise UserError(f"--temperature {cfg.temperature}: must be a positive number")
+    if (cfg.top_p < 1.0 or cfg.top_k > 0) and not cfg.allow_truncated_sampling:
+        raise UserError(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: truncated sampling makes the "
+                        "behaviour log-probs disagree with the trainer's full-vocabulary ones (the "
+                        "ratio drifts to the kept mass); use --top-p 1 --top-k 0, or pass "
+                        "--allow-truncated-sampling to accept the bias")
+    if cfg.task == "jsonl" and not cfg.data_path:
+        raise UserError("--task jsonl needs --data-path FILE.jsonl")
+    if cfg.publish_every < 1:
+        raise UserError(f"--publish-every {cfg.publish_every}: must be >= 1")
+    if cfg.micro_batch_size < 1 or cfg.total_steps < 0 or cfg.max_new_tokens < 1:
+        raise UserError("--micro-batch-size and --max-new-tokens must be >= 1, --total-steps >= 0")
+    if cfg.resume and not cfg.run_name:
+        raise UserError("--resume needs --run-name NAME (the run folder under --out-dir)")
+    if not set(cfg.arith_ops) <= set("+-*") or not cfg.arith_ops:
+        raise UserError(f"--arith-ops {cfg.arith_ops!r}: use one or more of '+', '-', '*'")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks and rewards
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    prompt: str  # the user message (the chat template is applied later)
+    answer: str  # gold final answer
+    solution: str = ""  # gold completion imitated by the supervised warm start
+
+
+class Task:
+    """Training prompts (sampled with a seeded RNG), held-out prompts, and a verifier."""
+
+    def __init__(self, name: str, train: list[Example] | None, eval_examples: list[Example],
+                 verifier: str, sampler=None):
+        self.name, self.train, self.eval, self.verifier = name, train, eval_examples, verifier
+        self._sampler = sampler  # for infinite synthetic tasks
+
+    def sample(self, rng: random.Random, n: int) -> list[Example]:
+        if self._sampler is not None:
+            return [self._sampler(rng) for _ in range(n)]
+        return [self.train[rng.randrange(len(self.train))] for _ in range(n)]
+
+
+def make_arith_task(cfg: Args) -> Task:
+    """Synthetic arithmetic: 'a+b-c=' -> value. A problem is held out iff crc32 of its text is
+    0 mod 10, so the train and eval splits never share a problem, whatever the seed."""
+    import zlib
+
+    def draw(rng: random.Random) -> tuple[str, int, str]:
+        terms = [rng.randint(0, cfg.arith_max_operand) for _ in range(cfg.arith_terms)]
+        ops = [rng.choice(cfg.arith_ops) for _ in range(cfg.arith_terms - 1)]
+        text, value, steps = str(terms[0]), terms[0], []
+        for op, t in zip(ops, terms[1:]):
+            new = value + t if op == "+" else value - t if op == "-" else value * t
+            steps.append(f"{value}{op}{t}={new}")
+            text, value = f"{text}{op}{t}", new
+        worked = ", ".join(steps) if cfg.arith_worked and len(steps) > 1 else str(value)
+        return text + "=", value, worked
+
+    def is_eval(text: str) -> bool:
+        return zlib.crc32(text.encode()) % 10 == 0
+
+    def sampler(rng: random.Random) -> Example:
+        while True:
+            text, value, worked = draw(rng)
+            if not is_eval(text):
+                return Example(text, str(value), worked)
+
+    eval_rng, eval_examples, seen = random.Random(10_000 + cfg.seed), [], set()
+    for _ in range(100 * cfg.eval_size):
+        text, value, worked = draw(eval_rng)
+        if is_eval(text) and text not in seen:
+            seen.add(text)
+            eval_examples.append(Example(text, str(value), worked))
+            if len(eval_examples) == cfg.eval_size:
+                break
+    if not eval_examples:
+        raise UserError("--arith-max-operand is too small to hold out any problem")
+    return Task("arith", None, eval_examples, "numeric", sampler)
+
+
+MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def read_jsonl(path: str) -> list[Example]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--data-path {path}: no such file")
+    out = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+                raise UserError(f'{path}:{lineno}: each line needs "prompt" and "answer" keys, '
+                                f"got {sorted(row) if isinstance(row, dict) else type(row).__name__}")
+            out.append(Example(str(row["prompt"]), str(row["answer"]),
+                               str(row.get("solution", row["answer"]))))
+    if not out:
+        raise UserError(f"{path}: the data set is empty")
+    return out
+
+
+def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None) -> list[dict]:
+    """Rows from the hub (users with a network) or a local copy (--data-path)."""
+    import datasets
+    try:
+        if local:
+            p = Path(local)
+            if p.is_dir() and (p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists():
+                ds = datasets.load_from_disk(local)
+                ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            else:
+                fmt = "parquet" if local.endswith(".parquet") else "json"
+                files = {split: str(p / f"{split}.jsonl")} if p.is_dir() else {split: local}
+                ds = datasets.load_dataset(fmt, data_files=files, split=split)
+        else:
+            ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as e:  # the hub, a missing file: one clear line either way
+        where = f"--data-path {local}" if local else f"hub data set {hub_id} (needs a network)"
+        raise UserError(f"could not load split '{split}' from {where}: {type(e).__name__}: {e}") from None
+    return list(ds)
+
+
+def gsm8k_example(row: dict) -> Example:
+    rationale, _, final = row["answer"].rpartition("####")
+    return Example(row["question"] + MATH_INSTRUCTION, final.strip().replace(",", ""),
+                   rationale.strip() + f"\nThe final answer is \\boxed{{{final.strip()}}}.")
+
+
+def math_example(row: dict) -> Example:
+    answer = row.get("answer") or last_boxed(row["solution"]) or ""
+    return Example(row["problem"] + MATH_INSTRUCTION, answer, row["solution"])
+
+
+def make_task(cfg: Args) -> Task:
+    if cfg.task == "arith":
+        return make_arith_task(cfg)
+    if cfg.task == "jsonl":
+        train = read_jsonl(cfg.data_path)
+        if cfg.eval_data_path:
+            return Task("jsonl", train, read_jsonl(cfg.eval_data_path)[: cfg.eval_size], "math")
+        rng = random.Random(cfg.seed)
+        idx = list(range(len(train)))
+        rng.shuffle(idx)
+        n_eval = min(cfg.eval_size, max(1, len(train) // 10))
+        if len(train) < 2:
+            raise UserError(f"{cfg.data_path}: needs at least 2 lines to hold one out "
+                            "(or give --eval-data-path)")
+        return Task("jsonl", [train[i] for i in idx[n_eval:]], [train[i] for i in idx[:n_eval]], "math")
+    if cfg.task == "gsm8k":
+        train = [gsm8k_example(r) for r in load_hf_rows("openai/gsm8k", "main", "train", cfg.data_path)]
+        test = [gsm8k_example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path)]
+        return Task("gsm8k", train, test[: cfg.eval_size], "numeric")
+    if cfg.task == "math":
+        train = [math_example(r) for r in load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path)]
+        test = [math_example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path)]
+        return Task("math", train, test[: cfg.eval_size], "math")
+    raise UserError(f"--task {cfg.task}: unknown (valid: arith, gsm8k, math, jsonl)")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} in text, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def numeric_match(completion: str, gold: str) -> bool:
+    """Exact numeric match of the final answer: the \\boxed{} content if any, else the last number."""
+    boxed = last_boxed(completion)
+    nums = _NUMBER.findall(boxed if boxed is not None else completion)
+    if not nums:
+        return False
+    try:
+        return abs(float(nums[-1].replace(",", "").rstrip(".")) - float(gold.replace(",", ""))) < 1e-6
+    except ValueError:
+        return False
+
+
+def math_match(completion: str, gold: str) -> bool:
+    """math-verify: LaTeX / fractions / reordered expressions; verify(gold, prediction) order."""
+    from math_verify import parse, verify
+    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$",
+                        parsing_timeout=None)
+    return bool(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
+
+
+VERIFIERS = {"numeric": numeric_match, "math": math_match}
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise TimeoutError after `seconds` (main thread only; elsewhere the call is unbounded)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise TimeoutError(f"verifier took longer than {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def score(verifier, completion: str, gold: str, timeout: float) -> tuple[float, str | None]:
+    """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke."""
+    try:
+        with time_limit(timeout):
+            return float(bool(verifier(completion, gold))), None
+    except TimeoutError:
+        return 0.0, "timeout"
+    except Exception:
+        return 0.0, "error"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts and the replay buffer
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    """One completion, with everything the loss needs frozen at generation time."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the sampler's own token ids, never re-encoded text
+    behaviour_logprobs: torch.Tensor  # fp32 [len(completion_ids)], at the training temperature
+    reward: float
+    advantage: float  # GRPO z-score within its group, frozen
+    group_mean: float  # V-hat for AsymRE, frozen
+    correct: bool
+    policy_version: int  # optimizer steps in the weights that generated it
+    birth_step: int  # trainer step at which it entered the buffer
+    group_id: int
+    truncated: bool = False
+    uses: int = 0
+    last_use_step: int = -1
+
+
+def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
+    """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    mean = r.mean()
+    std = r.std(unbiased=False)
+    return ((r - mean) / (std + 1e-6)).tolist(), float(mean)
+
+
+class ReplayBuffer:
+    """FIFO over individual rollouts, capacity N, with optional positive-bias retention.
+
+    push() appends and, while over capacity, evicts the oldest rollout that is not protected.
+    With delta > 0, the delta*N freshest *correct* rollouts outside the (1-delta)N newest are
+    protected, so the buffer keeps the (1-delta)N freshest plus the delta*N freshest correct older
+    ones. sample(B) draws B distinct rollouts uniformly and removes nothing.
+    """
+
+    def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0):
+        self.capacity = capacity
+        self.n_protected = int(round(positive_bias * capacity))
+        self.items: deque[Rollout] = deque()
+        self.rng = random.Random(seed)
+        self.evicted_uses: list[int] = []  # use counts of evicted rollouts (replay-ratio stats)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, rollouts: list[Rollout]) -> None:
+        for r in rollouts:
+            self.items.append(r)
+            while len(self.items) > self.capacity:
+                self._evict_one()
+
+    def _evict_one(self) -> None:
+        n_recent = self.capacity - self.n_protected
+        older = len(self.items) - n_recent  # items[:older] are outside the freshest (1-delta)N
+        protected, kept = set(), 0
+        for i in range(older - 1, -1, -1):  # freshest correct older rollouts first
+            if kept == self.n_protected:
+                break
+            if self.items[i].correct:
+                protected.add(i)
+                kept += 1
+        victim = next(i for i in range(len(self.items)) if i not in protected)
+        self.evicted_uses.append(self.items[victim].uses)
+        del self.items[victim]
+
+    def sample(self, batch_size: int, step: int) -> list[Rollout]:
+        if batch_size > len(self.items):
+            raise ValueError(f"buffer holds {len(self.items)} rollouts, a batch needs {batch_size}")
+        batch = [self.items[i] for i in self.rng.sample(range(len(self.items)), batch_size)]
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"capacity": self.capacity, "n_protected": self.n_protected,
+                "items": [dataclasses.asdict(r) for r in self.items],
+                "rng": self.rng.getstate(), "evicted_uses": list(self.evicted_uses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.capacity, self.n_protected = state["capacity"], state["n_protected"]
+        self.items = deque(Rollout(**r) for r in state["items"])
+        self.rng.setstate(state["rng"])
+        self.evicted_uses = list(state["evicted_uses"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Models, tokenizer, and per-token log-probs
+# ----------------------------------------------------------------------------------------------
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenizers use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_tokenizer():
+    """Byte-level BPE with no merges: id = byte value, plus 3 special tokens. It survives
+    save/reload through AutoTokenizer (and vLLM) with identical ids, unlike a char vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    vocab.update({s: 256 + i for i, s in enumerate(specials)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        # A chat template that passes the message through: the tiny model sees '12+7=' as is.
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+
+
+def build_tiny_model(seed: int):
+    """0.5M-parameter Qwen2 (hidden 128, 2 layers, head_dim 64; vLLM-compatible shapes)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = byte_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def load_pretrained(name: str, dtype: torch.dtype):
+    """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kwargs = {}
+    path = Path(name)
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"--model {name}: no such .gguf file")
+        kwargs["gguf_file"], name = path.name, str(path.parent)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as e:
+        offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)" \
+            if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local "
+                        f"Hugging Face folder, a .gguf file, or a hub id. ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return model, tok
+
+
+def render_prompt(tok, text: str) -> list[int]:
+    """Token ids of a user message, through the tokenizer's chat template when it has one."""
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """The output projection (the embedding itself when tied, so its gradient reaches it)."""
+    return model.get_output_embeddings().weight
+
+
+def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
+    """Right-padded prompt+completion ids, attention mask, and targets that are the completion
+    token at the position predicting it, -100 elsewhere (no prompt logits are ever built)."""
+    length = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    targets = torch.full((len(seqs), length), -100, dtype=torch.long)
+    for i, (p, c) in enumerate(seqs):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, : len(p) + len(c)] = 1
+        targets[i, len(p) - 1: len(p) - 1 + len(c)] = torch.tensor(c)
+    return ids.to(device), mask.to(device), targets.to(device)
+
+
+def completion_logprobs(model, seqs, pad_id, temperature, backend="auto", entropy=False):
+    """fp32 log-probs (and entropy) of every completion token, flattened in rollout order,
+    through kernels.token_logprobs on the final hidden states and the LM head."""
+    device = next(model.parameters()).device
+    ids, mask, targets = pack(seqs, pad_id, device)
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    sel = targets != -100
+    return kernels.token_logprobs(hidden[sel], lm_head_weight(model), targets[sel],
+                                  temperature=temperature, return_entropy=entropy, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    completion_ids: list[int]
+    logprobs: torch.Tensor | None  # behaviour log-probs of completion_ids (fp32), or None
+    truncated: bool
+
+
+class HFGenerator:
+    """transformers `generate` on the generator's own copy of the policy.
+
+    Behaviour log-probs are recomputed after sampling by a forward pass of that same copy through
+    kernels.token_logprobs at the sampling temperature (exactly the distribution sampled from
+    when top-p = 1 and top-k = 0), which costs one forward and never holds [T x vocab] scores.
+    """
+
+    def __init__(self, model, tok, logprob_backend: str = "auto"):
+        self.model = copy.deepcopy(model).eval()
+        self.model.requires_grad_(False)
+        self.tok, self.backend = tok, logprob_backend
+        self.policy_version = 0
+        self.pad_id, self.eos_id = tok.pad_token_id, tok.eos_token_id
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        self.model.load_state_dict(state_dict)
+        self.policy_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
+                 batch_prompts: int = 64) -> list[list[Sample]]:
+        out = []
+        for start in range(0, len(prompts), batch_prompts):
+            out += self._generate(prompts[start:start + batch_prompts], n, max_new_tokens,
+                                  temperature, top_p, top_k, logprobs)
+        return out
+
+    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, top_k, logprobs):
+        device = next(self.model.parameters()).device
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        sampling = temperature > 0
+        seqs = self.model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=sampling, temperature=temperature if sampling else None,
+            top_p=top_p if sampling else None, top_k=top_k if sampling else None,
+            num_return_sequences=n, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+        )[:, width:].tolist()
+        samples = []
+        for row in seqs:
+            cut = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            samples.append(Sample(row[:cut], None, self.eos_id not in row))
+        if logprobs:
+            pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
+            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature, self.backend)
+            for s, chunk in zip(samples, lp.split([len(s.completion_ids) for s in samples])):
+                s.logprobs = chunk.float().cpu()
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args, step: int,
+                  next_group_id: int, counters: dict) -> list[Rollout]:
+    """Generate G completions per prompt, score them, and freeze the group statistics."""
+    verifier = VERIFIERS[task.verifier]
+    prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
+    groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
+                                cfg.top_p, cfg.top_k, batch_prompts=cfg.gen_batch_prompts)
+    rollouts = []
+    for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
+        rewards = []
+        for s in samples:
+            r, failure = score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True),
+                               ex.answer, cfg.verify_timeout)
+            rewards.append(r)
+            if failure:
+                counters[f"verifier_{failure}s"] += 1
+        adv, mean = group_advantages(rewards)
+        if len(set(rewards)) == 1:
+            counters["zero_variance_groups"] += 1
+            if cfg.zero_variance_groups == "drop":
+                continue
+        for s, r, a in zip(samples, rewards, adv):
+            rollouts.append(Rollout(pids, s.completion_ids, s.logprobs, r, a, mean, r > 0,
+                                    generator.policy_version, step, next_group_id + g, s.truncated))
+    return rollouts
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------
+
+def token_loss(loss: str, logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor,
+               reward: torch.Tensor, group_mean: torch.Tensor, clip_low: float, clip_high: float,
+               delta_v: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss to minimise, the ratio pi/pi_behaviour, and a mask of clipped tokens.
+
+    grpo:   -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A),  rho = exp(logp - behaviour)
+    asymre: -(r - (V + delta_v)) * logp                       (no ratio, no clipping)
+    """
+    ratio = torch.exp(logp - behaviour)
+    if loss == "grpo":
+        unclipped = ratio * advantage
+        clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
+        return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
+    if loss == "asymre":
+        return -(reward - (group_mean + delta_v)) * logp, ratio, torch.zeros_like(logp, dtype=torch.bool)
+    raise UserError(f"--loss {loss}: unknown (valid: grpo, asymre)")
+
+
+def token_weights(lengths: list[int], agg: str, total_tokens: int, n_seqs: int) -> torch.Tensor:
+    """Per-token weights whose sum over the whole batch is 1, so micro-batch losses add up to
+    the batch loss (gradient accumulation does not depend on the micro-batch size)."""
+    if agg == "token-mean":
+        return torch.full((sum(lengths),), 1.0 / total_tokens)
+    return torch.cat([torch.full((n,), 1.0 / (n * n_seqs)) for n in lengths])
+
+
+def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int,
+               ref_model=None) -> dict:
+    """One optimizer step on a batch, accumulated over micro-batches. Returns its metrics; a
+    non-finite loss or gradient skips the update (stats['nonfinite'] = 1)."""
+    device = next(model.parameters()).device
+    lengths = [len(r.completion_ids) for r in batch]
+    total_tokens = sum(lengths)
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0,
+                mismatch_tokens=0, kl=0.0)
+    ratio_max, nonfinite = 0.0, False
+    for start in range(0, len(batch), cfg.micro_batch_size):
+        mb = batch[start:start + cfg.micro_batch_size]
+        mb_len = lengths[start:start + cfg.micro_batch_size]
+        logp, ent = completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in mb],
+                                        pad_id, cfg.temperature, cfg.logprob_backend, entropy=True)
+        per_tok = lambda values: torch.cat([torch.full((n,), float(v)) for v, n in zip(values, mb_len)]).to(device)
+        behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
+        tok_loss, ratio, clipped = token_loss(
+            cfg.loss, logp, behaviour, per_tok(r.advantage for r in mb), per_tok(r.reward for r in mb),
+            per_tok(r.group_mean for r in mb), cfg.clip_low, cfg.clip_high, cfg.asymre_delta_v)
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = completion_logprobs(ref_model, [(r.prompt_ids, r.completion_ids) for r in mb],
+                                          pad_id, cfg.temperature, cfg.logprob_backend)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator, >= 0
+            tok_loss = tok_loss + cfg.kl_coef * kl
+            sums["kl"] += kl.detach().sum().item()
+        w = token_weights(mb_len, cfg.loss_agg, total_tokens, len(batch)).to(device)
+        loss = (tok_loss * w).sum()
+        if not torch.isfinite(loss):
+            nonfinite = True
+            break
+        loss.backward()
+        with torch.no_grad():
+            sums["loss"] += loss.item()
+            sums["entropy"] += ent.sum().item()
+            sums["clipped"] += clipped.sum().item()
+            sums["ratio"] += ratio.sum().item()
+            ratio_max = max(ratio_max, ratio.max().item())
+            # Sampler/trainer agreement, on rollouts made by exactly the weights trained now.
+            fresh = torch.cat([torch.full((n,), r.policy_version == version) for r, n in zip(mb, mb_len)]).to(device)
+            if fresh.any():
+                d = (logp - behaviour)[fresh]
+                sums["mismatch_abs"] += d.abs().sum().item()
+                sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
+                sums["mismatch_tokens"] += int(fresh.sum())
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    nonfinite = nonfinite or not torch.isfinite(grad_norm)
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
+    else:
+        optimizer.step()
+    m = sums.pop("mismatch_tokens")
+    stats = {
+        "loss": sums["loss"], "entropy": sums["entropy"] / total_tokens,
+        "clip_frac": sums["clipped"] / total_tokens, "ratio_mean": sums["ratio"] / total_tokens,
+        "ratio_max": ratio_max, "grad_norm": float(grad_norm) if not nonfinite else float("nan"),
+        "nonfinite": int(nonfinite), "trained_tokens": total_tokens,
+    }
+    if m:
+        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
+        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
+    if ref_model is not None and cfg.kl_coef > 0:
+        stats["kl"] = sums["kl"] / total_tokens
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, warm start, checkpoints
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0) -> dict:
+    """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), and
+    pass@k with k samples per prompt at temperature 1 / top-p 0.95. Runs on a forked RNG, so
+    evaluating (or not) never changes the training run's random stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _evaluate(generator, tok, task, cfg)
+
+
+def _evaluate(generator, tok, task: Task, cfg: Args) -> dict:
+    verifier = VERIFIERS[task.verifier]
+    prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
+
+    def accuracy(groups, examples):
+        return [[score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True), ex.answer,
+                       cfg.verify_timeout)[0] for s in g] for g, ex in zip(groups, examples)]
+
+    kw = dict(logprobs=False, batch_prompts=cfg.gen_batch_prompts)
+    greedy = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, **kw), task.eval)
+    pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, **kw), task.eval)
+    sub = slice(0, cfg.pass_k_prompts)
+    passk = accuracy(generator.generate(prompts[sub], cfg.pass_k, cfg.max_new_tokens, 1.0, 0.95, **kw),
+                     task.eval[sub])
+    return {
+        "eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
+        "eval/pass@1": sum(g[0] for g in pass1) / len(pass1),
+        f"eval/pass@{cfg.pass_k}": sum(max(g) for g in passk) / len(passk),
+        "eval/acc_t1": sum(sum(g) / len(g) for g in passk) / len(passk),
+    }
+
+
+def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
+    """A few steps of teacher forcing on gold solutions, so RL starts with some reward."""
+    rng = random.Random(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    model.train()
+    for _ in range(cfg.sft_warmup_steps):
+        exs = task.sample(rng, cfg.sft_batch_size)
+        seqs = [(render_prompt(tok, ex.prompt),
+                 tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                for ex in exs]
+        loss = -completion_logprobs(model, seqs, tok.pad_token_id, 1.0, cfg.logprob_backend).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+def load_policy(cfg: Args, device: torch.device, task: Task):
+    """The policy and tokenizer: 'tiny' (built in code), or a pretrained model; then the
+    (cached) supervised warm start when --sft-warmup-steps > 0."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.sft_warmup_steps > 0:
+        key_fields = ("model", "task", "data_path", "arith_max_operand", "arith_ops", "arith_terms",
+                      "arith_worked", "sft_warmup_steps", "sft_lr", "sft_batch_size", "seed", "dtype")
+        key = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in key_fields}).encode()).hexdigest()[:12]
+        cache = Path(cfg.out_dir) / ".warmstart" / key
+        if (cache / "config.json").exists():
+            model, tok = load_pretrained(str(cache), dtype)
+            return model.to(device), tok, str(cache)
+    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, dtype)
+    tok.padding_side = "left"
+    model = model.to(device=device, dtype=dtype)
+    if cfg.sft_warmup_steps > 0:
+        t0 = time.time()
+        supervised_warm_start(model, tok, task, cfg)
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(cache, ignore_errors=True)
+        tmp.rename(cache)
+        print(f"warm start: {cfg.sft_warmup_steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
+        return model, tok, str(cache)
+    return model, tok, cfg.model
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, state: dict) -> None:
+    """Model (save_pretrained), optimizer, buffer, RNG states and counters, written to a temporary
+    folder and swapped in by rename, so a kill mid-save never loses the previous checkpoint."""
+    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    trainer_state = dict(state, optimizer=optimizer.state_dict(), buffer=buffer.state_dict(),
+                         rng=rng_state(), generator_version=generator.policy_version)
+    if generator.policy_version != state["step"]:  # generator lags (publish_every > 1): keep its weights
+        trainer_state["generator_weights"] = {k: v.cpu() for k, v in generator.model.state_dict().items()}
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training loop
+# ----------------------------------------------------------------------------------------------
+
+def train(cfg: Args) -> dict:
+    """Run training; returns the last evaluation metrics (and the run folder)."""
+    validate(cfg)
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
+    run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.out_dir) / run_name
+    ckpt = run_dir / "checkpoint"
+    if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
+        (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
+    if cfg.resume and not ckpt.exists():
+        raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
+    if ckpt.exists() and not cfg.resume:
+        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or "
+                        "choose another --run-name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+    task = make_task(cfg)
+    model, tok, model_dir = load_policy(cfg, device, task)
+    if cfg.resume:  # the trained weights, not the initial ones
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, cfg.dtype)).to(device)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    buffer = ReplayBuffer(N, cfg.positive_bias, seed=cfg.seed)
+    generator = HFGenerator(model, tok, cfg.logprob_backend)
+    task_rng = random.Random(cfg.seed)
+    counters = {"verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0,
+                "nonfinite_steps": 0, "generated_rollouts": 0, "generated_tokens": 0,
+                "trained_rollouts": 0, "trained_tokens": 0, "gen_seconds": 0.0, "train_seconds": 0.0}
+    start_step, next_group_id, nonfinite_streak = 0, 0, 0
+    if cfg.resume:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        buffer.load_state_dict(state["buffer"])
+        generator.load_weights(state.get("generator_weights", model.state_dict()), state["generator_version"])
+        task_rng.setstate(state["task_rng"])
+        counters.update(state["counters"])
+        start_step, next_group_id = state["step"], state["next_group_id"]
+        set_rng_state(state["rng"])
+        if ref_model is not None:
+            ref_model.load_state_dict(state["ref_model"])
+    metrics_path = run_dir / "metrics.jsonl"
+    if cfg.resume and metrics_path.exists():  # drop records the killed run wrote after its checkpoint
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+    log_file = metrics_path.open("a")
+    wandb_run = None
+    if cfg.wandb:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
+        wandb_run = wandb.init(project=cfg.wandb_project, name=run_name, config=dataclasses.asdict(cfg),
+                               resume="allow" if cfg.resume else None)
+
+    def log(record: dict) -> None:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if wandb_run is not None:
+            wandb_run.log(record, step=record["step"])
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(run_dir, model, tok, optimizer, buffer, generator, {
+            "step": step, "next_group_id": next_group_id, "task_rng": task_rng.getstate(),
+            "counters": counters, "ref_model": ref_model.state_dict() if ref_model is not None else None})
+
+    print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x "
+          f"G={cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: "
+          f"replay ratio B/R = {B / R:.2f}, staleness horizon N/R = {N / R:.2f}"
+          + ("  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""))
+    last_eval = {}
+    if start_step == 0:
+        last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed)
+        log({"step": 0, **last_eval})
+        print(f"step 0 eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+
+    from tqdm import tqdm
+    bar = tqdm(range(start_step, cfg.total_steps), initial=start_step, total=cfg.total_steps,
+               disable=not cfg.progress, dynamic_ncols=True)
+    for step in bar:
+        # 1. generate R fresh rollouts (more at the start, until the buffer holds a batch)
+        t0 = time.perf_counter()
+        fresh: list[Rollout] = []
+        while True:
+            new = make_rollouts(generator, tok, task, task.sample(task_rng, cfg.prompts_per_step), cfg,
+                                step, next_group_id, counters)
+            next_group_id += cfg.prompts_per_step
+            counters["generated_rollouts"] += cfg.rollouts_per_step
+            fresh += new
+            buffer.push(new)
+            if len(buffer) >= B:
+                break
+        gen_seconds = time.perf_counter() - t0
+        gen_tokens = sum(len(r.completion_ids) for r in fresh)
+
+        # 2. sample a batch and take one optimizer step
+        batch = buffer.sample(B, step)
+        staleness = [step - r.policy_version for r in batch]
+        since_last = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
+        t0 = time.perf_counter()
+        model.train()
+        stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step, ref_model=ref_model)
+        train_seconds = time.perf_counter() - t0
+        for r in batch:
+            r.uses += 1
+            r.last_use_step = step
+        if stats["nonfinite"]:
+            counters["nonfinite_steps"] += 1
+            nonfinite_streak += 1
+            if nonfinite_streak >= cfg.max_nonfinite_steps:
+                raise UserError(f"{nonfinite_streak} steps in a row had a NaN/inf loss or gradient "
+                                f"(step {step}); stopped. The last good checkpoint is in {ckpt} "
+                                "(lower --lr, or raise --max-nonfinite-steps)")
+        else:
+            nonfinite_streak = 0
+
+        # 3. publish weights to the generator every k steps (policy version = optimizer steps)
+        if (step + 1) % cfg.publish_every == 0:
+            generator.load_weights(model.state_dict(), step + 1)
+
+        # 4. metrics
+        counters["generated_tokens"] += gen_tokens
+        counters["trained_rollouts"] += B
+        counters["trained_tokens"] += stats["trained_tokens"]
+        counters["gen_seconds"] += gen_seconds
+        counters["train_seconds"] += train_seconds
+        rewards = [r.reward for r in fresh]
+        record = {
+            "step": step + 1, **stats,
+            "reward": sum(rewards) / max(1, len(rewards)),
+            "reward_batch": sum(r.reward for r in batch) / B,
+            "response_length": sum(len(r.completion_ids) for r in batch) / B,
+            "truncated_frac": sum(r.truncated for r in batch) / B,
+            "buffer_size": len(buffer),
+            "staleness_mean": sum(staleness) / B, "staleness_max": max(staleness),
+            "staleness_hist": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+            "steps_since_last_use": sum(since_last) / len(since_last) if since_last else None,
+            "replay_ratio": counters["trained_rollouts"] / counters["generated_rollouts"],
+            "generated_tokens": gen_tokens, "gen_seconds": gen_seconds, "train_seconds": train_seconds,
+            # mu = generation cost / training cost per rollout, measured on this machine
+            "mu": (counters["gen_seconds"] / counters["generated_rollouts"])
+                  / (counters["train_seconds"] / counters["trained_rollouts"]),
+            **{k: counters[k] for k in ("verifier_errors", "verifier_timeouts", "zero_variance_groups",
+                                        "nonfinite_steps", "generated_rollouts", "trained_rollouts")},
+            "total_generated_tokens": counters["generated_tokens"],
+            "total_trained_tokens": counters["trained_tokens"],
+        }
+        done = step + 1 == cfg.total_steps
+        if done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+            if generator.policy_version != step + 1:  # evaluate the trained weights
+                eval_gen = HFGenerator(model, tok, cfg.logprob_backend)
+            else:
+                eval_gen = generator
+            last_eval = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step + 1)
+            record.update(last_eval)
+            bar.write(f"step {step + 1} eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+        log(record)
+        bar.set_postfix(reward=f"{record['reward']:.2f}", loss=f"{stats['loss']:.3f}",
+                        ent=f"{stats['entropy']:.2f}", stale=f"{record['staleness_mean']:.1f}",
+                        mu=f"{record['mu']:.2f}")
+        if done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+            checkpoint(step + 1)
+    bar.close()
+    log_file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    return {**last_eval, "run_dir": str(run_dir)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> Args:
+    """--preset NAME picks the defaults; every other flag overrides them."""
+    preset = "cpu"
+    for i, a in enumerate(argv):
+        if a == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif a.startswith("--preset="):
+            preset = a.split("=", 1)[1]
+    if preset not in PRESETS:
+        raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
+    return tyro.cli(Args, default=PRESETS[preset], args=argv,
+                    description=__doc__.split("\n\n")[0])
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_args(argv)
+        return train(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    except KeyboardInterrupt:
+        print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME",
+              file=sys.stderr)
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""Offline tests of replay_grpo.py on a tiny model built in code (CPU, no network)."""
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+import replay_grpo as rg
+
+ROOT = Path(__file__).resolve().parent
+
+
+def small_args(out_dir, *extra):
+    """A few-second configuration of the real CLI: tiny random model, G=4, R=B=N=8."""
+    return ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4",
+            "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8",
+            "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2", "--pass-k-prompts", "4",
+            "--total-steps", "3", "--eval-every", "0", "--no-progress", "--out-dir", str(out_dir),
+            *extra]
+
+
+def run_main(args):
+    return rg.main(list(args))
+
+
+def user_error(capsys, args) -> str:
+    with pytest.raises(SystemExit) as exc:
+        rg.main(list(args))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def rollout(i, correct=False, version=0):
+    return rg.Rollout(prompt_ids=[1, 2], completion_ids=[3, i % 200], behaviour_logprobs=torch.zeros(2),
+                      reward=float(correct), advantage=0.0, group_mean=0.0, correct=correct,
+                      policy_version=version, birth_step=0, group_id=i)
+
+
+def metrics(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- the replay buffer ---------------------------------------------------------------------------
+
+def test_buffer_evicts_oldest_first():
+    buf = rg.ReplayBuffer(capacity=5)
+    buf.push([rollout(i) for i in range(3)])
+    buf.push([rollout(i) for i in range(3, 8)])
+    assert [r.group_id for r in buf.items] == [3, 4, 5, 6, 7]
+    assert len(buf) == 5
+
+
+def test_buffer_sampling_is_uniform_without_replacement_and_removes_nothing():
+    buf = rg.ReplayBuffer(capacity=20, seed=123)
+    buf.push([rollout(i) for i in range(20)])
+    counts, trials, batch = [0] * 20, 4000, 5
+    for step in range(trials):
+        sample = buf.sample(batch, step)
+        ids = [r.group_id for r in sample]
+        assert len(set(ids)) == batch  # no duplicates inside a batch
+        for i in ids:
+            counts[i] += 1
+    assert len(buf) == 20 and [r.group_id for r in buf.items] == list(range(20))
+    # chi-square goodness of fit to uniform: 19 dof, 99.9% quantile ~ 43.8
+    expected = trials * batch / 20
+    chi2 = sum((c - expected) ** 2 / expected for c in counts)
+    assert chi2 < 43.8, (chi2, counts)
+
+
+def test_buffer_sample_larger_than_content_is_refused():
+    buf = rg.ReplayBuffer(capacity=8)
+    buf.push([rollout(i) for i in range(3)])
+    with pytest.raises(ValueError, match="holds 3"):
+        buf.sample(4, 0)
+
+
+def test_positive_bias_paper_example():
+    # N = 8, delta = 0.25; ten rollouts oldest -> newest: x v v x v v x v x x
+    stream = [False, True, True, False, True, True, False, True, False, False]
+    buf = rg.ReplayBuffer(capacity=8, positive_bias=0.25)
+    for i, ok in enumerate(stream, start=1):
+        buf.push([rollout(i, correct=ok)])
+    assert sorted(r.group_id for r in buf.items) == [2, 3, 5, 6, 7, 8, 9, 10]
+
+
+def test_positive_bias_zero_is_plain_fifo():
+    buf = rg.ReplayBuffer(capacity=4, positive_bias=0.0)
+    buf.push([rollout(i, correct=(i % 2 == 0)) for i in range(10)])
+    assert [r.group_id for r in buf.items] == [6, 7, 8, 9]
+
+
+def test_buffer_state_dict_round_trip():
+    buf = rg.ReplayBuffer(capacity=6, positive_bias=0.5, seed=3)
+    buf.push([rollout(i, correct=i % 3 == 0) for i in range(9)])
+    buf.sample(3, 0)
+    other = rg.ReplayBuffer(capacity=1)
+    other.load_state_dict(buf.state_dict())
+    assert [r.group_id for r in other.items] == [r.group_id for r in buf.items]
+    assert [r.group_id for r in other.sample(4, 1)] == [r.group_id for r in buf.sample(4, 1)]
+
+
+# --- advantages and losses ------------------------------------------------------------------------
+
+def test_group_advantages_are_z_scores():
+    adv, mean = rg.group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert mean == 0.5
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    adv, mean = rg.group_advantages([1.0, 1.0, 1.0])
+    assert adv == [0.0, 0.0, 0.0] and mean == 1.0
+
+
+def test_grpo_loss_clips_on_both_sides_by_hand():
+    # ratios exp(logp - behaviour): 1.5 (above 1.2), 0.5 (below 0.8), 1.1 (inside)
+    behaviour = torch.zeros(6)
+    logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1, 1.1]))
+    adv = torch.tensor([2.0, -2.0, 2.0, -2.0, 2.0, -2.0])
+    loss, ratio, clipped = rg.token_loss("grpo", logp, behaviour, adv, None, None, 0.2, 0.2, 0.0)
+    # min(r*A, clip(r)*A): A>0,r=1.5 -> 1.2*2; A<0,r=1.5 -> 1.5*-2; A>0,r=0.5 -> 0.5*2;
+    # A<0,r=0.5 -> 0.8*-2; inside: r*A
+    expected = -torch.tensor([2.4, -3.0, 1.0, -1.6, 2.2, -2.2])
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert clipped.tolist() == [True, False, False, True, False, False]
+    assert torch.allclose(ratio, torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1, 1.1]), atol=1e-6)
+    # asymmetric clip: eps_high = 0.3 lets 1.25 through, eps_low = 0.1 clips 0.85 at 0.9 for A<0
+    logp2 = torch.log(torch.tensor([1.25, 0.85]))
+    loss2, _, _ = rg.token_loss("grpo", logp2, torch.zeros(2), torch.tensor([1.0, -1.0]), None, None, 0.1, 0.3, 0.0)
+    assert torch.allclose(loss2, -torch.tensor([1.25, -0.9]), atol=1e-6)
+
+
+def test_grpo_clipped_tokens_have_zero_gradient():
+    logp = torch.log(torch.tensor([1.5, 1.1])).requires_grad_(True)
+    loss, _, _ = rg.token_loss("grpo", logp, torch.zeros(2), torch.tensor([1.0, 1.0]), None, None, 0.2, 0.2, 0.0)
+    loss.sum().backward()
+    assert logp.grad[0] == 0 and logp.grad[1] == pytest.approx(-1.1, abs=1e-6)
+
+
+def test_asymre_loss_by_hand():
+    logp = torch.tensor([-0.5, -2.0, -1.0])
+    reward = torch.tensor([1.0, 0.0, 1.0])
+    group_mean = torch.tensor([0.25, 0.25, 0.75])
+    loss, _, clipped = rg.token_loss("asymre", logp, torch.full((3,), -9.0), None, reward, group_mean,
+                                     0.2, 0.2, -0.1)
+    # -(r - (V + dV)) * logp with dV = -0.1
+    expected = -torch.tensor([(1 - 0.15) * -0.5, (0 - 0.15) * -2.0, (1 - 0.65) * -1.0])
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert not clipped.any()
+
+
+def test_token_weights_sum_to_one_over_the_batch():
+    lengths = [3, 1, 4, 2]
+    w_tok = torch.cat([rg.token_weights(lengths[:2], "token-mean", 10, 4), rg.token_weights(lengths[2:], "token-mean", 10, 4)])
+    w_seq = torch.cat([rg.token_weights(lengths[:2], "seq-mean", 10, 4), rg.token_weights(lengths[2:], "seq-mean", 10, 4)])
+    assert w_tok.sum().item() == pytest.approx(1.0) and torch.allclose(w_tok, torch.full((10,), 0.1))
+    assert w_seq.sum().item() == pytest.approx(1.0)
+    assert w_seq[:3].tolist() == pytest.approx([1 / 12] * 3) and w_seq[3].item() == pytest.approx(1 / 4)
+
+
+# --- the real trainer path -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = rg.build_tiny_model(0)
+    return model, tok
+
+
+def make_batch(tiny, n_prompts=3, G=4, seed=0):
+    model, tok = tiny
+    cfg = rg.Args(group_size=G, max_new_tokens=5, sft_warmup_steps=0)
+    task = rg.make_arith_task(cfg)
+    gen = rg.HFGenerator(model, tok)
+    torch.manual_seed(seed)
+    counters = {"verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0}
+    rollouts = rg.make_rollouts(gen, tok, task, task.sample(random.Random(seed), n_prompts), cfg, 0, 0, counters)
+    return cfg, rollouts
+
+
+def test_micro_batching_does_not_change_the_gradient(tiny):
+    model, tok = tiny
+    for agg in ("token-mean", "seq-mean"):
+        cfg, batch = make_batch(tiny)
+        for r in batch:  # non-trivial advantages so the gradient is not zero
+            r.advantage = random.Random(r.group_id * 100 + len(r.completion_ids)).uniform(-1, 1)
+        grads = []
+        for mbs in (len(batch), 3):
+            m = rg.copy.deepcopy(model)
+            opt = torch.optim.SGD(m.parameters(), lr=0.0)
+            cfg.micro_batch_size, cfg.loss_agg = mbs, agg
+            rg.train_step(m, opt, batch, cfg, tok.pad_token_id, version=0)
+            grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+        assert grads[0].abs().sum() > 0
+        assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_on_policy_ratio_is_one_and_behaviour_logprobs_match(tiny):
+    model, tok = tiny
+    cfg, batch = make_batch(tiny)
+    m = rg.copy.deepcopy(model)
+    stats = rg.train_step(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, cfg, tok.pad_token_id, version=0)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["logprob_mismatch_abs"] < 1e-5 and stats["clip_frac"] == 0.0
+    # behaviour log-probs are those of the sampled tokens: they sum to a finite negative number
+    for r in batch:
+        assert len(r.behaviour_logprobs) == len(r.completion_ids) and (r.behaviour_logprobs <= 0).all()
+
+
+def test_advantages_and_behaviour_logprobs_stay_frozen_while_training(tiny):
+    model, tok = tiny
+    cfg, batch = make_batch(tiny)
+    for r in batch:
+        r.advantage = 1.0 if r.group_id % 2 else -1.0
+    frozen = [(r.advantage, r.group_mean, r.behaviour_logprobs.clone()) for r in batch]
+    m = rg.copy.deepcopy(model)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    ratios = []
+    for step in range(3):
+        ratios.append(rg.train_step(m, opt, batch, cfg, tok.pad_token_id, version=step)["ratio_mean"])
+    for r, (a, v, lp) in zip(batch, frozen):
+        assert r.advantage == a and r.group_mean == v and torch.equal(r.behaviour_logprobs, lp)
+    assert ratios[0] == pytest.approx(1.0, abs=1e-5) and abs(ratios[-1] - 1.0) > 1e-4  # the policy moved
+
+
+def test_on_policy_setting_uses_every_rollout_exactly_once(tmp_path):
+    run_main(small_args(tmp_path, "--run-name", "onpol", "--total-steps", "4"))
+    state = torch.load(tmp_path / "onpol" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    uses = [r["uses"] for r in state["buffer"]["items"]] + state["buffer"]["evicted_uses"]
+    assert len(uses) == 4 * 8 and set(uses) == {1}
+    recs = metrics(tmp_path / "onpol")[1:]
+    assert all(r["staleness_max"] == 0 and r["replay_ratio"] == 1.0 for r in recs)
+
+
+def test_replay_reuses_rollouts_and_measures_staleness(tmp_path):
+    run_main(small_args(tmp_path, "--run-name", "replay", "--total-steps", "6", "--prompts-per-step", "1",
+                        "--buffer-size", "16", "--publish-every", "2"))
+    recs = metrics(tmp_path / "replay")[1:]
+    assert recs[-1]["replay_ratio"] == pytest.approx(6 * 8 / (recs[-1]["generated_rollouts"]))
+    assert max(r["staleness_max"] for r in recs) >= 2
+    assert any(r["steps_since_last_use"] for r in recs)
+    state = torch.load(tmp_path / "replay" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert max(r["uses"] for r in state["buffer"]["items"]) >= 2
+    versions = [r["policy_version"] for r in state["buffer"]["items"]]
+    assert versions == sorted(versions) and max(versions) > 0
+
+
+def test_end_to_end_main_logs_metrics_and_saves_a_loadable_model(tmp_path):
+    out = run_main(small_args(tmp_path, "--run-name", "e2e", "--eval-every", "2", "--loss", "asymre"))
+    run_dir = tmp_path / "e2e"
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["loss"] == "asymre" and cfg["batch_size"] == 8
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    for key in ("reward", "entropy", "response_length", "loss", "clip_frac", "ratio_mean", "ratio_max",
+                "grad_norm", "buffer_size", "staleness_mean", "staleness_max", "replay_ratio",
+                "generated_tokens", "trained_tokens", "gen_seconds", "train_seconds", "mu"):
+        assert key in recs[-1], key
+        assert recs[-1][key] is not None and math.isfinite(recs[-1][key]), key
+    assert "eval/greedy_acc" in recs[0] and "eval/pass@2" in recs[2] and "eval/pass@1" in out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")
+    tok = AutoTokenizer.from_pretrained(run_dir / "checkpoint")
+    assert model.num_parameters() > 0 and tok("12+7=")["input_ids"] == list(b"12+7=")
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    # asymre: its loss is not zero even when the random tiny model earns no reward
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--checkpoint-every", "2", "--loss", "asymre")
+    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "6", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", *common))
+    before = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert before["step"] == 4
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "6", "--resume", *common))
+    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, cut):
+        for k in ("loss", "reward", "grad_norm", "buffer_size", "staleness_mean"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    s_full = torch.load(tmp_path / "full" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    s_cut = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert [r["completion_ids"] for r in s_full["buffer"]["items"]] == [r["completion_ids"] for r in s_cut["buffer"]["items"]]
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    """SIGKILL a real training process after its first checkpoint, then --resume it."""
+    args = small_args(tmp_path, "--run-name", "killed", "--total-steps", "100000", "--checkpoint-every", "3")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "replay_grpo.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state_file = tmp_path / "killed" / "checkpoint" / "trainer_state.pt"
+    deadline = time.time() + 120
+    while not state_file.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(0.5)  # let it run past the checkpoint, so the kill loses some steps
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert state_file.exists(), proc.stderr.read().decode()[-2000:]
+    saved = torch.load(state_file, weights_only=False)
+    items = [r["completion_ids"] for r in saved["buffer"]["items"]]
+    stop = saved["step"] + 2
+    # the resumed run starts with exactly the checkpointed step and buffer
+    from unittest import mock
+    seen = {}
+    real_load = rg.ReplayBuffer.load_state_dict
+
+    def spy(self, state):
+        real_load(self, state)
+        seen["items"] = [r.completion_ids for r in self.items]
+    with mock.patch.object(rg.ReplayBuffer, "load_state_dict", spy):
+        run_main(small_args(tmp_path, "--run-name", "killed", "--total-steps", str(stop), "--resume",
+                            "--checkpoint-every", "3"))
+    assert seen["items"] == items
+    recs = metrics(tmp_path / "killed")
+    assert [r["step"] for r in recs] == list(range(0, stop + 1))
+
+
+def test_warm_start_is_cached(tmp_path, capsys):
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    run_main([*args, "--run-name", "a"])
+    assert "warm start: 3 supervised steps" in capsys.readouterr().out
+    run_main([*args, "--run-name", "b"])
+    assert "warm start" not in capsys.readouterr().out  # loaded from <out-dir>/.warmstart
+
+
+# --- tasks, rewards, tokenizer -------------------------------------------------------------------
+
+def test_arith_task_is_seeded_and_splits_are_disjoint():
+    cfg = rg.Args(eval_size=50)
+    task = rg.make_arith_task(cfg)
+    train = task.sample(random.Random(0), 2000)
+    assert task.sample(random.Random(0), 5) == train[:5]
+    assert not {e.prompt for e in train} & {e.prompt for e in task.eval}
+    assert len(task.eval) == 50 and all(str(eval(e.prompt[:-1])) == e.answer for e in task.eval)
+    worked = rg.make_arith_task(rg.Args(arith_terms=3, arith_worked=True)).sample(random.Random(1), 3)
+    assert all(e.solution.count("=") == 2 and e.solution.endswith(e.answer) for e in worked)
+
+
+def test_verifiers():
+    assert rg.numeric_match("42", "42") and rg.numeric_match("so 1,234.", "1234")
+    assert rg.numeric_match("x \\boxed{-7} then 9", "-7") and not rg.numeric_match("41", "42")
+    assert not rg.numeric_match("", "1")
+    assert rg.math_match("The answer is $\\frac{1}{2}$", "0.5")
+    assert rg.math_match("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}") and not rg.math_match("\\boxed{3}", "2")
+
+
+def test_verifier_errors_and_timeouts_give_zero_and_are_counted():
+    def broken(text, gold):
+        raise RuntimeError("boom")
+
+    def slow(text, gold):
+        time.sleep(5)
+        return True
+    assert rg.score(broken, "1", "1", 1.0) == (0.0, "error")
+    t0 = time.time()
+    assert rg.score(slow, "1", "1", 0.2) == (0.0, "timeout") and time.time() - t0 < 2
+    assert rg.score(rg.numeric_match, "1", "1", 1.0) == (1.0, None)
+
+
+def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+    model, tok = rg.build_tiny_model(0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    text = " 12 + 7 = 19\n é"
+    assert again(text)["input_ids"] == tok(text)["input_ids"] == list(text.encode())
+    assert again.decode(again(text)["input_ids"]) == text
+
+
+def test_prompts_use_the_chat_template():
+    _, tok = rg.build_tiny_model(0)
+    tok.chat_template = "{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ids = rg.render_prompt(tok, "1+1=")
+    assert tok.decode(ids) == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_gsm8k_loads_from_a_local_copy(tmp_path):
+    row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"}
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    task = rg.make_task(rg.Args(task="gsm8k", data_path=str(tmp_path)))
+    ex = task.eval[0]
+    assert ex.answer == "7" and ex.prompt.startswith("Tom has") and "\\boxed{}" in ex.prompt
+    assert rg.numeric_match("so \\boxed{7}", ex.answer) and "\\boxed{7}" in ex.solution
+
+
+def test_jsonl_task_trains_end_to_end(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(30)))
+    run_main(small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--run-name", "j", "--total-steps", "2"))
+    assert metrics(tmp_path / "j")[-1]["step"] == 2
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_help_lists_every_flag_with_help():
+    out = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), "--help"], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "200"}, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import dataclasses
+    for f in dataclasses.fields(rg.Args):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out.stdout, flag
+    assert "on-policy GRPO" in out.stdout and "positive-bias" in out.stdout
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--preset", "nope"], "--preset nope: unknown (valid: cpu"),
+    (["--buffer-size", "4"], "--buffer-size 4 is smaller than --batch-size 8"),
+    (["--group-size", "1"], "--group-size 1: GRPO needs at least 2"),
+    (["--model", "/no/such/model"], "--model /no/such/model: could not load it"),
+    (["--model", "missing.gguf"], "--model missing.gguf: no such .gguf file"),
+    (["--task", "jsonl"], "--task jsonl needs --data-path"),
+    (["--task", "jsonl", "--data-path", "/no/file.jsonl"], "--data-path /no/file.jsonl: no such file"),
+    (["--top-p", "0.9"], "--top-p 0.9 / --top-k 0: truncated sampling"),
+    (["--resume"], "--resume needs --run-name"),
+])
+def test_user_errors_are_one_clear_line(tmp_path, capsys, extra, needle):
+    err = user_error(capsys, small_args(tmp_path, *extra))
+    assert needle in err and "Traceback" not in err
+
+
+def test_unknown_task_and_loss_are_rejected_by_the_cli(tmp_path):
+    for extra, needle in ((["--task", "chess"], "chess"), (["--loss", "ppo"], "ppo")):
+        out = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *small_args(tmp_path, *extra)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
+        assert "arith" in out.stderr or "grpo" in out.stderr  # the valid choices are listed
+
+
+def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(bad)))
+    assert f"{bad}:2" in err and '"prompt" and "answer"' in err
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    assert f"{bad}:2: not valid JSON" in user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(bad)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert "the data set is empty" in user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(empty)))
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    run_main(small_args(tmp_path, "--run-name", "keep", "--total-steps", "1"))
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "keep"))
+    assert "already holds a checkpoint" in err and "--resume" in err
+
+
+def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys):
+    # A sampler that returns -inf behaviour log-probs from step 3 on makes the ratio inf: the loss
+    # is not finite, so those steps are skipped (weights untouched), counted, and the run stops.
+    from unittest import mock
+    real = rg.HFGenerator._generate
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **kw):
+        groups = real(self, *a, **kw)
+        calls["n"] += a[-1]  # generation for training (with behaviour log-probs), not eval
+        if a[-1] and calls["n"] > 2:
+            for g in groups:
+                for s in g:
+                    if s.logprobs is not None:
+                        s.logprobs = torch.full_like(s.logprobs, -math.inf)
+        return groups
+    with mock.patch.object(rg.HFGenerator, "_generate", poisoned):
+        err = user_error(capsys, small_args(tmp_path, "--run-name", "nan", "--total-steps", "20",
+                                            "--max-nonfinite-steps", "3", "--checkpoint-every", "1"))
+    assert "3 steps in a row had a NaN/inf loss" in err
+    recs = metrics(tmp_path / "nan")
+    assert recs[-1]["nonfinite_steps"] == 2 and recs[-1]["nonfinite"] == 1
+    assert [r["nonfinite"] for r in recs[1:]] == [0, 0, 1, 1]
+    state = torch.load(tmp_path / "nan" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == recs[-1]["step"]  # checkpoints up to the stop survive
