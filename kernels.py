@@ -1,19 +1,22 @@
 """Per-token log-probs (and entropy) of an LM head without materialising [N x V] logits.
 
-Math (T = temperature, y = targets, rows with y == ignore_index are ignored):
+Math (T = temperature, y = targets):
     z = H Wᵀ / T                      (N x V, fp32 accumulation, kept fp32)
     lse = logsumexp(z),  logp = z[y] - lse,  p = softmax(z),  entropy = lse - Σ p·z
 Backward, with upstream gradients g (on logp) and e (on entropy):
     dz = g·(onehot(y) - p) - e·p·(z - Σ p·z),   then / T        (fp32, rounded once)
     dH = dz W,   dW = dzᵀ H                                      (fp32 accumulation)
+Rows with y == ignore_index are dropped before any work and give 0 (no gradient).
 
 Design (shared by every backend): the logits are computed tile by tile, a tile being
-[token chunk C x vocab chunk Vc], by one matmul with fp32 output; a per-tile function turns
-the tile into row statistics (forward) or into dz (backward). The backward never keeps the
-logits: it recomputes each tile (8·N·d·V FLOPs in total, the floor for a per-token API).
-  * forward: running per-row state (m = max, s = Σ exp(z-m), t = Σ exp(z-m)·(z-m), z[y]) is
-    merged across vocab chunks in a fixed order, so lse = m + log s and
-    entropy = log s - t/s never subtract two large numbers (a common logit offset cancels).
+[token chunk C x vocab chunk Vc], by one cuBLAS matmul with fp32 output; a per-tile function
+turns the tile into row statistics (forward) or into dz (backward). The backward does not
+keep logits: it recomputes each tile (8·N·d·V FLOPs in total, the floor for a per-token API).
+  * forward: a per-row state, relative to the running max m, is merged across vocab chunks
+    in a fixed order: s = Σ exp(z-m), x = the same sum without the target, t = Σ exp(z-m)(z-m)
+    and z[y]. Then lse = m + log s, entropy = log s - t/s, q = 1 - p_y = x/s, and
+    logp = log1p(-q) for confident tokens: a common logit offset cancels exactly and
+    1 - p_y is never formed by cancellation (fp32 would lose it as p_y -> 1).
   * backward: the vocab loop is outer, so each slice of dW is accumulated in fp32 over the
     token chunks and written exactly once; dH is accumulated in one fp32 [N x d] buffer
     (N·d is much smaller than V·d, so this costs far less than an fp32 dW). The dz tile is
@@ -22,15 +25,17 @@ logits: it recomputes each tile (8·N·d·V FLOPs in total, the floor for a per-
     forward and a grad forward, are bitwise equal.
 Backends differ only in the per-tile function:
   * "eager":   plain torch ops (reference; the CPU default).
-  * "compile": the same torch functions under torch.compile(dynamic=True) so the few tile
-               shapes (full and ragged last chunks) share one compiled graph.
+  * "compile": the same torch functions under torch.compile(dynamic=True): the few tile
+               shapes (full and ragged last chunks, any N) share one compiled graph.
   * "triton":  hand-written Triton kernels (CUDA; also runs under TRITON_INTERPRET=1): a
                row kernel with an online logsumexp over vocab blocks (tail masked, int64
                offsets) and an elementwise dz kernel; 1/T is a constexpr so it never becomes
-               an fp64 argument. Matmuls stay in cuBLAS (fast, deterministic).
-"auto" picks triton on CUDA when Triton imports, else compile on CUDA (inductor also
-needs Triton, so in practice eager), and eager on CPU (torch.compile costs ~20 s per
-process on CPU, more than it saves at CPU sizes).
+               an fp64 argument. Matmuls stay in cuBLAS (fast, deterministic) rather than in
+               a fused Triton GEMM: simpler, and its speed does not hinge on Triton tuning.
+"auto" picks triton on CUDA when Triton imports, else eager (inductor, hence "compile", needs
+Triton on CUDA too); on CPU it picks eager (torch.compile costs ~20 s per process on CPU,
+more than it saves at CPU sizes). Tile sizes (chunk_size, vocab_chunk_size) are the knob
+for speed vs memory; the defaults keep the workspace near 150 MB on CUDA.
 """
 import math
 import os
@@ -229,12 +234,14 @@ if HAS_TRITON:
 
 
 def _fwd_tile_triton(z, yl, inv_t, m, s, x, t, zy):
+    assert z.stride(1) == 1  # the kernels walk rows with unit stride
     # Updates the state slices in place (they are contiguous views of the [N] buffers).
     _fwd_stats_kernel[(z.shape[0],)](z, z.stride(0), yl, m, s, x, t, zy, z.shape[1],
                                      INV_T=inv_t, BLOCK_V=TRITON_BLOCK_V, num_warps=4)
 
 
 def _bwd_tile_triton(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
+    assert z.stride(1) == 1
     dz = torch.empty(z.shape, dtype=out_dtype, device=z.device)
     grid = (z.shape[0], triton.cdiv(z.shape[1], TRITON_BLOCK_V))
     _bwd_dz_kernel[grid](z, z.stride(0), dz, dz.stride(0), yl, m, ls, tbar, q, g, e, z.shape[1],
@@ -409,7 +416,9 @@ def _bench_main():
         N, V, ds, reps = 16384, 151936, (896, 3584), 5
         backends = ["triton", "compile", "eager", "naive"] if HAS_TRITON else ["eager", "naive"]
         print(f"CUDA: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"triton {triton.__version__ if HAS_TRITON else 'missing'}")
+              f"triton {triton.__version__ if HAS_TRITON else 'missing'}; bf16 matmuls with "
+              + ("fp32 output (out_dtype)" if _out_dtype_ok(dev) else
+                 "out_dtype UNAVAILABLE: upcast fallback, fp32 matmuls (slow)"))
     else:
         N, V, ds, reps = 1024, 8192, (128, 512), 3
         backends = ["eager", "compile", "naive"]

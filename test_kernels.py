@@ -412,6 +412,59 @@ def test_resolve_backend():
             kernels.resolve_backend("triton", "cpu")
 
 
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_cuda_matmul_path_emulated(monkeypatch):
+    # the CUDA-only branch (bf16 operands, fp32 output/accumulator via out_dtype), emulated
+    calls = []
+    mm, addmm = torch.mm, torch.addmm
+
+    def fake_mm(a, b, out_dtype=None, **kw):
+        if out_dtype is None:
+            return mm(a, b, **kw)
+        calls.append("mm")
+        assert a.dtype == b.dtype == torch.bfloat16 and out_dtype == torch.float32
+        return mm(a.float(), b.float())
+
+    def fake_addmm(acc, a, b, out_dtype=None, out=None, **kw):
+        if out_dtype is None:
+            return addmm(acc, a, b, out=out, **kw) if out is not None else addmm(acc, a, b, **kw)
+        calls.append("addmm")
+        assert a.dtype == b.dtype == torch.bfloat16 and acc.dtype == out.dtype == torch.float32
+        return out.copy_(acc + mm(a.float(), b.float()))
+
+    monkeypatch.setattr(torch, "mm", fake_mm)
+    monkeypatch.setattr(torch, "addmm", fake_addmm)
+    monkeypatch.setattr(kernels, "_out_dtype_ok", lambda device: True)
+    h, w, y = make(70, 40, 517, dtype=torch.bfloat16, seed=18)
+    check_all(h, w, y, "eager", **SMALL_TILES)
+    assert {"mm", "addmm"} <= set(calls)
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+@pytest.mark.parametrize("dz_type", ["bf16", "fp32"])
+def test_triton_compiles_for_sm90(dz_type):
+    # no GPU here: compile the kernels ahead of time for an H100/H200 (sm_90) to catch what the
+    # interpreter cannot (typing, lowering); check no fp64 math and 64-bit row offsets
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    f32, common = "*fp32", {"INV_T": "constexpr", "BLOCK_V": "constexpr"}
+    kernels_sigs = [
+        (kernels._fwd_stats_kernel, dict(z_ptr=f32, stride_z="i32", yl_ptr="*i64", m_ptr=f32, s_ptr=f32,
+                                         x_ptr=f32, t_ptr=f32, zy_ptr=f32, n_cols="i32", **common)),
+        (kernels._bwd_dz_kernel, dict(z_ptr=f32, stride_z="i32", dz_ptr="*" + dz_type, stride_dz="i32",
+                                      yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32,
+                                      g_ptr=f32, e_ptr=f32, n_cols="i32", **common)),
+    ]
+    for fn, sig in kernels_sigs:
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs={"INV_T": 1 / 0.7, "BLOCK_V": 1024})
+        except TypeError as exc:  # older/newer Triton with another AOT signature format
+            pytest.skip(f"ASTSource API differs: {exc}")
+        ptx = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ".f64" not in ptx  # temperature stayed fp32
+        assert "mul.lo.s64" in ptx  # 64-bit row * stride offsets
+
+
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
 def test_triton_interpreter():
     """Run this whole file for the Triton kernels under TRITON_INTERPRET=1 in a subprocess."""
