@@ -230,7 +230,7 @@ if HAS_TRITON:
         yl = tl.load(yl_ptr + row)
         dz = tl.where(offs == yl, g * q, -p * g) - p * e * (zc - tbar)
         tl.store(dz_ptr + row * stride_dz + offs,
-                 (dz * INV_T).to(dz_ptr.dtype.element_ty), mask=mask)
+                 (dz * INV_T).to(dz_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _fwd_tile_triton(z, yl, inv_t, m, s, x, t, zy):
