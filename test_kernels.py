@@ -485,6 +485,16 @@ def test_triton_compiles_for_sm90(dz_type):
             assert "cvt.rn.bf16" in ptx  # dz rounded to nearest, once
 
 
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import torch, kernels; "
+            "assert not kernels.HAS_TRITON and kernels.resolve_backend('auto', 'cpu') == 'eager'; "
+            "print(kernels.token_logprobs(torch.randn(3, 8), torch.randn(11, 8), torch.tensor([1, 2, 3])).shape)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0 and "torch.Size([3])" in r.stdout, r.stderr[-3000:]
+
+
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
 def test_triton_interpreter():
     """Run this whole file for the Triton kernels under TRITON_INTERPRET=1 in a subprocess."""
