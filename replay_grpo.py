@@ -74,7 +74,7 @@ class Args:
     sft_warmup_steps: int = 0
     """supervised steps on the task's gold solutions before RL (a warm start; the tiny model needs
     it to get any reward). The result is cached under <out-dir>/.warmstart."""
-    sft_lr: float = 3e-3
+    sft_lr: float = 1e-3
     """learning rate of the supervised warm start."""
     sft_batch_size: int = 64
     """examples per supervised warm-start step."""
@@ -204,10 +204,13 @@ class Args:
 
 PRESETS: dict[str, Args] = {
     # Offline, 2 CPU cores: a tiny Qwen2 warm-started on a+b / a-b, then on-policy GRPO.
+    # lr 1e-4 (3e-4 collapsed); the warm start stops at ~20% greedy accuracy, mid-way through
+    # learning a+b, so that RL has something to do.
     "cpu": Args(
-        preset="cpu", model="tiny", task="arith", sft_warmup_steps=150, max_new_tokens=6,
-        group_size=16, prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4,
-        total_steps=150, eval_every=25, eval_size=200, checkpoint_every=50,
+        preset="cpu", model="tiny", task="arith", arith_ops="+", sft_warmup_steps=450,
+        sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16, prompts_per_step=8,
+        batch_size=128, buffer_size=128, lr=1e-4, total_steps=1500, eval_every=250,
+        eval_size=200, checkpoint_every=250,
     ),
     # GPU presets: the paper's settings (G=16, batch 60 prompts = 960 rollouts, clip 0.2/0.2,
     # no KL, constant-LR Adam, temperature 1). Learning rates: the paper's for Qwen3-0.6B; ours
@@ -360,7 +363,7 @@ def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None)
     try:
         if local:
             p = Path(local)
-            if p.is_dir() and (p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists():
+            if p.is_dir() and ((p / "dataset_dict.json").exists() or (p / "dataset_info.json").exists()):
                 ds = datasets.load_from_disk(local)
                 ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
             else:
@@ -695,6 +698,13 @@ class Sample:
     truncated: bool
 
 
+def stop_token_ids(model, tok) -> list[int]:
+    """The tokenizer's eos plus any the model's generation config lists (Qwen: <|im_end|>, <|endoftext|>)."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tok.eos_token_id})
+
+
 class HFGenerator:
     """transformers `generate` on the generator's own copy of the policy.
 
@@ -708,7 +718,11 @@ class HFGenerator:
         self.model.requires_grad_(False)
         self.tok, self.backend = tok, logprob_backend
         self.policy_version = 0
-        self.pad_id, self.eos_id = tok.pad_token_id, tok.eos_token_id
+        self.pad_id, self.eos_ids = tok.pad_token_id, stop_token_ids(model, tok)
+        # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
+        # would otherwise change the sampled distribution behind the behaviour log-probs' back.
+        from transformers import GenerationConfig
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         self.model.load_state_dict(state_dict)
@@ -737,12 +751,12 @@ class HFGenerator:
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
             do_sample=sampling, temperature=temperature if sampling else None,
             top_p=top_p if sampling else None, top_k=top_k if sampling else None,
-            num_return_sequences=n, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            num_return_sequences=n, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
         )[:, width:].tolist()
         samples = []
-        for row in seqs:
-            cut = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-            samples.append(Sample(row[:cut], None, self.eos_id not in row))
+        for row in seqs:  # keep the stop token (it was sampled and is trained on), drop the padding
+            cut = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
+            samples.append(Sample(row[:cut] if cut else row, None, cut is None))
         if logprobs:
             pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
             lp = completion_logprobs(self.model, pairs, self.pad_id, temperature, self.backend)
@@ -1131,6 +1145,7 @@ def train(cfg: Args) -> dict:
         record = {
             "step": step + 1, **stats,
             "reward": sum(rewards) / max(1, len(rewards)),
+            "accuracy": sum(r.correct for r in fresh) / max(1, len(fresh)),
             "reward_batch": sum(r.reward for r in batch) / B,
             "response_length": sum(len(r.completion_ids) for r in batch) / B,
             "truncated_frac": sum(r.truncated for r in batch) / B,
@@ -1165,9 +1180,89 @@ def train(cfg: Args) -> dict:
             checkpoint(step + 1)
     bar.close()
     log_file.close()
+    if counters["train_seconds"] > 0:
+        mu = (counters["gen_seconds"] / counters["generated_rollouts"]) / (counters["train_seconds"] / counters["trained_rollouts"])
+        print(f"measured mu = {mu:.2f} on this machine; the planner's suggestion for it "
+              f"(alpha = rho = 0.1, the paper's example; see `replay_grpo.py plan --help`):")
+        plan(PlanArgs(mu=mu, alpha=0.1, rho=0.1, batch=B, group_size=cfg.group_size))
     if wandb_run is not None:
         wandb_run.finish()
     return {**last_eval, "run_dir": str(run_dir)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning: the paper's compute-optimal N/R and B/R
+# ----------------------------------------------------------------------------------------------
+# The paper gives closed forms for the optimum, not the objective. Ours reproduces them exactly:
+# with x = N/R, y = B/R, an update costs R(mu + y) (generate R, train on B); a sampled rollout's
+# staleness is uniform on [0, x] with noise variance (s/tau)^(2 alpha); the batch variance is
+# sigma^2/B * (1 + B/N + rho*B/R) (draws repeat within a pool of N; a rollout's y uses are
+# correlated by rho). Compute to a target ~ cost x variance, so (dropping constants)
+#     J(x, y) = (mu + y) * x^(2 alpha) * (1/y + 1/x + rho).
+
+@dataclass
+class PlanArgs:
+    """Compute-optimal replay design from the paper's theory: staleness horizon N/R and replay ratio B/R."""
+
+    mu: float = 5.28
+    """generation cost / training cost per rollout (measured: the trainer logs it as 'mu')."""
+    alpha: float = 0.1
+    """exponent of the staleness noise sigma(s) = (s/tau)^alpha."""
+    rho: float = 0.1
+    """bound on the correlation between samples, in (0, 1]."""
+    batch: int = 960
+    """B: rollouts per optimizer step, for the suggested N and R."""
+    group_size: int = 16
+    """G: R and N are rounded to whole groups."""
+
+
+def replay_objective(x, y, mu: float, alpha: float, rho: float):
+    """J(x, y) above, up to a constant factor (works on floats and numpy arrays)."""
+    return (mu + y) * x ** (2 * alpha) * (1 / y + 1 / x + rho)
+
+
+def optimal_replay(mu: float, alpha: float, rho: float, b_le_n: bool = False) -> tuple[float, float]:
+    """(N/R, B/R) minimising J. Closed form for alpha < 1/2 (the paper's); with b_le_n (a batch
+    is drawn without replacement, so B <= N), a 1-D search over y with x = max(x(y), y), since for
+    fixed y, J falls then rises in x. alpha >= 1/2 has no finite optimum: J falls as N/R -> 0."""
+    if not (math.isfinite(mu) and mu > 0):
+        raise ValueError(f"--mu {mu}: must be a positive number")
+    if not 0 < rho <= 1:
+        raise ValueError(f"--rho {rho}: must be in (0, 1]")
+    if not (math.isfinite(alpha) and 0 < alpha < 0.5):
+        raise ValueError(f"--alpha {alpha}: the optimum is finite only for 0 < alpha < 1/2 "
+                         "(alpha >= 1/2: strictly on-policy is best; alpha = 0: staleness is free)")
+    y = (-alpha + math.sqrt(alpha ** 2 + mu * rho * (1 - 2 * alpha))) / rho
+    x = y * y / (2 * alpha * (mu + y))
+    if not b_le_n or x >= y:
+        return x, y
+    best_x = lambda y: max((1 - 2 * alpha) * y / (2 * alpha * (1 + rho * y)), y)
+    log_j = lambda t: math.log(replay_objective(best_x(math.exp(t)), math.exp(t), mu, alpha, rho))
+    lo, hi, g = -20.0, 20.0, (math.sqrt(5) - 1) / 2  # golden section on log y (J is unimodal in y)
+    for _ in range(200):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, b) if log_j(a) < log_j(b) else (a, hi)
+    y = math.exp((lo + hi) / 2)
+    return best_x(y), y
+
+
+def suggest_schedule(mu: float, alpha: float, rho: float, batch: int, group_size: int = 1) -> dict:
+    """Integer R (fresh rollouts/step, whole groups) and N (capacity, >= B) for a batch B."""
+    x, y = optimal_replay(mu, alpha, rho, b_le_n=True)
+    R = group_size * max(1, round(batch / (y * group_size)))
+    N = group_size * math.ceil(max(round(x * R), batch) / group_size)
+    return {"N/R": x, "B/R": y, "R": R, "N": N, "B": batch, "prompts_per_step": R // group_size}
+
+
+def plan(args: PlanArgs) -> dict:
+    x, y = optimal_replay(args.mu, args.alpha, args.rho)
+    s = suggest_schedule(args.mu, args.alpha, args.rho, args.batch, args.group_size)
+    print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
+          f"replay ratio B/R = {y:.3g}" + ("" if x >= y else f" (N < B: with B <= N the optimum is "
+                                                            f"N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
+    print(f"for B = {args.batch}, G = {args.group_size}: --batch-size {s['B']} --buffer-size {s['N']} "
+          f"--prompts-per-step {s['prompts_per_step']}  (R = {s['R']}, replay ratio {s['B'] / s['R']:.2f})")
+    return {"N/R": x, "B/R": y, **{k: v for k, v in s.items() if k not in ("N/R", "B/R")}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1191,9 +1286,11 @@ def parse_args(argv: list[str]) -> Args:
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["plan"]:
+            return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
         cfg = parse_args(argv)
         return train(cfg)
-    except UserError as e:
+    except (UserError, ValueError) as e:  # ValueError: the planner's input checks
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     except KeyboardInterrupt:

@@ -479,3 +479,49 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys)
     assert [r["nonfinite"] for r in recs[1:]] == [0, 0, 1, 1]
     state = torch.load(tmp_path / "nan" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == recs[-1]["step"]  # checkpoints up to the stop survive
+
+
+# --- the planner -----------------------------------------------------------------------------------
+
+def brute_force_optimum(mu, alpha, rho, feasible=lambda x, y: True):
+    """Dense log grid over (x, y) with repeated 10x zooms, independent of the closed form."""
+    import numpy as np
+    lx = ly = 0.0
+    span = 12.0
+    for _ in range(10):
+        tx, ty = np.linspace(lx - span, lx + span, 201), np.linspace(ly - span, ly + span, 201)
+        X, Y = np.meshgrid(np.exp(tx), np.exp(ty), indexing="ij")
+        J = np.where(feasible(X, Y), rg.replay_objective(X, Y, mu, alpha, rho), np.inf)
+        i, j = np.unravel_index(np.argmin(J), J.shape)
+        lx, ly, span = tx[i], ty[j], span / 10
+    return math.exp(lx), math.exp(ly)
+
+
+@pytest.mark.parametrize("mu,alpha,rho", [(5.28, 0.1, 0.1), (5.28, 0.2, 1.0), (1.0, 0.05, 0.5),
+                                          (20.0, 0.3, 0.02), (0.3, 0.45, 0.9), (100.0, 0.02, 0.3)])
+def test_planner_closed_form_is_the_brute_force_minimum(mu, alpha, rho):
+    x, y = rg.optimal_replay(mu, alpha, rho)
+    xb, yb = brute_force_optimum(mu, alpha, rho)
+    assert x == pytest.approx(xb, rel=1e-4) and y == pytest.approx(yb, rel=1e-4)
+
+
+def test_planner_with_b_le_n_matches_constrained_brute_force():
+    x, y = rg.optimal_replay(5.28, 0.2, 1.0, b_le_n=True)
+    xb, yb = brute_force_optimum(5.28, 0.2, 1.0, lambda X, Y: Y <= X)
+    assert x >= y and x == pytest.approx(xb, rel=1e-3) and y == pytest.approx(yb, rel=1e-3)
+
+
+def test_planner_paper_examples_via_cli(capsys):
+    out = rg.main(["plan", "--mu", "5.28", "--alpha", "0.1", "--rho", "0.1", "--batch", "960"])
+    assert (float(f"{out['N/R']:.2g}"), float(f"{out['B/R']:.2g}")) == (14, 5.6)
+    assert "N/R = 14.3" in capsys.readouterr().out
+    assert out["R"] % 16 == 0 and out["N"] >= 960 and out["B"] / out["R"] == pytest.approx(5.6, rel=0.1)
+    x, y = rg.optimal_replay(5.28, 0.2, 1.0)
+    assert (float(f"{x:.2g}"), float(f"{y:.2g}")) == (0.92, 1.6)
+
+
+def test_planner_grows_with_mu_and_rejects_bad_input(capsys):
+    xs, ys = zip(*(rg.optimal_replay(mu, 0.1, 0.1) for mu in (0.5, 1, 2, 5, 10, 50)))
+    assert list(xs) == sorted(xs) and list(ys) == sorted(ys)
+    for bad in (["--alpha", "0.6"], ["--rho", "0"], ["--mu", "-1"]):
+        assert "error: --" in user_error(capsys, ["plan", *bad])
