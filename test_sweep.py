@@ -1,0 +1,204 @@
+"""Offline CPU tests of sweep.py: the smoke grid end to end (run, resume, skip, report), and the
+report's numbers on hand-made runs whose answers are known."""
+
+import json
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import replay_grpo
+import sweep
+
+FIGURES = ["accuracy_vs_steps.png", "accuracy_vs_tokens.png", "accuracy_vs_compute.png", "entropy.png",
+           "staleness_hist.png", "replay_ratio_hist.png"]
+
+
+def records(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def table_row(table: Path, config: str) -> list[str]:
+    rows = [l for l in table.read_text().splitlines() if l.startswith(f"| {config} |")]
+    assert len(rows) == 1, table.read_text()
+    return [c.strip() for c in rows[0].strip("|").split("|")]
+
+
+def check_figures(out_dir: Path):
+    for name in FIGURES:
+        with Image.open(out_dir / name) as im:
+            im.verify()
+        with Image.open(out_dir / name) as im:
+            assert im.format == "PNG" and im.width > 300 and im.height > 200
+
+
+# --- the smoke grid end to end ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """A smoke study with 2 seeds, started over an interrupted run (checkpoint at step 2 of 3) and a
+    run that died before its first checkpoint (a folder with no checkpoint)."""
+    out = tmp_path_factory.mktemp("study")
+    planned = {r["name"]: r for r in sweep.plan_runs(sweep.Args(mode="run", out_dir=str(out), seeds=[0, 1],
+                                                                 grid="smoke"))}
+    replay_grpo.main(planned["onpolicy-s0"]["argv"] + ["--total-steps", "2"])  # "killed" after step 2
+    interrupted = (out / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
+    (out / "onpolicy-s1").mkdir()
+    (out / "onpolicy-s1" / "metrics.jsonl").write_text('{"step": 0, "junk": true}\n')
+    sweep.main(["run", "--out-dir", str(out), "--grid", "smoke", "--seeds", "0", "1"])
+    return {"out": out, "planned": planned, "interrupted": interrupted}
+
+
+def test_smoke_grid_names_and_all_runs_finished(study):
+    assert sorted(study["planned"]) == sorted(
+        f"{c}-s{s}" for c in ["onpolicy", "N16-R4-grpo-lr0.001", "N16-R4-grpo-lr0.003"] for s in (0, 1))
+    for name in study["planned"]:
+        run_dir = study["out"] / name
+        assert sweep.run_status(run_dir, 3) == "done"
+        assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
+    cfg = json.loads((study["out"] / "N16-R4-grpo-lr0.003-s1" / "config.json").read_text())
+    got = cfg["buffer_size"], cfg["prompts_per_step"], cfg["batch_size"], cfg["lr"], cfg["seed"]
+    assert got == (16, 1, 8, 3e-3, 1)
+
+
+def test_interrupted_run_is_resumed_not_restarted(study):
+    lines = (study["out"] / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
+    assert lines[:3] == study["interrupted"]  # steps 0-2 kept byte for byte (timings would differ)
+    assert json.loads(lines[3])["step"] == 3
+
+
+def test_run_without_checkpoint_is_restarted(study):
+    assert all("junk" not in r for r in records(study["out"] / "onpolicy-s1"))
+
+
+def test_second_run_skips_finished_runs(study, capsys):
+    mtimes = {p: p.stat().st_mtime_ns for p in study["out"].glob("*/metrics.jsonl")}
+    sweep.main(["run", "--out-dir", str(study["out"]), "--grid", "smoke", "--seeds", "0", "1"])
+    assert capsys.readouterr().out.count("finished, skipped") == 6
+    assert {p: p.stat().st_mtime_ns for p in study["out"].glob("*/metrics.jsonl")} == mtimes
+
+
+def test_report_table_matches_metrics_and_figures_parse(study):
+    out = study["out"]
+    sweep.main(["report", "--out-dir", str(out)])
+    check_figures(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reference"] == "onpolicy"
+    assert list(summary["lr_choice"]) == ["N16-R4-grpo"]
+    picked = summary["lr_choice"]["N16-R4-grpo"]["picked"]
+    for config, prefix in [("onpolicy", "onpolicy"), ("N16-R4-grpo", f"N16-R4-grpo-lr{picked:g}")]:
+        runs = [records(out / f"{prefix}-s{s}") for s in (0, 1)]
+        row = table_row(out / "table.md", config)
+        for col, key in [(4, "eval/greedy_acc"), (5, "eval/pass@1")]:
+            q25, med, q75 = np.percentile([r[-1][key] for r in runs], [25, 50, 75])
+            assert row[col] == f"{med:.3f} [{q25:.3f}–{q75:.3f}]"
+        assert row[7] == f"{np.median([r[-1]['total_generated_tokens'] for r in runs]):.0f}"
+        assert row[9] == f"{np.mean([r[-1]['replay_ratio'] for r in runs]):.2f}"
+    assert table_row(out / "table.md", "onpolicy")[10] == "0.00"  # on-policy: never stale
+
+
+# --- grid definition ----------------------------------------------------------------------------
+
+def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
+    runs = sweep.plan_runs(sweep.Args(mode="run", out_dir=str(tmp_path), seeds=[0, 1],
+                                      extra=["--total-steps", "7", "--buffer-size", "999"]))
+    names = [r["name"] for r in runs]
+    assert len(set(names)) == len(names)
+    for needle in ["onpolicy-lr5e-05-s0", "N256-R64-grpo-s1", "N512-R64-grpo-s0", "N512-R32-grpo-lr0.0002-s0",
+                   "N512-R32-asymre-s0", "N512-R32-grpo-d0.2-s0", "N512-R32-grpo-d0.5-s1"]:
+        assert needle in names
+    for r in runs:
+        cfg = replay_grpo.parse_args(r["argv"])
+        replay_grpo.validate(cfg)
+        assert r["total_steps"] == cfg.total_steps == 7  # --extra reaches the trainer
+        assert cfg.buffer_size != 999 and cfg.batch_size == 128  # the grid's own flags win over --extra
+        assert cfg.run_name == r["name"] and cfg.out_dir == str(tmp_path)
+    only = sweep.plan_runs(sweep.Args(mode="run", seeds=[0], only=["asymre"]))
+    assert [r["name"] for r in only] == ["N512-R32-asymre-s0"]
+
+
+def test_duplicate_names_are_refused(monkeypatch):
+    twins = [dict(buffer_size=16, prompts_per_step=1), dict(buffer_size=16, prompts_per_step=1, loss_agg="seq-mean")]
+    monkeypatch.setitem(sweep.GRIDS, "smoke", (sweep.SMOKE_GRID[0], twins))
+    with pytest.raises(SystemExit, match="both named"):
+        sweep.plan_runs(sweep.Args(mode="run", grid="smoke"))
+
+
+def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep.GRIDS, "smoke", (sweep.SMOKE_GRID[0], [dict(buffer_size=4, prompts_per_step=2),  # N < B
+                                                                     dict(buffer_size=8, prompts_per_step=2)]))
+    with pytest.raises(SystemExit, match=r"1 run\(s\) failed: N4-R8-grpo-s0"):
+        sweep.main(["run", "--out-dir", str(tmp_path), "--grid", "smoke", "--seeds", "0"])
+    assert sweep.run_status(tmp_path / "onpolicy-s0", 3) == "done"
+
+
+# --- the report's numbers on hand-made runs -----------------------------------------------------
+
+def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ckpt_step=None, uses=(1, 2),
+             evicted=(2, 2, 3)):
+    """A finished run: B = 8, G = 4, R = 4P, evals at steps 0, 2, 4 with greedy accuracies accs;
+    each step generates 4P rollouts of 4 tokens and trains on 8. ckpt_step < total: interrupted."""
+    run_dir = out / name
+    (run_dir / "checkpoint").mkdir(parents=True)
+    cfg = dict(buffer_size=N, batch_size=8, prompts_per_step=P, group_size=4, publish_every=1, loss="grpo",
+               positive_bias=0.0, lr=lr, seed=seed, total_steps=total, pass_k=2)
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    R, recs = 4 * P, []
+    for step in range(total + 1):
+        rec = {"step": step}
+        if step:
+            rec.update(entropy=1.0 / step, staleness_hist=stale or {"0": 8}, replay_ratio=8 / R,
+                       generated_rollouts=R * step, trained_rollouts=8 * step, total_generated_tokens=4 * R * step,
+                       mu=mu)
+        if step % 2 == 0:
+            acc = accs[step // 2]
+            rec.update({"eval/greedy_acc": acc, "eval/pass@1": acc / 2, "eval/pass@2": min(1, 2 * acc),
+                        "eval/acc_t1": acc / 3})
+        recs.append(rec)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    buffer = {"items": [{"uses": u} for u in uses], "evicted_uses": list(evicted)}
+    torch.save({"step": total if ckpt_step is None else ckpt_step, "buffer": buffer},
+               run_dir / "checkpoint" / "trainer_state.pt")
+
+
+def test_report_numbers_on_known_runs(tmp_path):
+    on = {0: [0, .2, .4], 1: [0, .3, .6], 2: [0, .1, .5]}  # final median 0.5, reached at step 4
+    rp = {0: [0, .5, .6], 1: [0, .6, .6], 2: [0, .4, .5]}  # median 0.5 already at step 2
+    for s in range(3):
+        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=on[s], mu=1.0)
+        fake_run(tmp_path, f"N16-R4-grpo-lr0.0001-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=rp[s], mu=1.0,
+                 stale={"0": 4, "1": 2, "3": 2})
+        fake_run(tmp_path, f"N16-R4-grpo-lr0.001-s{s}", seed=s, lr=1e-3, N=16, P=1, accs=[0, .1, .1], mu=3.0)
+    fake_run(tmp_path, "onpolicy-s3", seed=3, lr=1e-4, N=8, P=2, accs=[0, 1, 1], ckpt_step=2)  # unfinished
+    (tmp_path / ".warmstart").mkdir()
+
+    s = sweep.main(["report", "--out-dir", str(tmp_path)])
+    check_figures(tmp_path)
+    assert s["reference"] == "onpolicy" and s["target_greedy_acc"] == pytest.approx(0.5)
+    assert s["mu_measured"] == pytest.approx(1.0)  # median over all 9 finished runs' mu (6 x 1.0, 3 x 3.0)
+    assert s["lr_choice"]["N16-R4-grpo"]["picked"] == 1e-4
+    ref, rp_row = s["configs"]["onpolicy"], s["configs"]["N16-R4-grpo"]
+    assert ref["seeds"] == [0, 1, 2]  # the unfinished seed 3 is left out
+    assert ref["greedy_acc"] == pytest.approx((0.45, 0.5, 0.55))
+    # on-policy reaches 0.5 at step 4: 4 x 32 tokens; compute 4 x 8 trained + mu x 4 x 8 generated
+    assert ref["tokens_to_target"] == 128 and ref["compute_measured_mu_to_target"] == pytest.approx(64)
+    assert ref["compute_paper_mu_to_target"] == pytest.approx(32 + 5.28 * 32)
+    # replay reaches it at step 2: 2 x 16 tokens; compute 2 x 8 + mu x 2 x 4
+    assert rp_row["tokens_to_target"] == 32 and rp_row["tokens_saving_pct"] == pytest.approx(75)
+    assert rp_row["compute_measured_mu_saving_pct"] == pytest.approx(100 * (1 - 24 / 64))
+    assert rp_row["compute_paper_mu_saving_pct"] == pytest.approx(100 * (1 - (16 + 5.28 * 8) / (32 + 5.28 * 32)))
+    assert rp_row["staleness"] == pytest.approx((0 * 4 + 1 * 2 + 3 * 2) / 8)
+    assert rp_row["replay_ratio"] == pytest.approx(2.0)
+
+    row = table_row(tmp_path / "table.md", "N16-R4-grpo")
+    assert row[1] == "0.0001*" and row[4] == "0.600 [0.550–0.600]"
+    paper_saving = f"{rp_row['compute_paper_mu_saving_pct']:+.1f}%"
+    assert row[-5:] == ["+75.0%", "24", "+62.5%", "58.24", paper_saving]
+    assert "N16-R4-grpo: lr 0.0001 picked" in (tmp_path / "table.md").read_text()
+    with pytest.raises(SystemExit, match="no finished runs"):
+        sweep.main(["report", "--out-dir", str(tmp_path / "empty")])
