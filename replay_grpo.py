@@ -67,6 +67,13 @@ class Args:
     model: str = "tiny"
     """policy: 'tiny' (a 0.5M-parameter Qwen2 built in code with a byte-level tokenizer), a hub id
     (needs a network), a local Hugging Face folder, or a .gguf file."""
+    tiny_hidden_size: int = 128
+    """--model tiny: hidden size (a multiple of 64, the head size; e.g. 896 for Qwen2.5-0.5B's width)."""
+    tiny_layers: int = 2
+    """--model tiny: number of decoder layers."""
+    tiny_vocab_size: int = 0
+    """--model tiny: embedding rows (0 = the byte tokenizer's 259; more pads the vocabulary with
+    unused tokens, e.g. 151936 to benchmark log-probs at a real vocabulary size)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """parameter dtype of the policy (log-probs are always computed in fp32)."""
     device: str = "auto"
@@ -152,8 +159,9 @@ class Args:
     each completion, then over completions (original GRPO)."""
     kl_coef: float = 0.0
     """weight of a k3 KL penalty to the initial policy (0 = off, as in the paper)."""
-    logprob_backend: Literal["auto", "triton", "compile", "eager"] = "auto"
-    """kernels.token_logprobs backend for every log-prob the trainer computes."""
+    logprob_backend: Literal["auto", "triton", "compile", "eager", "naive"] = "auto"
+    """kernels.token_logprobs backend for every log-prob the trainer computes (auto: triton on
+    CUDA, eager on CPU). naive materialises the fp32 [tokens x vocab] logits: a baseline only."""
 
     # --- optimisation ---
     lr: float = 1e-4
@@ -608,13 +616,17 @@ def byte_tokenizer():
     )
 
 
-def build_tiny_model(seed: int):
-    """0.5M-parameter Qwen2 (hidden 128, 2 layers, head_dim 64; vLLM-compatible shapes)."""
+def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
+    """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64,
+    vLLM-compatible shapes) on the byte tokenizer's 259 tokens."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = byte_tokenizer()
+    if hidden_size % 64:
+        raise UserError(f"--tiny-hidden-size {hidden_size}: must be a multiple of 64 (the head size)")
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        vocab_size=max(vocab_size, len(tok)), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64, head_dim=64, max_position_embeddings=512,
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=tok.eos_token_id,
     )
@@ -683,6 +695,10 @@ def completion_logprobs(model, seqs, pad_id, temperature, backend="auto", entrop
     ids, mask, targets = pack(seqs, pad_id, device)
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel = targets != -100
+    if backend == "naive":  # the baseline the fused kernels avoid: full fp32 logits
+        logp = torch.log_softmax((hidden[sel] @ lm_head_weight(model).T).float() / temperature, -1)
+        out = logp.gather(-1, targets[sel, None]).squeeze(-1)
+        return (out, -(logp.exp() * logp).sum(-1)) if entropy else out
     return kernels.token_logprobs(hidden[sel], lm_head_weight(model), targets[sel],
                                   temperature=temperature, return_entropy=entropy, backend=backend)
 
@@ -951,14 +967,15 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     (cached) supervised warm start when --sft-warmup-steps > 0."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.sft_warmup_steps > 0:
-        key_fields = ("model", "task", "data_path", "arith_max_operand", "arith_ops", "arith_terms",
+        key_fields = ("model", "tiny_hidden_size", "tiny_layers", "tiny_vocab_size", "task", "data_path", "arith_max_operand", "arith_ops", "arith_terms",
                       "arith_worked", "sft_warmup_steps", "sft_lr", "sft_batch_size", "seed", "dtype")
         key = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in key_fields}).encode()).hexdigest()[:12]
         cache = Path(cfg.out_dir) / ".warmstart" / key
         if (cache / "config.json").exists():
             model, tok = load_pretrained(str(cache), dtype)
             return model.to(device), tok, str(cache)
-    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, dtype)
+    model, tok = (build_tiny_model(cfg.seed, cfg.tiny_hidden_size, cfg.tiny_layers, cfg.tiny_vocab_size)
+                  if cfg.model == "tiny" else load_pretrained(cfg.model, dtype))
     tok.padding_side = "left"
     model = model.to(device=device, dtype=dtype)
     if cfg.sft_warmup_steps > 0:
@@ -1155,6 +1172,7 @@ def train(cfg: Args) -> dict:
             "steps_since_last_use": sum(since_last) / len(since_last) if since_last else None,
             "replay_ratio": counters["trained_rollouts"] / counters["generated_rollouts"],
             "generated_tokens": gen_tokens, "gen_seconds": gen_seconds, "train_seconds": train_seconds,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             # mu = generation cost / training cost per rollout, measured on this machine
             "mu": (counters["gen_seconds"] / counters["generated_rollouts"])
                   / (counters["train_seconds"] / counters["trained_rollouts"]),
