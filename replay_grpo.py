@@ -81,6 +81,10 @@ class Args:
     sft_warmup_steps: int = 0
     """supervised steps on the task's gold solutions before RL (a warm start; the tiny model needs
     it to get any reward). The result is cached under <out-dir>/.warmstart."""
+    sft_target_accuracy: float = 0.0
+    """stop the warm start early once greedy accuracy on 200 training problems reaches this
+    (checked every 25 steps; 0 = run all --sft-warmup-steps). Gives RL the same starting point
+    across seeds and machines."""
     sft_lr: float = 1e-3
     """learning rate of the supervised warm start."""
     sft_batch_size: int = 64
@@ -140,6 +144,9 @@ class Args:
     """generation backend: hf = transformers `generate` on a copy of the policy."""
     gen_batch_prompts: int = 64
     """prompts per generation call (each expands to G sequences)."""
+    mismatch_warn: float = 0.05
+    """warn when the mean |trainer log-prob - behaviour log-prob| on rollouts made by the current
+    weights exceeds this (the sampler and trainer disagree: dtype, kernels, a missed sync)."""
     publish_every: int = 1
     """k: copy the trainer's weights to the generator every k optimizer steps."""
 
@@ -215,7 +222,7 @@ PRESETS: dict[str, Args] = {
     # lr 1e-4 (3e-4 collapsed); the warm start stops at ~20% greedy accuracy, mid-way through
     # learning a+b, so that RL has something to do.
     "cpu": Args(
-        preset="cpu", model="tiny", task="arith", arith_ops="+", sft_warmup_steps=450,
+        preset="cpu", model="tiny", task="arith", arith_ops="+", sft_warmup_steps=1000, sft_target_accuracy=0.2,
         sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16, prompts_per_step=8,
         batch_size=128, buffer_size=128, lr=1e-4, total_steps=1500, eval_every=250,
         eval_size=200, checkpoint_every=250,
@@ -949,9 +956,19 @@ def _evaluate(generator, tok, task: Task, cfg: Args) -> dict:
 def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
     """A few steps of teacher forcing on gold solutions, so RL starts with some reward."""
     rng = random.Random(cfg.seed + 1)
+    probe = task.sample(random.Random(cfg.seed + 2), 200)  # training problems, not the held-out ones
+    verifier = VERIFIERS[task.verifier]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    model.train()
-    for _ in range(cfg.sft_warmup_steps):
+    for step in range(cfg.sft_warmup_steps):
+        if cfg.sft_target_accuracy > 0 and step % 25 == 0:
+            samples = HFGenerator(model, tok).generate([render_prompt(tok, ex.prompt) for ex in probe], 1,
+                                                       cfg.max_new_tokens, 0.0, logprobs=False)
+            acc = sum(score(verifier, tok.decode(g[0].completion_ids, skip_special_tokens=True), ex.answer,
+                            cfg.verify_timeout)[0] for g, ex in zip(samples, probe)) / len(probe)
+            if acc >= cfg.sft_target_accuracy:
+                print(f"warm start: greedy accuracy {acc:.2f} on training problems after {step} steps")
+                return step
+        model.train()
         exs = task.sample(rng, cfg.sft_batch_size)
         seqs = [(render_prompt(tok, ex.prompt),
                  tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
@@ -960,6 +977,7 @@ def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return cfg.sft_warmup_steps
 
 
 def load_policy(cfg: Args, device: torch.device, task: Task):
@@ -967,8 +985,9 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     (cached) supervised warm start when --sft-warmup-steps > 0."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.sft_warmup_steps > 0:
-        key_fields = ("model", "tiny_hidden_size", "tiny_layers", "tiny_vocab_size", "task", "data_path", "arith_max_operand", "arith_ops", "arith_terms",
-                      "arith_worked", "sft_warmup_steps", "sft_lr", "sft_batch_size", "seed", "dtype")
+        key_fields = ("model", "tiny_hidden_size", "tiny_layers", "tiny_vocab_size", "task", "data_path",
+                      "arith_max_operand", "arith_ops", "arith_terms", "arith_worked", "sft_warmup_steps",
+                      "sft_target_accuracy", "max_new_tokens", "sft_lr", "sft_batch_size", "seed", "dtype")
         key = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in key_fields}).encode()).hexdigest()[:12]
         cache = Path(cfg.out_dir) / ".warmstart" / key
         if (cache / "config.json").exists():
@@ -980,13 +999,13 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     model = model.to(device=device, dtype=dtype)
     if cfg.sft_warmup_steps > 0:
         t0 = time.time()
-        supervised_warm_start(model, tok, task, cfg)
+        steps = supervised_warm_start(model, tok, task, cfg)
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         shutil.rmtree(cache, ignore_errors=True)
         tmp.rename(cache)
-        print(f"warm start: {cfg.sft_warmup_steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
+        print(f"warm start: {steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
         return model, tok, str(cache)
     return model, tok, cfg.model
 
@@ -1190,6 +1209,10 @@ def train(cfg: Args) -> dict:
             last_eval = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step + 1)
             record.update(last_eval)
             bar.write(f"step {step + 1} eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+        if record.get("logprob_mismatch_abs", 0.0) > cfg.mismatch_warn:
+            bar.write(f"warning: step {step + 1}: sampler and trainer log-probs differ by "
+                      f"{record['logprob_mismatch_abs']:.3g} on average (> --mismatch-warn {cfg.mismatch_warn}); "
+                      "the importance ratio is biased")
         log(record)
         bar.set_postfix(reward=f"{record['reward']:.2f}", loss=f"{stats['loss']:.3f}",
                         ent=f"{stats['entropy']:.2f}", stale=f"{record['staleness_mean']:.1f}",
