@@ -81,10 +81,6 @@ class Args:
     sft_warmup_steps: int = 0
     """supervised steps on the task's gold solutions before RL (a warm start; the tiny model needs
     it to get any reward). The result is cached under <out-dir>/.warmstart."""
-    sft_target_accuracy: float = 0.0
-    """stop the warm start early once greedy accuracy on 200 training problems reaches this
-    (checked every 25 steps; 0 = run all --sft-warmup-steps). Gives RL the same starting point
-    across seeds and machines."""
     sft_lr: float = 1e-3
     """learning rate of the supervised warm start."""
     sft_batch_size: int = 64
@@ -108,6 +104,9 @@ class Args:
     arith_worked: bool = False
     """arith: gold solutions (used by the warm start) are worked step by step ('12+30=42, 42-7=35')
     instead of the bare answer, so completions are longer and generation costs more."""
+    arith_demo_error: float = 0.0
+    """arith: fraction of the warm start's demonstrations whose answer is off by one (answer + 1),
+    drawn afresh each time: a systematic error that RL with a correctness reward has to unlearn."""
     eval_size: int = 200
     """held-out prompts used for pass@1 / greedy accuracy."""
     verify_timeout: float = 5.0
@@ -219,13 +218,15 @@ class Args:
 
 PRESETS: dict[str, Args] = {
     # Offline, 2 CPU cores: a tiny Qwen2 warm-started on a+b / a-b, then on-policy GRPO.
-    # lr 1e-4 (3e-4 collapsed); the warm start stops at ~20% greedy accuracy, mid-way through
-    # learning a+b, so that RL has something to do.
+    # The warm start (800 supervised steps, batch 256) learns a+b from a demonstrator that answers
+    # a+b+1 three times in four, so the policy starts with the skill but a systematic error:
+    # greedy accuracy is low while pass@8 is high, as for an LLM before RL. lr 1e-4 (3e-4 collapsed
+    # in a trial without the noisy demonstrator).
     "cpu": Args(
-        preset="cpu", model="tiny", task="arith", arith_ops="+", sft_warmup_steps=1000, sft_target_accuracy=0.2,
-        sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16, prompts_per_step=8,
-        batch_size=128, buffer_size=128, lr=1e-4, total_steps=1500, eval_every=250,
-        eval_size=200, checkpoint_every=250,
+        preset="cpu", model="tiny", task="arith", arith_ops="+", arith_demo_error=0.75,
+        sft_warmup_steps=800, sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16,
+        prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4, total_steps=200,
+        eval_every=25, eval_size=200, checkpoint_every=100,
     ),
     # GPU presets: the paper's settings (G=16, batch 60 prompts = 960 rollouts, clip 0.2/0.2,
     # no KL, constant-LR Adam, temperature 1). Learning rates: the paper's for Qwen3-0.6B; ours
@@ -331,6 +332,8 @@ def make_arith_task(cfg: Args) -> Task:
         while True:
             text, value, worked = draw(rng)
             if not is_eval(text):
+                if cfg.arith_demo_error and rng.random() < cfg.arith_demo_error:
+                    worked = worked[: worked.rfind(str(value))] + str(value + 1)  # a wrong demonstration
                 return Example(text, str(value), worked)
 
     eval_rng, eval_examples, seen = random.Random(10_000 + cfg.seed), [], set()
@@ -956,19 +959,9 @@ def _evaluate(generator, tok, task: Task, cfg: Args) -> dict:
 def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
     """A few steps of teacher forcing on gold solutions, so RL starts with some reward."""
     rng = random.Random(cfg.seed + 1)
-    probe = task.sample(random.Random(cfg.seed + 2), 200)  # training problems, not the held-out ones
-    verifier = VERIFIERS[task.verifier]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    for step in range(cfg.sft_warmup_steps):
-        if cfg.sft_target_accuracy > 0 and step % 25 == 0:
-            samples = HFGenerator(model, tok).generate([render_prompt(tok, ex.prompt) for ex in probe], 1,
-                                                       cfg.max_new_tokens, 0.0, logprobs=False)
-            acc = sum(score(verifier, tok.decode(g[0].completion_ids, skip_special_tokens=True), ex.answer,
-                            cfg.verify_timeout)[0] for g, ex in zip(samples, probe)) / len(probe)
-            if acc >= cfg.sft_target_accuracy:
-                print(f"warm start: greedy accuracy {acc:.2f} on training problems after {step} steps")
-                return step
-        model.train()
+    model.train()
+    for _ in range(cfg.sft_warmup_steps):
         exs = task.sample(rng, cfg.sft_batch_size)
         seqs = [(render_prompt(tok, ex.prompt),
                  tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
@@ -977,7 +970,6 @@ def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return cfg.sft_warmup_steps
 
 
 def load_policy(cfg: Args, device: torch.device, task: Task):
@@ -986,8 +978,8 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     dtype = getattr(torch, cfg.dtype)
     if cfg.sft_warmup_steps > 0:
         key_fields = ("model", "tiny_hidden_size", "tiny_layers", "tiny_vocab_size", "task", "data_path",
-                      "arith_max_operand", "arith_ops", "arith_terms", "arith_worked", "sft_warmup_steps",
-                      "sft_target_accuracy", "max_new_tokens", "sft_lr", "sft_batch_size", "seed", "dtype")
+                      "arith_max_operand", "arith_ops", "arith_terms", "arith_worked", "arith_demo_error", "sft_warmup_steps",
+                      "max_new_tokens", "sft_lr", "sft_batch_size", "seed", "dtype")
         key = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in key_fields}).encode()).hexdigest()[:12]
         cache = Path(cfg.out_dir) / ".warmstart" / key
         if (cache / "config.json").exists():
@@ -999,13 +991,13 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     model = model.to(device=device, dtype=dtype)
     if cfg.sft_warmup_steps > 0:
         t0 = time.time()
-        steps = supervised_warm_start(model, tok, task, cfg)
+        supervised_warm_start(model, tok, task, cfg)
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         shutil.rmtree(cache, ignore_errors=True)
         tmp.rename(cache)
-        print(f"warm start: {steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
+        print(f"warm start: {cfg.sft_warmup_steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
         return model, tok, str(cache)
     return model, tok, cfg.model
 
