@@ -23,7 +23,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import os
+import pickle
+import queue
 import random
 import re
 import shutil
@@ -31,7 +34,8 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
+import traceback
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -39,7 +43,11 @@ from typing import Literal
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+import torch.distributed as dist
 import tyro
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
 
 import kernels
 
@@ -147,7 +155,21 @@ class Args:
     """warn when the mean |trainer log-prob - behaviour log-prob| on rollouts made by the current
     weights exceeds this (the sampler and trainer disagree: dtype, kernels, a missed sync)."""
     publish_every: int = 1
-    """k: copy the trainer's weights to the generator every k optimizer steps."""
+    """k: copy the trainer's weights to the generator(s) every k optimizer steps."""
+
+    # --- asynchronous pipeline ---
+    mode: Literal["sync", "async"] = "sync"
+    """sync: one process generates R rollouts, then takes one step, in turn. async (the paper's
+    system): --num-generators processes generate continuously and stream rollouts to the trainers,
+    which step whenever their buffer shard holds a batch. T trainers: `torchrun --nproc_per_node T
+    replay_grpo.py --mode async ...` (FSDP2; each rank keeps N/T rollouts and samples B/T, so B and
+    N must be multiples of T); plain `python` is T = 1. --prompts-per-step is then the size of one
+    generation request."""
+    num_generators: int = 1
+    """W (--mode async): generator processes (on GPU: one per GPU the trainers do not use)."""
+    channel_size: int = 4
+    """--mode async: finished generation requests (prompts_per_step x G rollouts each) the
+    generator-to-trainer channel holds; when it is full the generators wait (backpressure)."""
 
     # --- loss ---
     loss: Literal["grpo", "asymre"] = "grpo"
@@ -276,6 +298,9 @@ def validate(cfg: Args) -> None:
         raise UserError("--task jsonl needs --data-path FILE.jsonl")
     if cfg.publish_every < 1:
         raise UserError(f"--publish-every {cfg.publish_every}: must be >= 1")
+    if cfg.num_generators < 1 or cfg.channel_size < 1:
+        raise UserError(f"--num-generators {cfg.num_generators} / --channel-size {cfg.channel_size}: "
+                        "must be >= 1")
     if cfg.micro_batch_size < 1 or cfg.total_steps < 0 or cfg.max_new_tokens < 1:
         raise UserError("--micro-batch-size and --max-new-tokens must be >= 1, --total-steps >= 0")
     if cfg.resume and not cfg.run_name:
@@ -700,9 +725,35 @@ def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
 
 def completion_logprobs(model, seqs, pad_id, temperature, backend="auto", entropy=False):
     """fp32 log-probs (and entropy) of every completion token, flattened in rollout order,
-    through kernels.token_logprobs on the final hidden states and the LM head."""
+    through kernels.token_logprobs on the final hidden states and the LM head. `model` is a
+    causal LM, or a LogprobPolicy wrapping one (sharded by FSDP2: see there)."""
     device = next(model.parameters()).device
     ids, mask, targets = pack(seqs, pad_id, device)
+    if isinstance(model, LogprobPolicy):
+        return model(ids, mask, targets, temperature, backend, entropy)
+    return packed_logprobs(model, ids, mask, targets, temperature, backend, entropy)
+
+
+class LogprobPolicy(torch.nn.Module):
+    """A causal LM whose forward is completion_logprobs. Under FSDP2 (`fully_shard(LogprobPolicy(
+    model))`) the embedding, the (tied) LM head and the final norm belong to this root module and
+    are sharded DTensors except inside its forward, where FSDP all-gathers them: computing the
+    log-probs here hands kernels.token_logprobs the full head weight, and FSDP reduce-scatters its
+    gradient (to the tied embedding too). Calling model.base_model and reading the head outside
+    this forward would skip the root's unshard (KERNELS.md bug 12)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, ids, mask, targets, temperature, backend, entropy):
+        out = packed_logprobs(self.policy, ids, mask, targets, temperature, backend, entropy)
+        # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
+        return tuple(t.clone() for t in out) if entropy else out.clone()
+
+
+def packed_logprobs(model, ids, mask, targets, temperature, backend="auto", entropy=False):
+    """completion_logprobs on packed ids / mask / targets (see pack)."""
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel = targets != -100
     if backend == "naive":  # the baseline the fused kernels avoid: full fp32 logits
@@ -840,6 +891,16 @@ def token_loss(loss: str, logp: torch.Tensor, behaviour: torch.Tensor, advantage
     raise UserError(f"--loss {loss}: unknown (valid: grpo, asymre)")
 
 
+def all_ranks(flag: torch.Tensor) -> bool:
+    """flag holds on every trainer rank (one all-reduce under torchrun; one process: flag itself).
+    Ranks must agree to skip, or the others would wait in FSDP's collectives forever."""
+    dist = torch.distributed
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 def token_weights(lengths: list[int], agg: str, total_tokens: int, n_seqs: int) -> torch.Tensor:
     """Per-token weights whose sum over the whole batch is 1, so micro-batch losses add up to
     the batch loss (gradient accumulation does not depend on the micro-batch size)."""
@@ -878,7 +939,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             sums["kl"] += kl.detach().sum().item()
         w = token_weights(mb_len, cfg.loss_agg, total_tokens, len(batch)).to(device)
         loss = (tok_loss * w).sum()
-        if not torch.isfinite(loss):
+        if not all_ranks(torch.isfinite(loss)):
             nonfinite = True
             break
         loss.backward()
@@ -1017,7 +1078,7 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, state: dict) -> None:
     """Model (save_pretrained), optimizer, buffer, RNG states and counters, written to a temporary
     folder and swapped in by rename, so a kill mid-save never loses the previous checkpoint."""
-    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+    tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -1026,6 +1087,13 @@ def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, sta
     if generator.policy_version != state["step"]:  # generator lags (publish_every > 1): keep its weights
         trainer_state["generator_weights"] = {k: v.cpu() for k, v in generator.model.state_dict().items()}
     torch.save(trainer_state, tmp / "trainer_state.pt")
+    swap_in_checkpoint(run_dir)
+
+
+def swap_in_checkpoint(run_dir: Path) -> None:
+    """checkpoint.tmp becomes checkpoint by renames: a kill at any point leaves a whole checkpoint
+    (train() renames a lone checkpoint.old back)."""
+    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
     if final.exists():
         final.rename(old)
     tmp.rename(final)
@@ -1036,14 +1104,9 @@ def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, sta
 # Training loop
 # ----------------------------------------------------------------------------------------------
 
-def train(cfg: Args) -> dict:
-    """Run training; returns the last evaluation metrics (and the run folder)."""
-    validate(cfg)
-    import transformers
-    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def open_run(cfg: Args) -> tuple[str, Path, Path]:
+    """Run name, run folder (created, config saved) and checkpoint folder; refuses to overwrite a
+    run or to resume one that has no checkpoint."""
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.out_dir) / run_name
@@ -1057,6 +1120,54 @@ def train(cfg: Args) -> dict:
                         "choose another --run-name")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return run_name, run_dir, ckpt
+
+
+def open_metrics(cfg: Args, run_name: str, run_dir: Path, start_step: int):
+    """metrics.jsonl (on resume, cut back to the checkpoint's step) and wandb when asked:
+    returns log(record) and close()."""
+    metrics_path = run_dir / "metrics.jsonl"
+    if cfg.resume and metrics_path.exists():  # drop records the killed run wrote after its checkpoint
+        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
+        metrics_path.write_text("".join(l + "\n" for l in kept))
+    log_file = metrics_path.open("a")
+    wandb_run = None
+    if cfg.wandb:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
+        wandb_run = wandb.init(project=cfg.wandb_project, name=run_name, config=dataclasses.asdict(cfg),
+                               resume="allow" if cfg.resume else None)
+
+    def log(record: dict) -> None:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if wandb_run is not None:
+            wandb_run.log(record, step=record["step"])
+
+    def close() -> None:
+        log_file.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    return log, close
+
+
+def train(cfg: Args) -> dict:
+    """Run training; returns the last evaluation metrics (and the run folder)."""
+    validate(cfg)
+    if cfg.mode == "async":
+        return train_async(cfg)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is "
+                        "one process)")
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
+    run_name, run_dir, ckpt = open_run(cfg)
 
     task = make_task(cfg)
     model, tok, model_dir = load_policy(cfg, device, task)
@@ -1084,25 +1195,7 @@ def train(cfg: Args) -> dict:
         set_rng_state(state["rng"])
         if ref_model is not None:
             ref_model.load_state_dict(state["ref_model"])
-    metrics_path = run_dir / "metrics.jsonl"
-    if cfg.resume and metrics_path.exists():  # drop records the killed run wrote after its checkpoint
-        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
-        metrics_path.write_text("".join(l + "\n" for l in kept))
-    log_file = metrics_path.open("a")
-    wandb_run = None
-    if cfg.wandb:
-        try:
-            import wandb
-        except ImportError:
-            raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
-        wandb_run = wandb.init(project=cfg.wandb_project, name=run_name, config=dataclasses.asdict(cfg),
-                               resume="allow" if cfg.resume else None)
-
-    def log(record: dict) -> None:
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-        if wandb_run is not None:
-            wandb_run.log(record, step=record["step"])
+    log, close_log = open_metrics(cfg, run_name, run_dir, start_step)
 
     def checkpoint(step: int) -> None:
         save_checkpoint(run_dir, model, tok, optimizer, buffer, generator, {
@@ -1212,15 +1305,445 @@ def train(cfg: Args) -> dict:
         if done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
             checkpoint(step + 1)
     bar.close()
-    log_file.close()
+    close_log()
     if counters["train_seconds"] > 0:
         mu = (counters["gen_seconds"] / counters["generated_rollouts"]) / (counters["train_seconds"] / counters["trained_rollouts"])
         print(f"measured mu = {mu:.2f} on this machine; the planner's suggestion for it "
               f"(alpha = rho = 0.1, the paper's example; see `replay_grpo.py plan --help`):")
         plan(PlanArgs(mu=mu, alpha=0.1, rho=0.1, batch=B, group_size=cfg.group_size))
-    if wandb_run is not None:
-        wandb_run.finish()
     return {**last_eval, "run_dir": str(run_dir)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Asynchronous pipeline (--mode async): W generator processes stream rollouts to T trainers
+# ----------------------------------------------------------------------------------------------
+# The paper's system. Each generator process runs make_rollouts in a loop with whatever weights
+# it holds and puts every finished request (prompts_per_step x G rollouts: advantages, behaviour
+# log-probs and policy version frozen) on one bounded channel; a full channel makes it wait
+# (backpressure). The trainers are torchrun ranks sharding the policy with FSDP2. Rank 0 owns the
+# channel and deals new rollouts round-robin to the ranks; each keeps a ReplayBuffer shard of N/T,
+# samples B/T per step and FSDP averages the gradients. Every k steps the full weights are
+# gathered to rank 0 and written to a shared-memory mailbox that generators read between
+# requests, so a rollout carries the version (= optimizer steps) that really made it.
+#
+# On GPU (documented, not verified here): the T ranks use GPUs 0..T-1 with nccl and generator i
+# takes GPU T+i (HF generate today; a vLLM engine through make_generator once that backend lands).
+# The mailbox still works through host memory; at scale, weights would rather go from rank 0 to
+# the engines by an NCCL broadcast (a process group spanning trainers and engines) or vLLM's
+# weight-transfer API, which skips the host round trip.
+
+
+class PipelineError(RuntimeError):
+    """A generator process failed (or rank 0 stopped the run because of one)."""
+
+
+def make_generator(cfg: Args, model, tok, model_dir: str):
+    """The one place a generator process builds its engine. A vLLM backend plugs in here with the
+    same interface: generate(...), load_weights(state_dict, version), policy_version."""
+    if cfg.generator == "hf":
+        return HFGenerator(model, tok, cfg.logprob_backend)
+    raise UserError(f"--generator {cfg.generator}: unknown in --mode async (valid: hf)")
+
+
+class WeightMailbox:
+    """The latest published weights in shared memory: rank 0 overwrites them in place, a generator
+    copies them out between requests when the version moved. One copy for all W generators however
+    often weights are published (a queue of state dicts would pile up behind a slow generator)."""
+
+    def __init__(self, ctx, state_dict: dict, version: int):
+        self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state_dict.items()}
+        self.version, self.lock = ctx.Value("q", version, lock=False), ctx.Lock()
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        with self.lock:
+            for k, t in self.tensors.items():
+                t.copy_(state_dict[k])
+            self.version.value = version
+
+    def pull(self, generator) -> None:
+        if self.version.value != generator.policy_version:  # unlocked peek; the copy itself is locked
+            with self.lock:
+                generator.load_weights(self.tensors, self.version.value)
+
+
+def generator_main(index: int, cfg: Args, mailbox: WeightMailbox, channel, errors, stop,
+                   first_group_id: int, device: str) -> None:
+    """One generator process: make_rollouts with the newest weights, request after request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
+    parent = mp.parent_process()
+    try:
+        task = make_task(cfg)
+        model, tok, model_dir = load_policy(cfg, torch.device(device), task)
+        generator = make_generator(cfg, model, tok, model_dir)
+        generator.policy_version = -1  # whatever load_policy built, start from the published weights
+        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # own prompts per generator and per resume
+        torch.manual_seed(rng.getrandbits(63))
+        counters, idle, request = defaultdict(int), 0.0, 0
+        while not stop.is_set() and parent.is_alive():
+            mailbox.pull(generator)
+            t0 = time.perf_counter()
+            group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
+            rollouts = make_rollouts(generator, tok, task, task.sample(rng, cfg.prompts_per_step), cfg,
+                                     generator.policy_version, group_id, counters)
+            msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counters), "idle_seconds": idle,
+                                "busy_seconds": time.perf_counter() - t0})  # bytes: no shared-memory fd per tensor
+            counters.clear()
+            request += 1
+            t0 = time.perf_counter()
+            while not stop.is_set() and parent.is_alive():  # blocks while the channel is full
+                try:
+                    channel.put(msg, timeout=0.5)
+                    break
+                except queue.Full:
+                    pass
+            idle = time.perf_counter() - t0
+    except Exception:
+        errors.put((index, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class GeneratorPool:
+    """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
+
+    def __init__(self, cfg: Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int):
+        self.channel, self.errors, self.stop = ctx.Queue(maxsize=cfg.channel_size), ctx.Queue(), ctx.Event()
+        self.capacity = cfg.channel_size
+        n_gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
+        self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
+            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id,
+            f"cuda:{n_trainers + i}" if n_trainers + i < n_gpus else "cpu")) for i in range(cfg.num_generators)]
+        for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
+            p.start()
+
+    def receive(self, wait: float) -> list[dict]:
+        """Every finished request in the channel, waiting up to `wait` seconds for the first."""
+        msgs = []
+        try:
+            msgs.append(self.channel.get(timeout=wait) if wait > 0 else self.channel.get_nowait())
+            for _ in range(self.capacity + len(self.procs)):  # bounded: they keep producing
+                msgs.append(self.channel.get_nowait())
+        except queue.Empty:
+            pass
+        return [pickle.loads(m) for m in msgs]
+
+    def failure(self) -> str | None:
+        """Why a generator stopped (its traceback, or its exit code / signal); None while all run."""
+        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        if not dead:
+            return None
+        try:  # a generator that raised sent its traceback before exiting
+            index, tb = self.errors.get(timeout=2)
+            return f"generator {index} failed:\n{tb.rstrip()}"
+        except queue.Empty:
+            i, p = dead[0]
+            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            return f"generator {i} (pid {p.pid}) died ({how})"
+
+    def depth(self) -> int | None:
+        try:
+            return self.channel.qsize()
+        except NotImplementedError:  # macOS
+            return None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every generator, draining the channel so none stays blocked on it; terminate (then
+        kill) the ones still running after `timeout` seconds."""
+        self.stop.set()
+        deadline = time.time() + timeout
+        while any(p.is_alive() for p in self.procs) and time.time() < deadline:
+            self.receive(wait=0)
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def full_weights(policy) -> dict:
+    """The full state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere. Collective."""
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("policy."): v for k, v in sd.items()}
+
+
+def merge_stats(per_rank: list[dict]) -> dict:
+    """The ranks' train_step metrics as the step's: token-weighted means; maxima; sums of counts;
+    loss and grad norm as the mean over ranks (grad norm is already global: FSDP clips globally)."""
+    tokens, out = [s["trained_tokens"] for s in per_rank], {}
+    for k in dict.fromkeys(k for s in per_rank for k in s):
+        vals = [(s[k], n) for s, n in zip(per_rank, tokens) if k in s]
+        if k == "trained_tokens":
+            out[k] = sum(tokens)
+        elif k in ("ratio_max", "nonfinite"):
+            out[k] = max(v for v, _ in vals)
+        elif k in ("loss", "grad_norm"):
+            out[k] = sum(v for v, _ in vals) / len(vals)
+        else:
+            out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
+    return out
+
+
+def save_async_checkpoint(run_dir: Path, rank: int, policy, optimizer, shard: ReplayBuffer,
+                          model_copy, tok, state: dict) -> None:
+    """Model (save_pretrained of rank 0's full copy, holding the current weights) and the full
+    optimizer state from rank 0, each rank's buffer shard and RNG in its own file; swapped in
+    whole by rename like the synchronous save_checkpoint."""
+    osd = get_optimizer_state_dict(policy, optimizer,  # collective
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tmp = run_dir / "checkpoint.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model_copy.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        torch.save(dict(state, optimizer=osd), tmp / "trainer_state.pt")
+    dist.barrier()
+    torch.save({"buffer": shard.state_dict(), "rng": rng_state()}, tmp / f"buffer_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        swap_in_checkpoint(run_dir)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: shut the generators down too
+
+
+def train_async(cfg: Args) -> dict:
+    """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    owns_group = not dist.is_initialized()
+    if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR; plain `python` is a world of 1
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    B, N = cfg.batch_size, cfg.buffer_size
+    pool, close_log, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
+    try:
+        if B % T or N % T:
+            raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} "
+                            "trainer ranks (torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        box = [open_run(cfg) if rank == 0 else None]  # rank 0 checks and creates the run folder
+        dist.broadcast_object_list(box, src=0)
+        run_name, run_dir, ckpt = box[0]
+        task = make_task(cfg)
+        if rank == 0:  # first: it may write the warm-start cache that the others then read
+            model, tok, _ = load_policy(cfg, device, task)
+        dist.barrier()
+        if rank != 0:
+            model, tok, _ = load_policy(cfg, device, task)
+        if cfg.resume:
+            state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+            if (state.get("mode"), state.get("trainers")) != ("async", T):
+                raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
+                                f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
+                                f"--mode async on {T} rank(s)")
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, cfg.dtype)).to(device)
+        # full copies before sharding: rank 0's evaluates and is what save_pretrained writes
+        model_copy = HFGenerator(model, tok, cfg.logprob_backend) if rank == 0 else None
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        policy = LogprobPolicy(model)
+        for m in model.modules():  # one FSDP unit per decoder block (HF lists their classes)
+            if type(m).__name__ in (model._no_split_modules or ()):
+                fully_shard(m)
+        fully_shard(policy)  # root: embeddings, tied head, final norm (log-probs run in its forward)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      weight_decay=cfg.weight_decay)
+        shard = ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
+        c = {"generated_rollouts": 0, "generated_tokens": 0, "trained_rollouts": 0, "trained_tokens": 0,
+             "verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0, "nonfinite_steps": 0,
+             "gen_busy_seconds": 0.0, "gen_idle_seconds": 0.0, "trainer_idle_seconds": 0.0,
+             "train_seconds": 0.0, "sync_seconds": 0.0, "next_group_id": 0, "next_rank": 0,
+             "dealt": [0] * T, "replay_hist": Counter()}  # rank 0's run totals (checkpointed)
+        step = 0
+        if cfg.resume:
+            set_optimizer_state_dict(policy, optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
+            shard.load_state_dict(own["buffer"])
+            set_rng_state(own["rng"])
+            c.update(state["counters"])
+            step = state["step"]
+            if ref_model is not None:
+                ref_model.load_state_dict(state["ref_model"])
+        evicted_sent, nonfinite_streak, last_eval, fresh = len(shard.evicted_uses), 0, {}, []
+        weights = full_weights(policy)
+        if rank == 0:
+            ctx = mp.get_context("spawn")  # fork would copy the process group and threads
+            mailbox = WeightMailbox(ctx, weights, step)
+            signal.signal(signal.SIGTERM, _interrupt)
+            pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T)
+            log, close_log = open_metrics(cfg, run_name, run_dir, step)
+            print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
+                  f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} "
+                  f"({N // T}/rank), channel {cfg.channel_size} requests, publish every {cfg.publish_every}")
+            if step == 0:  # while the generators start
+                last_eval = evaluate(model_copy, tok, task, cfg, seed=cfg.seed)
+                log({"step": 0, **last_eval})
+                print("step 0 eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+            from tqdm import tqdm
+            bar = tqdm(initial=step, total=cfg.total_steps, disable=not cfg.progress, dynamic_ncols=True)
+
+        ready = lambda: min(c["dealt"]) >= B // T  # a shard holds min(N/T, rollouts dealt to it) >= B/T
+        while step < cfg.total_steps:
+            # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
+            #    trainers idle) only while a shard lacks a batch of B/T
+            t0 = time.perf_counter()
+            if rank == 0:
+                failure = pool.failure()
+                msgs = [] if failure else pool.receive(wait=0 if ready() else 1.0)
+                parts = [[] for _ in range(T)]
+                for m in msgs:
+                    c["gen_busy_seconds"] += m["busy_seconds"]
+                    c["gen_idle_seconds"] += m["idle_seconds"]
+                    c["generated_rollouts"] += cfg.rollouts_per_step
+                    for k, v in m["counters"].items():
+                        c[k] += v
+                    for r in m["rollouts"]:
+                        parts[c["next_rank"]].append(r)
+                        c["dealt"][c["next_rank"]] += 1
+                        c["next_rank"] = (c["next_rank"] + 1) % T
+                        c["next_group_id"] = max(c["next_group_id"], r.group_id + 1)
+                        c["generated_tokens"] += len(r.completion_ids)
+                        fresh.append(r)
+                out = [{"rollouts": p, "ready": ready(), "failure": failure} for p in parts]
+            box = [None]
+            dist.scatter_object_list(box, out if rank == 0 else None, src=0)
+            mine = box[0]
+            for r in mine["rollouts"]:
+                r.birth_step = step
+            shard.push(mine["rollouts"])
+            if mine["failure"]:  # every rank stops here, none is left waiting in a collective
+                if rank == 0:
+                    pool.close()
+                dist.barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
+                raise PipelineError(mine["failure"] if rank == 0 else
+                                    f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
+            if not mine["ready"]:
+                if rank == 0:
+                    c["trainer_idle_seconds"] += time.perf_counter() - t0
+                continue
+            wait_seconds = time.perf_counter() - t0
+
+            # 2. one optimizer step on B/T rollouts per rank; FSDP averages the gradients
+            batch = shard.sample(B // T, step)
+            t0 = time.perf_counter()
+            policy.train()
+            stats = train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step, ref_model=ref_model)
+            report = {"stats": stats, "train_seconds": time.perf_counter() - t0,
+                      "staleness": [step - r.policy_version for r in batch],
+                      "since_last": [step - r.last_use_step for r in batch if r.last_use_step >= 0],
+                      "reward": sum(r.reward for r in batch), "length": sum(len(r.completion_ids) for r in batch),
+                      "truncated": sum(r.truncated for r in batch), "buffer_size": len(shard),
+                      "evicted_uses": shard.evicted_uses[evicted_sent:]}
+            evicted_sent = len(shard.evicted_uses)
+            for r in batch:
+                r.uses += 1
+                r.last_use_step = step
+            reports = [None] * T if rank == 0 else None
+            dist.gather_object(report, reports, dst=0)
+            step += 1
+            nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
+            if nonfinite_streak >= cfg.max_nonfinite_steps:
+                raise UserError(f"{nonfinite_streak} steps in a row had a NaN/inf loss or gradient "
+                                f"(step {step}); stopped. The last good checkpoint is in {ckpt} "
+                                "(lower --lr, or raise --max-nonfinite-steps)")
+
+            # 3. publish weights every k steps (version = optimizer steps); evaluate; checkpoint
+            done = step == cfg.total_steps
+            evaluating = done or (cfg.eval_every and step % cfg.eval_every == 0)
+            saving = done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            t0 = time.perf_counter()
+            if step % cfg.publish_every == 0 or evaluating or saving:
+                weights = full_weights(policy)  # collective
+            if rank == 0 and step % cfg.publish_every == 0:
+                mailbox.publish(weights, step)  # generators pick it up before their next request
+            if rank == 0 and (evaluating or saving):
+                model_copy.load_weights(weights, step)
+            sync_seconds = time.perf_counter() - t0
+
+            if rank == 0:
+                stats = merge_stats([r["stats"] for r in reports])
+                stale = [s for r in reports for s in r["staleness"]]
+                since = [s for r in reports for s in r["since_last"]]
+                c["replay_hist"].update(u for r in reports for u in r["evicted_uses"])
+                c["trained_rollouts"] += B
+                c["trained_tokens"] += stats["trained_tokens"]
+                c["train_seconds"] += max(r["train_seconds"] for r in reports)
+                c["sync_seconds"] += sync_seconds
+                c["nonfinite_steps"] += stats["nonfinite"]
+                # mu the paper's way: (rollouts trained on / T) / (unique rollouts generated / W)
+                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                record = {
+                    "step": step, **stats,
+                    "reward": sum(r.reward for r in fresh) / len(fresh) if fresh else None,
+                    "accuracy": sum(r.correct for r in fresh) / len(fresh) if fresh else None,
+                    "reward_batch": sum(r["reward"] for r in reports) / B,
+                    "response_length": sum(r["length"] for r in reports) / B,
+                    "truncated_frac": sum(r["truncated"] for r in reports) / B,
+                    "buffer_size": sum(r["buffer_size"] for r in reports),
+                    "staleness_mean": sum(stale) / B, "staleness_max": max(stale),
+                    "staleness_hist": {str(s): stale.count(s) for s in sorted(set(stale))},
+                    "steps_since_last_use": sum(since) / len(since) if since else None,
+                    "replay_ratio": c["trained_rollouts"] / c["generated_rollouts"],
+                    # uses per rollout, over the rollouts evicted so far (their final replay ratio)
+                    "replay_hist": {str(u): n for u, n in sorted(c["replay_hist"].items())},
+                    "fresh_rollouts": len(fresh), "fresh_versions": sorted({r.policy_version for r in fresh}),
+                    "generated_tokens": sum(len(r.completion_ids) for r in fresh),
+                    "queue_depth": pool.depth(), "rollouts_per_rank": list(c["dealt"]),
+                    "wait_seconds": wait_seconds, "train_seconds": max(r["train_seconds"] for r in reports),
+                    "sync_seconds": sync_seconds,
+                    **{k: c[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds",
+                                         "verifier_errors", "verifier_timeouts", "zero_variance_groups",
+                                         "nonfinite_steps", "generated_rollouts", "trained_rollouts")},
+                    "mu": mu, "gamma": (1 + W / T) / (1 + mu), "num_generators": W, "num_trainers": T,
+                    # the same ratio from busy seconds only (mu is exact only when neither side idles)
+                    "mu_busy": (c["gen_busy_seconds"] / c["generated_rollouts"])
+                               / (c["train_seconds"] * T / c["trained_rollouts"]),
+                    "total_generated_tokens": c["generated_tokens"], "total_trained_tokens": c["trained_tokens"],
+                }
+                fresh = []
+                if evaluating:
+                    last_eval = evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step)
+                    record.update(last_eval)
+                    bar.write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
+                log(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}",
+                                mu=f"{mu:.2f}", queue=record["queue_depth"])
+            if saving:
+                save_async_checkpoint(run_dir, rank, policy, optimizer, shard, model_copy.model if rank == 0 else None, tok, {
+                    "step": step, "counters": c, "mode": "async", "trainers": T,
+                    "ref_model": ref_model.state_dict() if ref_model is not None else None})
+        if rank == 0:
+            bar.close()
+            if c["generated_rollouts"]:
+                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                print(f"measured mu = {mu:.2f} ((trained/T) / (generated/W)), gamma = (1 + W/T)/(1 + mu) = "
+                      f"{(1 + W / T) / (1 + mu):.2f}; idle seconds: trainers {c['trainer_idle_seconds']:.1f}, "
+                      f"generators {c['gen_idle_seconds']:.1f} (of {c['gen_busy_seconds']:.1f} busy)")
+        return {**last_eval, "run_dir": str(run_dir)}
+    finally:
+        if pool is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+            pool.close()
+            signal.signal(signal.SIGTERM, old_sigterm)
+        if close_log is not None:
+            close_log()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1326,6 +1849,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     except (UserError, ValueError) as e:  # ValueError: the planner's input checks
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    except PipelineError as e:  # --mode async: a generator died; every rank stops
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
     except KeyboardInterrupt:
         print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME",
               file=sys.stderr)

@@ -1,0 +1,309 @@
+"""--mode async through the real CLI: torchrun with 2 FSDP2 trainer ranks + 1 generator process,
+resume, a generator killed mid-run, and one process (T = 1) stopped by Ctrl-C. CPU, offline."""
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent
+
+PATH = str(ROOT)
+sys.path[:0] = PATH.split(os.pathsep)
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
+
+import replay_grpo as rg  # noqa: E402
+
+TINY = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
+        "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8",
+        "--pass-k", "2", "--pass-k-prompts", "4", "--eval-every", "0", "--no-progress",
+        "--mode", "async", "--num-generators", "1", "--loss", "asymre", "--lr", "1e-3"]  # asymre: nonzero grads at reward 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--master-port", str(free_port()), str(ROOT / "replay_grpo.py"), *TINY, *args]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc, no psutil)."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # not a process, or gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Run:
+    """A CLI run in its own session; remembers every process it ever had below it."""
+
+    def __init__(self, cmd: list[str]):
+        self.t0, self.seen = time.time(), set()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll_until(self, cond, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.seen |= descendants(self.proc.pid)
+            if cond() or self.proc.poll() is not None:
+                return cond()
+            time.sleep(0.2)
+        return False
+
+    def generators(self) -> list[int]:
+        return [p for p in descendants(self.proc.pid) if "spawn_main" in cmdline(p)]
+
+    def finish(self, timeout: float) -> tuple[int, str]:
+        self.poll_until(lambda: self.proc.poll() is not None, timeout)
+        if self.proc.poll() is None:  # a hang: clean up for the next test, then fail
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out = self.proc.communicate()[0].decode()
+            pytest.fail(f"run did not end within {timeout}s:\n{out[-3000:]}")
+        out = self.proc.communicate()[0].decode()
+        time.sleep(0.5)  # let the kernel reap what was reparented
+        left = [(p, cmdline(p)) for p in self.seen if alive(p)]
+        assert not left, f"processes left behind: {left}"
+        print(f"[{time.time() - self.t0:.1f}s, exit {self.proc.returncode}, {len(self.seen)} child processes]")
+        return self.proc.returncode, out
+
+
+def math_finite(x) -> bool:
+    return x is not None and abs(x) < float("inf")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """T = 2 trainer ranks (torchrun, FSDP2), W = 1 generator, 6 steps, publish every step."""
+    out = tmp_path_factory.mktemp("async")
+    run = Run(torchrun(2, "--total-steps", "6", "--out-dir", str(out), "--run-name", "t2"))
+    rc, log = run.finish(timeout=240)
+    assert rc == 0, log[-4000:]
+    assert len(run.seen) >= 4, run.seen  # 2 ranks + a generator at least (+ mp's resource tracker)
+    return out / "t2", log
+
+
+def test_two_ranks_train_on_evenly_dealt_stale_rollouts(two_rank_run):
+    run_dir, log = two_rank_run
+    recs = metrics(run_dir)
+    steps = [r for r in recs if r["step"] > 0]
+    assert [r["step"] for r in recs] == list(range(7))
+    for r in steps:
+        assert r["num_trainers"] == 2 and r["num_generators"] == 1
+        assert math_finite(r["loss"]) and math_finite(r["grad_norm"]) and r["grad_norm"] > 0
+        n0, n1 = r["rollouts_per_rank"]
+        assert abs(n0 - n1) <= 8 // 2  # dealt evenly (round-robin: +-1 rollout, within one B/T batch)
+        assert r["buffer_size"] <= 16 and sum(r["staleness_hist"].values()) == 8
+        assert 0 <= r["queue_depth"] <= 4  # the channel is bounded
+    # rollouts made after weight publishes carry the newer version, never a future one
+    newest = [max(r["fresh_versions"]) for r in steps if r["fresh_versions"]]
+    assert newest == sorted(newest) and newest[-1] >= 2, newest
+    assert all(max(r["fresh_versions"], default=0) < r["step"] for r in steps)
+    # trained samples are stale: generation runs ahead of the trainers
+    assert any(int(s) > 0 for r in steps for s in r["staleness_hist"])
+    last = steps[-1]
+    assert last["mu"] == pytest.approx((last["trained_rollouts"] / 2) / (last["generated_rollouts"] / 1))
+    assert last["gamma"] == pytest.approx((1 + 1 / 2) / (1 + last["mu"]))
+    assert last["replay_hist"] and last["trainer_idle_seconds"] >= 0 and last["gen_busy_seconds"] > 0
+    assert "eval/pass@1" in last and "measured mu" in log
+    # each rank's shard is in its own file, both full, with rollouts of several versions
+    ckpt = run_dir / "checkpoint"
+    shards = [torch.load(ckpt / f"buffer_rank{i}.pt", weights_only=False)["buffer"]["items"] for i in (0, 1)]
+    assert [len(s) for s in shards] == [8, 8]
+    assert 2 <= max(r["policy_version"] for s in shards for r in s) < 6
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 6 and state["trainers"] == 2 and state["mode"] == "async"
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(ckpt)  # loadable by transformers (and vLLM)
+
+
+def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
+    """Resume the 6-step run on 2 ranks (model, full optimizer state, per-rank buffer shards and
+    counters come back) with W = 2, then SIGKILL one generator: a clear error naming it, non-zero
+    exit, no hang, and the surviving generator is shut down too."""
+    run_dir, _ = two_rank_run
+    before = metrics(run_dir)[-1]
+    run = Run(torchrun(2, "--total-steps", "100000", "--checkpoint-every", "1", "--resume",
+                       "--num-generators", "2", "--out-dir", str(run_dir.parent), "--run-name", run_dir.name))
+    state_file = run_dir / "checkpoint" / "trainer_state.pt"
+    assert run.poll_until(lambda: len(metrics(run_dir)) >= 9 and len(run.generators()) == 2, 180), run.proc.poll()
+    victim = min(run.generators())
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.time()
+    rc, log = run.finish(timeout=60)
+    assert rc != 0
+    assert time.time() - t_kill < 30, "the dead generator was noticed late"
+    assert f"(pid {victim}) died (killed by SIGKILL)" in log and "error: generator " in log, log[-3000:]
+    assert "rank 1 stopped by rank 0: generator " in log, log[-3000:]
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == list(range(len(recs)))  # continued at 7, nothing repeated
+    first = recs[7]
+    assert first["buffer_size"] == 16 and first["num_generators"] == 2  # the shards came back full
+    assert all(a >= b for a, b in zip(first["rollouts_per_rank"], before["rollouts_per_rank"]))
+    state = torch.load(state_file, weights_only=False)
+    assert state["step"] >= 8
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {float(state["step"])}  # Adam's moments carried over from the first run
+
+
+def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
+    """T = 1 as plain `python replay_grpo.py`; Ctrl-C (SIGINT to the process group) ends it cleanly."""
+    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--total-steps", "100000",
+               "--out-dir", str(tmp_path), "--run-name", "t1"])
+    assert run.poll_until(lambda: (tmp_path / "t1" / "metrics.jsonl").exists()
+                          and len(metrics(tmp_path / "t1")) >= 3 and run.generators(), 180), run.proc.poll()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    rc, log = run.finish(timeout=60)
+    assert rc == 130 and "interrupted" in log, log[-3000:]
+    recs = metrics(tmp_path / "t1")
+    assert recs[1]["num_trainers"] == 1 and all(math_finite(r["loss"]) for r in recs[1:])
+
+
+def test_weight_mailbox_hands_over_the_latest_weights_once():
+    import multiprocessing as mp
+    model, tok = rg.build_tiny_model(0)
+    gen = rg.HFGenerator(model, tok, "eager")
+    box = rg.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
+    new = {k: v + 1 for k, v in model.state_dict().items()}
+    box.publish({k: v - 1 for k, v in new.items()}, 2)
+    box.publish(new, 3)  # a generator that missed version 2 takes 3 directly
+    box.pull(gen)
+    assert gen.policy_version == 3
+    assert all(torch.equal(gen.model.state_dict()[k], v) for k, v in new.items())
+    gen.load_weights = lambda *a: pytest.fail("reloaded unchanged weights")
+    box.pull(gen)  # same version: nothing to copy
+
+
+def test_merge_stats_weights_by_tokens():
+    m = rg.merge_stats([{"loss": 1.0, "entropy": 1.0, "ratio_max": 2.0, "nonfinite": 0, "trained_tokens": 10},
+                        {"loss": 3.0, "entropy": 4.0, "ratio_max": 1.0, "nonfinite": 1, "trained_tokens": 30,
+                         "logprob_mismatch_abs": 0.5}])
+    assert m == {"loss": 2.0, "entropy": 3.25, "ratio_max": 2.0, "nonfinite": 1, "trained_tokens": 40,
+                 "logprob_mismatch_abs": 0.5}
+
+
+def _pull_twice(box, out):
+    """Child process: take the published weights, then the next publish; report what it holds."""
+    model, tok = rg.build_tiny_model(1)
+    gen = rg.HFGenerator(model, tok, "eager")
+    for _ in range(2):
+        while box.version.value == gen.policy_version:
+            time.sleep(0.01)
+        box.pull(gen)
+        out.put(pickle.dumps((gen.policy_version, gen.model.state_dict())))  # bytes: outlives this process
+
+
+def test_weight_publish_reaches_a_generator_process():
+    """The mailbox's tensors are shared memory: a publish made after the process started reaches it."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    model, _ = rg.build_tiny_model(0)
+    first = model.state_dict()
+    box, out = rg.WeightMailbox(ctx, first, 4), ctx.Queue()
+    child = ctx.Process(target=_pull_twice, args=(box, out))
+    child.start()
+    try:
+        version, held = pickle.loads(out.get(timeout=120))
+        assert version == 4 and all(torch.equal(held[k], v) for k, v in first.items())
+        second = {k: v * 2 + 1 for k, v in first.items()}
+        box.publish(second, 7)
+        version, held = pickle.loads(out.get(timeout=60))
+        assert version == 7 and all(torch.equal(held[k], v) for k, v in second.items())
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+FSDP_CHECK = r'''
+import copy, sys, torch, torch.distributed as dist
+import replay_grpo as rg
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", "seq-mean", "--micro-batch-size", "2", "--lr", "1e-2"])
+model, tok = rg.build_tiny_model(0)  # tied embeddings: the head is the embedding
+g = torch.Generator().manual_seed(0)
+batch = []
+for i in range(8):
+    comp = torch.randint(0, 256, (2 + i % 3,), generator=g).tolist()
+    batch.append(rg.Rollout(torch.randint(0, 256, (3 + i % 4,), generator=g).tolist(), comp,
+                            torch.zeros(len(comp)), float(i % 2), 0.0, 0.5, bool(i % 2), 0, 0, i))
+ref = copy.deepcopy(model)
+model_init = copy.deepcopy(model.state_dict())
+ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
+policy = rg.LogprobPolicy(model)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(policy)
+stats = rg.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), batch[4 * rank: 4 * rank + 4],
+                      cfg, tok.pad_token_id, 0)
+grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
+losses = [None, None]
+dist.all_gather_object(losses, stats["loss"])
+weights = rg.full_weights(policy)
+if rank == 0:
+    worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    assert worst < 1e-6, worst
+    assert abs(stats["grad_norm"] - ref_stats["grad_norm"]) < 1e-5 * ref_stats["grad_norm"], (stats, ref_stats)
+    assert abs(sum(losses) / 2 - ref_stats["loss"]) < 1e-6, (losses, ref_stats)
+    # Adam's first step is ~lr * sign(g): rounding in near-zero gradients moves weights by << lr
+    assert max((weights[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
+    assert max((weights[k] - v).abs().max().item() for k, v in model_init.items()) > 5e-3  # it moved
+    print("FSDP-OK", worst, stats["grad_norm"])
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path):
+    """train_step through LogprobPolicy + fully_shard, B/T rollouts per rank (seq-mean, so the
+    average over ranks is the batch loss), against plain train_step on all B: same gradients
+    (the tied head/embedding included), grad norm, loss and updated weights."""
+    script = tmp_path / "fsdp_check.py"
+    script.write_text(FSDP_CHECK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--master-port", str(free_port()), str(script)]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0 and "FSDP-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
