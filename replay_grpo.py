@@ -259,13 +259,13 @@ class Args:
 
 PRESETS: dict[str, Args] = {
     # Offline, 2 CPU cores: a tiny Qwen2 warm-started on a+b / a-b, then on-policy GRPO.
-    # The warm start (800 supervised steps, batch 256) learns a+b from a demonstrator that answers
+    # The warm start (1200 supervised steps, batch 256) learns a+b from a demonstrator that answers
     # a+b+1 three times in four, so the policy starts with the skill but a systematic error:
     # greedy accuracy is low while pass@8 is high, as for an LLM before RL. lr 1e-4 (3e-4 collapsed
     # in a trial without the noisy demonstrator).
     "cpu": Args(
         preset="cpu", model="tiny", task="arith", arith_ops="+", arith_demo_error=0.75, generator="hf",
-        sft_warmup_steps=800, sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16,
+        sft_warmup_steps=1200, sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16,
         prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4, total_steps=200,
         eval_every=25, eval_size=200, checkpoint_every=100,
     ),

@@ -109,7 +109,7 @@ def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
                                       extra=["--total-steps", "7", "--buffer-size", "999"]))
     names = [r["name"] for r in runs]
     assert len(set(names)) == len(names)
-    for needle in ["onpolicy-lr5e-05-s0", "N256-R64-grpo-s1", "N512-R64-grpo-s0", "N512-R32-grpo-lr0.0002-s0",
+    for needle in ["onpolicy-lr5e-05-s0", "N256-R64-grpo-s1", "N512-R32-grpo-lr0.0001-s0",
                    "N512-R32-asymre-s0", "N512-R32-grpo-d0.2-s0", "N512-R32-grpo-d0.5-s1"]:
         assert needle in names
     for r in runs:
