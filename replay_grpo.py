@@ -1024,6 +1024,33 @@ class VLLMGenerator:
         return Sample(ids, lp, c.finish_reason == "length")
 
 
+def make_generator(cfg: Args, model, tok, model_dir: str):
+    """The generation backend (--generator). vLLM loads from a plain Hugging Face folder: a hub id
+    or local folder as is; a model built in code or read from GGUF is exported first."""
+    if cfg.generator == "hf" or (cfg.generator == "auto" and not vllm_usable()):
+        return HFGenerator(model, tok, cfg.logprob_backend)
+    if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
+        model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
+    limit = getattr(model.config, "max_position_embeddings", 4096)
+    try:
+        generator = VLLMGenerator(
+            model, tok, model_dir, cfg.dtype if cfg.vllm_dtype == "auto" else cfg.vllm_dtype, cfg.seed,
+            cfg.vllm_max_model_len or min(limit, 4096), cfg.vllm_gpu_memory_utilization,
+            cfg.vllm_cpu_kvcache_gib, cfg.vllm_sleep_mode, cfg.vllm_enforce_eager)
+    except VLLMUnavailable as e:
+        raise UserError(str(e)) from None
+    generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
+    return generator
+
+
+def vllm_usable() -> bool:
+    try:
+        _import_vllm()
+        return True
+    except VLLMUnavailable:
+        return False
+
+
 def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args, step: int,
                   next_group_id: int, counters: dict) -> list[Rollout]:
     """Generate G completions per prompt, score them, and freeze the group statistics."""
@@ -1516,7 +1543,8 @@ def train(cfg: Args) -> dict:
 # requests, so a rollout carries the version (= optimizer steps) that really made it.
 #
 # On GPU (documented, not verified here): the T ranks use GPUs 0..T-1 with nccl and generator i
-# takes GPU T+i (HF generate today; a vLLM engine through make_generator once that backend lands).
+# takes GPU T+i (HF generate; --generator vllm builds an engine there through make_generator, which
+# this session could not run on a GPU, nor in generator processes on CPU: auto means hf here).
 # The mailbox still works through host memory; at scale, weights would rather go from rank 0 to
 # the engines by an NCCL broadcast (a process group spanning trainers and engines) or vLLM's
 # weight-transfer API, which skips the host round trip.
@@ -1524,33 +1552,6 @@ def train(cfg: Args) -> dict:
 
 class PipelineError(RuntimeError):
     """A generator process failed (or rank 0 stopped the run because of one)."""
-
-
-def make_generator(cfg: Args, model, tok, model_dir: str):
-    """The generation backend (--generator). vLLM loads from a plain Hugging Face folder: a hub id
-    or local folder as is; a model built in code or read from GGUF is exported first."""
-    if cfg.generator == "hf" or (cfg.generator == "auto" and not vllm_usable()):
-        return HFGenerator(model, tok, cfg.logprob_backend)
-    if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
-        model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    limit = getattr(model.config, "max_position_embeddings", 4096)
-    try:
-        generator = VLLMGenerator(
-            model, tok, model_dir, cfg.dtype if cfg.vllm_dtype == "auto" else cfg.vllm_dtype, cfg.seed,
-            cfg.vllm_max_model_len or min(limit, 4096), cfg.vllm_gpu_memory_utilization,
-            cfg.vllm_cpu_kvcache_gib, cfg.vllm_sleep_mode, cfg.vllm_enforce_eager)
-    except VLLMUnavailable as e:
-        raise UserError(str(e)) from None
-    generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
-    return generator
-
-
-def vllm_usable() -> bool:
-    try:
-        _import_vllm()
-        return True
-    except VLLMUnavailable:
-        return False
 
 
 class WeightMailbox:
@@ -1583,7 +1584,8 @@ def generator_main(index: int, cfg: Args, mailbox: WeightMailbox, channel, error
     try:
         task = make_task(cfg)
         model, tok, model_dir = load_policy(cfg, torch.device(device), task)
-        generator = make_generator(cfg, model, tok, model_dir)
+        generator = make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
+                                   model, tok, model_dir)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
         rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # own prompts per generator and per resume
         torch.manual_seed(rng.getrandbits(63))
