@@ -9,10 +9,12 @@ on-policy GRPO: the baseline is this same code with different numbers.
 
     python replay_grpo.py --help                 # every flag
     python replay_grpo.py --preset cpu           # offline, learns in minutes on 2 cores
+    torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
     python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 960
 
-Sections follow the data: config, tasks and rewards, rollouts and buffer, generation, loss,
-training loop, main.
+Sections follow the data: config, tasks and rewards, rollouts and buffer, models and log-probs,
+generation (HF, vLLM), loss, evaluation and checkpoints, the training loop, the asynchronous
+pipeline (W generator processes, T FSDP2 trainers), the planner, main.
 """
 
 from __future__ import annotations
