@@ -1658,13 +1658,13 @@ class GeneratorPool:
         except NotImplementedError:  # macOS
             return None
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop every generator, draining the channel so none stays blocked on it; terminate (then
-        kill) the ones still running after `timeout` seconds."""
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop every generator; terminate (then kill) the ones still running after `timeout` seconds."""
         self.stop.set()
         deadline = time.time() + timeout
+        # no draining here: a get() can block forever on a message a dying generator half wrote;
+        # generators never block on the channel for long (put with a timeout, then check stop)
         while any(p.is_alive() for p in self.procs) and time.time() < deadline:
-            self.receive(wait=0)
             time.sleep(0.05)
         for p in self.procs:
             if p.is_alive():
