@@ -1624,7 +1624,8 @@ class GeneratorPool:
         n_gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
         self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
             i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id,
-            f"cuda:{n_trainers + i}" if n_trainers + i < n_gpus else "cpu")) for i in range(cfg.num_generators)]
+            # GPUs after the trainers' ones; with fewer GPUs they share (one GPU: the trainer's card)
+            f"cuda:{(n_trainers + i) % n_gpus}" if n_gpus else "cpu")) for i in range(cfg.num_generators)]
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
 
