@@ -621,8 +621,7 @@ class ReplayBuffer:
     def sample(self, batch_size: int, step: int) -> list[Rollout]:
         if batch_size > len(self.items):
             raise ValueError(f"buffer holds {len(self.items)} rollouts, a batch needs {batch_size}")
-        batch = [self.items[i] for i in self.rng.sample(range(len(self.items)), batch_size)]
-        return batch
+        return [self.items[i] for i in self.rng.sample(range(len(self.items)), batch_size)]
 
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "n_protected": self.n_protected,
@@ -1136,7 +1135,8 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         mb_len = lengths[start:start + cfg.micro_batch_size]
         logp, ent = completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in mb],
                                         pad_id, cfg.temperature, cfg.logprob_backend, entropy=True)
-        per_tok = lambda values: torch.cat([torch.full((n,), float(v)) for v, n in zip(values, mb_len)]).to(device)
+        repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
+        per_tok = lambda values: torch.tensor([float(v) for v in values], device=device).repeat_interleave(repeats)
         behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
         tok_loss, ratio, clipped = token_loss(
             cfg.loss, logp, behaviour, per_tok(r.advantage for r in mb), per_tok(r.reward for r in mb),
@@ -1161,7 +1161,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             sums["ratio"] += ratio.sum().item()
             ratio_max = max(ratio_max, ratio.max().item())
             # Sampler/trainer agreement, on rollouts made by exactly the weights trained now.
-            fresh = torch.cat([torch.full((n,), r.policy_version == version) for r, n in zip(mb, mb_len)]).to(device)
+            fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
             if fresh.any():
                 d = (logp - behaviour)[fresh]
                 sums["mismatch_abs"] += d.abs().sum().item()
