@@ -63,7 +63,7 @@ class UserError(Exception):
 # Config
 # ----------------------------------------------------------------------------------------------
 
-PresetName = Literal["cpu", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b", "math-qwen2.5-7b"]
+PresetName = Literal["cpu", "cpu-study", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b", "math-qwen2.5-7b"]
 
 
 @dataclass
@@ -263,16 +263,24 @@ class Args:
 
 
 PRESETS: dict[str, Args] = {
-    # Offline, 2 CPU cores: a tiny Qwen2 warm-started on a+b / a-b, then on-policy GRPO.
-    # The warm start (1200 supervised steps, batch 256) learns a+b from a demonstrator that answers
-    # a+b+1 three times in four, so the policy starts with the skill but a systematic error:
-    # greedy accuracy is low while pass@8 is high, as for an LLM before RL. lr 1e-4 (3e-4 collapsed
-    # in a trial without the noisy demonstrator).
+    # Offline, 2 CPU cores: the tiny model warm-started on a+b (0..99) from a demonstrator that answers
+    # a+b+1 three times in four, until held-out pass@8 reaches 0.8: it has the skill and a systematic
+    # error (greedy accuracy low, pass@8 high), as an LLM before RL. Then on-policy GRPO.
     "cpu": Args(
         preset="cpu", model="tiny", task="arith", arith_ops="+", arith_demo_error=0.75, generator="hf",
-        sft_warmup_steps=1200, sft_batch_size=256, sft_lr=1e-3, max_new_tokens=6, group_size=16,
+        sft_warmup_steps=3000, sft_target=0.8, sft_batch_size=128, sft_lr=1e-3, max_new_tokens=6, group_size=16,
         prompts_per_step=8, batch_size=128, buffer_size=128, lr=1e-4, total_steps=200,
         eval_every=25, eval_size=200, checkpoint_every=100,
+    ),
+    # The replay study's setting: generation is the expensive part, as on GPUs. Sums of 5 one-digit
+    # numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26', ~32 tokens), warm-started from
+    # the same kind of noisy demonstrator until held-out pass@8 reaches 0.75, then on-policy GRPO with
+    # the paper's batch (B = 64 rollouts: 4 prompts x 16).
+    "cpu-study": Args(
+        preset="cpu-study", model="tiny", task="arith", arith_ops="+", arith_terms=5, arith_max_operand=9,
+        arith_worked=True, arith_demo_error=0.75, generator="hf", sft_warmup_steps=3000, sft_target=0.75,
+        sft_batch_size=128, sft_lr=1e-3, max_new_tokens=48, group_size=16, prompts_per_step=4, batch_size=64,
+        buffer_size=64, lr=3e-5, total_steps=200, eval_every=20, checkpoint_every=100,
     ),
     # GPU presets: the paper's settings. Its batch B = 60 is counted in rollouts, not prompts; the
     # synchronous on-policy baseline needs B = R in whole groups of G = 16, so B = 64 (4 prompts x 16)
@@ -1319,6 +1327,8 @@ def supervised_warm_start(model, tok, task: Task, cfg: Args) -> dict:
                              seed=cfg.seed + step, pass_k_only=True)
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
+            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} "
+                  f"(target {cfg.sft_target})", flush=True)
             if info["pass@k"] >= cfg.sft_target:
                 break
     info["reached"] = not cfg.sft_target or (info["pass@k"] or 0.0) >= cfg.sft_target

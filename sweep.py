@@ -23,6 +23,7 @@ and with the paper's mu = 5.28 (Qwen2.5-7B).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -50,9 +51,14 @@ class Args:
     out_dir: str = "runs/study"
     """folder holding the run folders; the report's table.md, summary.json and PNGs go here too."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """run: seeds of every configuration (the paper reports median and IQR over >= 4)."""
-    grid: Literal["default", "smoke"] = "default"
-    """run: which grid of GRIDS below (default: the study, for --preset cpu; smoke: 2 tiny configs)."""
+    """run: the reported seeds of every configuration (the paper reports median and IQR over >= 4)."""
+    tune_seeds: list[int] = field(default_factory=list)
+    """run: seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried;
+    only the best one (median final greedy accuracy) is then run on --seeds, so the reported seeds
+    never choose their own learning rate. Empty: every variant runs on --seeds."""
+    grid: Literal["study", "cpu", "smoke"] = "study"
+    """run: which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first
+    study, on --preset cpu; smoke: 2 tiny configs)."""
     only: list[str] = field(default_factory=list)
     """run: only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -95,7 +101,18 @@ SMOKE_GRID = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4",
     dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
     dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
 ]
-GRIDS = {"default": DEFAULT_GRID, "smoke": SMOKE_GRID}
+# --preset cpu-study: B = 64 (the paper's 60 in whole groups), G = 16, R = 16 x prompts_per_step. Measured
+# mu ~ 1.0 there (HF generation, one thread per run), where the planner (alpha = rho = 0.1) puts the optimum
+# at N/R = 6.7, B/R = 2.0: N = 224, R = 32; for the paper's mu = 5.28: N/R = 14.3, B/R = 5.6: N = 240,
+# R = 16. Runs with less generated per step get more steps, so that every configuration can generate
+# as many tokens as on-policy does, with evaluations at the same generated-token intervals.
+STUDY_LRS = [1e-5, 3e-5, 1e-4]
+STUDY_GRID = ["--preset", "cpu-study"], [
+    dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
+    dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
+    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+]
+GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,29 +146,44 @@ def config_name(cfg: dict) -> str:
     return name
 
 
-def plan_runs(args: Args) -> list[dict]:
-    """Every (configuration, lr, seed) of the grid: its name, trainer argv and total steps."""
+VARIED = {"lr": "lr", "asymre_delta_v": "dv"}  # grid keys that may hold a list of values to try
+
+
+def variants(entry: dict):
+    """(fixed flags, varied values, name tag) for each combination of the entry's listed values."""
+    fixed = {k: v for k, v in entry.items() if k != "name" and not isinstance(v, list)}
+    lists = {k: v for k, v in entry.items() if isinstance(v, list)}
+    for combo in itertools.product(*lists.values()):
+        varied = dict(zip(lists, combo))
+        tag = "".join(f"-{VARIED[k]}{v:g}" for k, v in varied.items() if len(lists[k]) > 1)
+        yield fixed, varied, tag
+
+
+def plan_runs(args: Args, seeds: list[int] | None = None, picks: dict | None = None) -> list[dict]:
+    """Every (configuration, variant, seed) of the grid: its name, configuration, variant, trainer
+    argv and total steps. seeds: default --tune-seeds, or --seeds without them. picks: only the
+    picked variant of each configuration ({config: variant tag})."""
     import replay_grpo
     base, entries = GRIDS[args.grid]
+    seeds = seeds if seeds is not None else (args.tune_seeds or args.seeds)
     runs, owner = [], {}
     for i, entry in enumerate(entries):
-        entry = dict(entry)
-        name, lrs = entry.pop("name", None), entry.pop("lr", None)
-        lrs = lrs if isinstance(lrs, list) else [lrs]
-        for lr in lrs:
-            argv = base + list(args.extra) + flags(entry) + ([] if lr is None else ["--lr", str(lr)])
+        for fixed, varied, tag in variants(entry):
+            argv = base + list(args.extra) + flags(fixed) + flags(varied)
             cfg = replay_grpo.parse_args(argv)
-            config = name or config_name(vars(cfg))
+            config = entry.get("name") or config_name(vars(cfg))
             if args.only and not any(s in config for s in args.only):
                 continue
-            tag = config + (f"-lr{lr:g}" if len(lrs) > 1 else "")
-            if owner.setdefault(tag, i) != i:
-                raise SystemExit(f"error: grid entries {owner[tag]} and {i} are both named {tag!r}: "
-                                 "give one a 'name'")
-            for seed in args.seeds:
-                runs.append({"name": f"{tag}-s{seed}", "total_steps": cfg.total_steps,
-                             "argv": argv + ["--seed", str(seed), "--run-name", f"{tag}-s{seed}",
-                                             "--out-dir", args.out_dir]})
+            if picks is not None and picks.get(config) != tag:
+                continue
+            if owner.setdefault(config + tag, i) != i:
+                raise SystemExit(f"error: grid entries {owner[config + tag]} and {i} are both named "
+                                 f"{config + tag!r}: give one a 'name'")
+            for seed in seeds:
+                name = f"{config}{tag}-s{seed}"
+                runs.append({"name": name, "config": config, "variant": tag, "seed": seed,
+                             "total_steps": cfg.total_steps,
+                             "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
     return runs
 
 
@@ -179,9 +211,10 @@ def run_status(run_dir: Path, total_steps: int) -> str:
     return "done" if state["step"] >= total_steps and (run_dir / "config.json").exists() else "partial"
 
 
-def run(args: Args) -> None:
+def execute(args: Args, runs: list[dict]) -> list[str]:
+    """Train every run not finished yet (resuming interrupted ones); returns the failed names."""
     import replay_grpo
-    runs, failed = plan_runs(args), []
+    failed = []
     for i, r in enumerate(runs, 1):
         run_dir, argv = Path(args.out_dir) / r["name"], r["argv"]
         status = run_status(run_dir, r["total_steps"])
@@ -209,30 +242,51 @@ def run(args: Args) -> None:
             raise SystemExit(130)
         if code:
             failed.append(r["name"])
+    return failed
+
+
+def run(args: Args) -> None:
+    """Tune (every variant on --tune-seeds), pick per configuration, then the reported --seeds."""
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.out_dir) / "sweep.json").write_text(json.dumps(
+        {"grid": args.grid, "seeds": args.seeds, "tune_seeds": args.tune_seeds, "extra": args.extra}, indent=2))
+    runs = plan_runs(args)
+    failed = execute(args, runs)
+    if args.tune_seeds and not failed:
+        picks = {c: p["variant"] for c, p in pick_variants(load_runs(Path(args.out_dir), quiet=True),
+                                                            args.tune_seeds).items()}
+        for config, tag in picks.items():
+            print(f"{config}: {tag.lstrip('-') or 'its only variant'} picked on tune seeds {args.tune_seeds}")
+        runs = plan_runs(args, seeds=args.seeds, picks=picks)
+        failed = execute(args, runs)
     if failed:
         raise SystemExit(f"error: {len(failed)} run(s) failed: {', '.join(failed)} (rerun to retry)")
-    print(f"all {len(runs)} runs finished in {args.out_dir}; next: python sweep.py report --out-dir {args.out_dir}")
+    print(f"all runs finished in {args.out_dir}; next: python sweep.py report --out-dir {args.out_dir}")
 
 
 # ----------------------------------------------------------------------------------------------
 # report: load, group over seeds, pick the lr, table, figures
 # ----------------------------------------------------------------------------------------------
 
-def load_runs(out_dir: Path) -> list[dict]:
-    """Every finished run: name, config (name without lr and seed), seed, cfg, metric records and
-    the use count of every rollout (evicted and resident)."""
+RUN_NAME = re.compile(r"(?P<config>.+?)(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)-s(?P<seed>\d+)")
+
+
+def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
+    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001),
+    seed, cfg, metric records and the use count of every rollout (evicted and resident)."""
     runs = []
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         cfg = json.loads((run_dir / "config.json").read_text())
         state = checkpoint_state(run_dir)
         if state is None or state["step"] != cfg["total_steps"] or not (run_dir / "metrics.jsonl").exists():
-            print(f"report: {run_dir.name} is not finished, left out")
+            if not quiet:
+                print(f"report: {run_dir.name} is not finished, left out")
             continue
-        m = re.fullmatch(r"(.+?)(-lr.+)?-s(\d+)", run_dir.name)
+        m = RUN_NAME.fullmatch(run_dir.name)
         records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
         buf = state["buffer"]
-        runs.append({"name": run_dir.name, "config": m[1] if m else run_dir.name, "seed": cfg["seed"],
-                     "cfg": cfg, "records": records,
+        runs.append({"name": run_dir.name, "config": m["config"] if m else run_dir.name,
+                     "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records,
                      "uses": list(buf["evicted_uses"]) + [it["uses"] for it in buf["items"]]})
     return runs
 
@@ -271,20 +325,44 @@ def final(runs: list[dict], key: str) -> list[float]:
     return [evals(r)[-1][key] for r in runs]
 
 
-def pick_lrs(runs: list[dict]) -> tuple[dict[str, list[dict]], dict]:
-    """Group runs by configuration and keep, per configuration, the lr with the best median final
-    greedy accuracy (ties: pass@1, then the smaller lr). Returns the kept runs and the choices."""
-    by_lr: dict[str, dict[float, list[dict]]] = {}
+def variant_label(cfg: dict, variant: str) -> str:
+    return f"lr {cfg['lr']:g}" + (f", delta_V {cfg['asymre_delta_v']:g}" if "-dv" in variant else "")
+
+
+def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict[str, dict]:
+    """Per configuration, the variant (learning rate, delta_V) with the best median final greedy
+    accuracy over the tune seeds (all seeds when none; ties: pass@1, then the smaller lr)."""
+    groups: dict[str, dict[str, list[dict]]] = {}
     for r in runs:
-        by_lr.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], []).append(r)
+        if not tune_seeds or r["seed"] in tune_seeds:
+            groups.setdefault(r["config"], {}).setdefault(r["variant"], []).append(r)
+    picks = {}
+    for config, by_variant in groups.items():
+        score = {v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
+                 for v, rs in by_variant.items()}
+        order = sorted(by_variant, key=lambda v: (-score[v][0], -score[v][1], by_variant[v][0]["cfg"]["lr"],
+                                                    abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0))))
+        best = order[0]
+        picks[config] = {"variant": best, "cfg": by_variant[best][0]["cfg"], "n_variants": len(by_variant),
+                         "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
+                         "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs})}
+    return picks
+
+
+def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dict[str, list[dict]], dict]:
+    """Group runs by configuration and keep, per configuration, the picked variant's runs on the
+    reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
     configs, choices = {}, {}
-    for config, lrs in by_lr.items():
-        score = {lr: (np.median(final(rs, "eval/greedy_acc")), np.median(final(rs, "eval/pass@1")))
-                 for lr, rs in sorted(lrs.items())}
-        best = max(score, key=score.get)  # the first (smallest) lr among equals
-        configs[config] = sorted(lrs[best], key=lambda r: r["seed"])
-        if len(lrs) > 1:
-            choices[config] = {"picked": best, "median_final_greedy_acc": {lr: float(v[0]) for lr, v in score.items()}}
+    for config, p in pick_variants(runs, tune_seeds).items():
+        kept = [r for r in runs if r["config"] == config and r["variant"] == p["variant"]
+                and not (tune_seeds and r["seed"] in tune_seeds)]
+        if not kept:
+            continue
+        configs[config] = sorted(kept, key=lambda r: r["seed"])
+        if p["n_variants"] > 1:
+            choices[config] = {"picked": p["cfg"]["lr"], "label": variant_label(p["cfg"], p["variant"]),
+                               "asymre_delta_v": p["cfg"].get("asymre_delta_v"), "tuned_on": p["tune_seeds"],
+                               "median_final_greedy_acc": p["scores"]}
     return configs, choices
 
 
@@ -387,8 +465,8 @@ def write_table(s: dict, path: Path) -> None:
         for c in s["configs"]:
             if c in s["lr_choice"]:
                 note = s["lr_choice"][c]
-                tried = ", ".join(f"{lr:g}: {acc:.3f}" for lr, acc in note["median_final_greedy_acc"].items())
-                lines.append(f"- {c}: lr {note['picked']:g} picked (median final greedy accuracy {tried})")
+                tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
+                lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -105,7 +105,7 @@ def test_report_table_matches_metrics_and_figures_parse(study):
 # --- grid definition ----------------------------------------------------------------------------
 
 def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
-    runs = sweep.plan_runs(sweep.Args(mode="run", out_dir=str(tmp_path), seeds=[0, 1],
+    runs = sweep.plan_runs(sweep.Args(mode="run", out_dir=str(tmp_path), seeds=[0, 1], grid="cpu",
                                       extra=["--total-steps", "7", "--buffer-size", "999"]))
     names = [r["name"] for r in runs]
     assert len(set(names)) == len(names)
@@ -118,7 +118,7 @@ def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
         assert r["total_steps"] == cfg.total_steps == 7  # --extra reaches the trainer
         assert cfg.buffer_size != 999 and cfg.batch_size == 128  # the grid's own flags win over --extra
         assert cfg.run_name == r["name"] and cfg.out_dir == str(tmp_path)
-    only = sweep.plan_runs(sweep.Args(mode="run", seeds=[0], only=["asymre"]))
+    only = sweep.plan_runs(sweep.Args(mode="run", seeds=[0], grid="cpu", only=["asymre"]))
     assert [r["name"] for r in only] == ["N512-R32-asymre-s0"]
 
 
