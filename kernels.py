@@ -537,48 +537,6 @@ def _bench_main():
               f"last-token |err| {last:.1e}, grad err {g_err:.2e}: {'PASS' if ok else 'MISS'}")
     else:
         print("\nint64 check (N*V > 2^31): needs CUDA + Triton, skipped here")
-    _bench_trainer(cuda)
-
-
-def _bench_trainer(cuda):
-    """A few steps of the trainer (replay_grpo.py, run as its own process: this file does not
-    import the trainer) on a model built in code, fused log-probs against naive ones."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay_grpo.py")
-    if not os.path.exists(script):
-        print("\ntrainer benchmark: replay_grpo.py not found next to kernels.py, skipped")
-        return
-    if cuda:
-        dev, width, layers, vocab, new, dtype, backends = "cuda", 896, 4, 151936, 64, "bfloat16", ("triton", "naive")
-    else:
-        dev, width, layers, vocab, new, dtype, backends = "cpu", 256, 2, 32768, 16, "float32", ("eager", "naive")
-    print(f"\ntrainer, 6 steps on {dev}: Qwen2 built in code, hidden {width}, {layers} layers, vocab {vocab}, "
-          f"{dtype}, 128 rollouts/step of up to {new} new tokens, HF generation; steps 2-6:")
-    rows = {}
-    for be in backends:
-        with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, script, "--preset", "cpu", "--sft-warmup-steps", "0", "--device", dev,
-                   "--dtype", dtype, "--tiny-hidden-size", str(width), "--tiny-layers", str(layers),
-                   "--tiny-vocab-size", str(vocab), "--max-new-tokens", str(new), "--total-steps", "6",
-                   "--eval-every", "0", "--eval-size", "4", "--pass-k", "1", "--pass-k-prompts", "1",
-                   "--micro-batch-size", "32", "--logprob-backend", be, "--out-dir", out,
-                   "--run-name", "bench", "--no-progress"]
-            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            if r.returncode:
-                print(f"{be:8} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-                continue
-            with open(os.path.join(out, "bench", "metrics.jsonl")) as f:
-                recs = [json.loads(line) for line in f if "train_seconds" in line][1:]  # skip warm-up
-        train_s = sorted(x["train_seconds"] for x in recs)[len(recs) // 2]
-        peak = max((x["peak_memory_gib"] or float("nan")) for x in recs)
-        rows[be] = train_s
-        print(f"{be:8} train step {1e3 * train_s:9.1f} ms (median), {recs[-1]['trained_tokens']} trained tokens/step, "
-              f"peak memory {peak:.2f} GiB" + ("" if cuda else " (not measured on CPU)"))
-    if len(rows) == 2:
-        print(f"fused / naive train-step time: {rows[backends[0]] / rows['naive']:.2f}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class Args:
 # paper's refinements (AsymRE, positive bias delta) matter most at large reuse, so they go there.
 # lrs: a trial scan of on-policy GRPO at 5e-5, 1e-4, 2e-4 found 2e-4 worse on every seed.
 LRS = [5e-5, 1e-4]
-DEFAULT_GRID = ["--preset", "cpu", "--no-progress"], [
+DEFAULT_GRID = ["--preset", "cpu"], [
     dict(buffer_size=128, prompts_per_step=8, lr=LRS),  # on-policy GRPO: N = B = R = 128
     dict(buffer_size=256, prompts_per_step=4),  # N/R = 4, B/R = 2
     dict(buffer_size=512, prompts_per_step=2, lr=LRS),  # N/R = 16, B/R = 4
@@ -96,8 +96,7 @@ DEFAULT_GRID = ["--preset", "cpu", "--no-progress"], [
 ]
 SMOKE_GRID = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
               "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8",
-              "--pass-k", "2", "--pass-k-prompts", "4", "--total-steps", "3", "--eval-every", "0",
-              "--no-progress"], [
+              "--pass-k", "2", "--total-steps", "3", "--eval-every", "0"], [
     dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
     dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
 ]

@@ -20,11 +20,12 @@ PATH = str(ROOT)
 sys.path[:0] = PATH.split(os.pathsep)
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 
+import async_pipeline as ap  # noqa: E402
 import replay_grpo as rg  # noqa: E402
 
 TINY = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
         "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8",
-        "--pass-k", "2", "--pass-k-prompts", "4", "--eval-every", "0", "--no-progress",
+        "--pass-k", "2", "--eval-every", "0",
         "--mode", "async", "--num-generators", "1", "--loss", "asymre", "--lr", "1e-3"]  # asymre: nonzero grads at reward 0
 
 
@@ -165,7 +166,7 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
     exit, no hang, and the surviving generator is shut down too."""
     run_dir, _ = two_rank_run
     before = metrics(run_dir)[-1]
-    run = Run(torchrun(2, "--total-steps", "100000", "--checkpoint-every", "1", "--resume",
+    run = Run(torchrun(2, "--total-steps", "100000", "--eval-every", "1", "--resume",
                        "--num-generators", "2", "--out-dir", str(run_dir.parent), "--run-name", run_dir.name))
     state_file = run_dir / "checkpoint" / "trainer_state.pt"
     assert run.poll_until(lambda: len(metrics(run_dir)) >= 9 and len(run.generators()) == 2, 180), run.proc.poll()
@@ -207,7 +208,7 @@ def test_weight_mailbox_hands_over_the_latest_weights_once():
     import multiprocessing as mp
     model, tok = rg.build_tiny_model(0)
     gen = rg.HFGenerator(model, tok, "eager")
-    box = rg.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
+    box = ap.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
     new = {k: v + 1 for k, v in model.state_dict().items()}
     box.publish({k: v - 1 for k, v in new.items()}, 2)
     box.publish(new, 3)  # a generator that missed version 2 takes 3 directly
@@ -219,7 +220,7 @@ def test_weight_mailbox_hands_over_the_latest_weights_once():
 
 
 def test_merge_stats_weights_by_tokens():
-    m = rg.merge_stats([{"loss": 1.0, "entropy": 1.0, "ratio_max": 2.0, "nonfinite": 0, "trained_tokens": 10},
+    m = ap.merge_stats([{"loss": 1.0, "entropy": 1.0, "ratio_max": 2.0, "nonfinite": 0, "trained_tokens": 10},
                         {"loss": 3.0, "entropy": 4.0, "ratio_max": 1.0, "nonfinite": 1, "trained_tokens": 30,
                          "logprob_mismatch_abs": 0.5}])
     assert m == {"loss": 2.0, "entropy": 3.25, "ratio_max": 2.0, "nonfinite": 1, "trained_tokens": 40,
@@ -243,7 +244,7 @@ def test_weight_publish_reaches_a_generator_process():
     ctx = mp.get_context("spawn")
     model, _ = rg.build_tiny_model(0)
     first = model.state_dict()
-    box, out = rg.WeightMailbox(ctx, first, 4), ctx.Queue()
+    box, out = ap.WeightMailbox(ctx, first, 4), ctx.Queue()
     child = ctx.Process(target=_pull_twice, args=(box, out))
     child.start()
     try:
@@ -261,7 +262,7 @@ def test_weight_publish_reaches_a_generator_process():
 
 FSDP_CHECK = r'''
 import copy, sys, torch, torch.distributed as dist
-import replay_grpo as rg
+import async_pipeline as ap, replay_grpo as rg
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -276,7 +277,7 @@ for i in range(8):
 ref = copy.deepcopy(model)
 model_init = copy.deepcopy(model.state_dict())
 ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
-policy = rg.LogprobPolicy(model)
+policy = ap.LogprobPolicy(model)
 for layer in model.model.layers:
     fully_shard(layer)
 fully_shard(policy)
@@ -285,7 +286,7 @@ stats = rg.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), b
 grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
 losses = [None, None]
 dist.all_gather_object(losses, stats["loss"])
-weights = rg.full_weights(policy)
+weights = ap.full_weights(policy)
 if rank == 0:
     worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
     assert worst < 1e-6, worst

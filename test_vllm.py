@@ -225,8 +225,8 @@ def metrics(run_dir):
 def test_cpu_preset_trains_with_the_vllm_generator(tmp_path):
     out = rg.main(["--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0", "--group-size", "4",
                    "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4",
-                   "--eval-size", "8", "--pass-k", "2", "--pass-k-prompts", "4", "--total-steps", "4",
-                   "--eval-every", "0", "--no-progress", "--loss", "asymre", "--lr", "1e-2",
+                   "--eval-size", "8", "--pass-k", "2", "--total-steps", "4",
+                   "--eval-every", "0", "--loss", "asymre", "--lr", "1e-2",
                    "--out-dir", str(tmp_path), "--run-name", "v"])
     recs = metrics(out["run_dir"])[1:]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
@@ -248,8 +248,8 @@ def test_smollm2_gguf_two_rl_steps_with_weight_sync(tmp_path):
     out = rg.main(["--preset", "cpu", "--model", str(gguf), "--generator", "vllm", "--sft-warmup-steps", "0",
                    "--arith-max-operand", "9", "--group-size", "4", "--prompts-per-step", "2",
                    "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "24", "--micro-batch-size", "4",
-                   "--eval-size", "4", "--pass-k", "1", "--pass-k-prompts", "2", "--total-steps", "2",
-                   "--eval-every", "0", "--checkpoint-every", "0", "--lr", "1e-5", "--loss", "asymre", "--no-progress",
+                   "--eval-size", "4", "--pass-k", "1", "--total-steps", "2",
+                   "--eval-every", "0", "--lr", "1e-5", "--loss", "asymre",
                    "--out-dir", str(tmp_path), "--run-name", "smol"])
     recs = metrics(out["run_dir"])
     assert [r["step"] for r in recs] == [0, 1, 2]
@@ -268,8 +268,8 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
     from test_replay_grpo import training_records
     args = ["--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0", "--group-size", "4",
             "--prompts-per-step", "1", "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4",
-            "--eval-size", "8", "--pass-k", "2", "--pass-k-prompts", "4", "--total-steps", "3",
-            "--no-progress", "--loss", "asymre", "--lr", "1e-2", "--out-dir", str(tmp_path)]
+            "--eval-size", "8", "--pass-k", "2", "--total-steps", "3",
+            "--loss", "asymre", "--lr", "1e-2", "--out-dir", str(tmp_path)]
     rg.main(args + ["--eval-every", "1", "--run-name", "often"])
     rg.main(args + ["--eval-every", "0", "--run-name", "never"])
     often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")

@@ -1,0 +1,428 @@
+"""async_pipeline.py: the paper's asynchronous system for replay_grpo.py (--mode async).
+
+W generator processes run make_rollouts in a loop with whatever weights they hold and put every
+finished request (prompts_per_step x G rollouts, advantages, behaviour log-probs and policy version
+frozen) on one bounded channel; a full channel makes them wait (backpressure). The trainers are
+torchrun ranks sharding the policy with FSDP2. Rank 0 owns the channel and deals new rollouts
+round-robin to the ranks; each keeps a ReplayBuffer shard of N/T, samples B/T per step and FSDP
+averages the gradients. Every k steps the full weights are gathered to rank 0 and written to a
+shared-memory mailbox that generators read between requests, so a rollout carries the version
+(= optimizer steps) that really made it.
+
+    python replay_grpo.py --preset cpu --mode async --num-generators 1                  # T = 1
+    torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
+
+On GPUs the T ranks use GPUs 0..T-1 with NCCL and generator i takes GPU T+i. The mailbox goes
+through host memory; at scale, weights would rather go from rank 0 to the engines by an NCCL
+broadcast (a process group spanning trainers and engines) or vLLM's weight-transfer API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import random
+import shutil
+import signal
+import time
+import traceback
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+import replay_grpo as rg
+from replay_grpo import PipelineError, UserError
+
+
+class LogprobPolicy(torch.nn.Module):
+    """A causal LM whose forward is completion_logprobs. Under FSDP2 (`fully_shard(LogprobPolicy(model))`)
+    the embedding, the (tied) LM head and the final norm belong to this root module and are sharded
+    DTensors except inside its forward, where FSDP all-gathers them: computing the log-probs here hands
+    kernels.token_logprobs the full head weight, and FSDP reduce-scatters its gradient (to the tied
+    embedding too). Reading the head outside this forward would hand the kernel a shard of it."""
+
+    computes_logprobs = True  # rg.completion_logprobs calls forward with packed ids
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, ids, mask, targets, temperature, backend, entropy):
+        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, backend, entropy)
+        # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
+        return tuple(t.clone() for t in out) if entropy else out.clone()
+
+
+class WeightMailbox:
+    """The latest published weights in shared memory: rank 0 overwrites them in place, a generator copies
+    them out between requests when the version moved. One copy for all W generators however often
+    weights are published (a queue of state dicts would pile up behind a slow generator)."""
+
+    def __init__(self, ctx, state_dict: dict, version: int):
+        self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state_dict.items()}
+        self.version, self.lock = ctx.Value("q", version, lock=False), ctx.Lock()
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        with self.lock:
+            for k, t in self.tensors.items():
+                t.copy_(state_dict[k])
+            self.version.value = version
+
+    def pull(self, generator) -> None:
+        if self.version.value != generator.policy_version:  # unlocked peek; the copy itself is locked
+            with self.lock:
+                generator.load_weights(self.tensors, self.version.value)
+
+
+def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, errors, stop, first_group_id: int,
+                   device: str) -> None:
+    """One generator process: make_rollouts with the newest weights, request after request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
+    parent = mp.parent_process()
+    try:
+        task = rg.make_task(cfg)
+        model, tok, model_dir, _ = rg.load_policy(cfg, torch.device(device), task)
+        generator = rg.make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
+                                      model, tok, model_dir, colocated=False)
+        generator.policy_version = -1  # whatever load_policy built, start from the published weights
+        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # own prompts per generator and per resume
+        torch.manual_seed(rng.getrandbits(63))
+        counters, idle, request = defaultdict(int), 0.0, 0
+        while not stop.is_set() and parent.is_alive():
+            mailbox.pull(generator)
+            t0 = time.perf_counter()
+            group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
+            rollouts = rg.make_rollouts(generator, tok, task, task.sample(rng, cfg.prompts_per_step), cfg,
+                                        generator.policy_version, group_id, counters)
+            msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counters), "idle_seconds": idle,
+                                "busy_seconds": time.perf_counter() - t0})  # bytes: no shared-memory fd per tensor
+            counters.clear()
+            request += 1
+            t0 = time.perf_counter()
+            while not stop.is_set() and parent.is_alive():  # blocks while the channel is full
+                try:
+                    channel.put(msg, timeout=0.5)
+                    break
+                except queue.Full:
+                    pass
+            idle = time.perf_counter() - t0
+    except Exception:
+        errors.put((index, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class GeneratorPool:
+    """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
+
+    def __init__(self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int):
+        self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
+        self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
+        n_gpus = torch.cuda.device_count()
+        self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
+            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id,
+            # GPUs after the trainers' ones; with fewer GPUs they share (one GPU: the trainer's card)
+            f"cuda:{(n_trainers + i) % n_gpus}" if n_gpus else "cpu")) for i in range(cfg.num_generators)]
+        for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
+            p.start()
+
+    def receive(self, wait: float) -> list[dict]:
+        """Every finished request in the channel, waiting up to `wait` seconds for the first."""
+        msgs = []
+        try:
+            msgs.append(self.channel.get(timeout=wait) if wait > 0 else self.channel.get_nowait())
+            for _ in range(self.capacity + len(self.procs)):  # bounded: they keep producing
+                msgs.append(self.channel.get_nowait())
+        except queue.Empty:
+            pass
+        return [pickle.loads(m) for m in msgs]
+
+    def failure(self) -> str | None:
+        """Why a generator stopped (its traceback, or its exit code / signal); None while all run."""
+        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        if not dead:
+            return None
+        try:  # a generator that raised sent its traceback before exiting
+            index, tb = self.errors.get(timeout=2)
+            return f"generator {index} failed:\n{tb.rstrip()}"
+        except queue.Empty:
+            i, p = dead[0]
+            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            return f"generator {i} (pid {p.pid}) died ({how})"
+
+    def depth(self) -> int | None:
+        try:
+            return self.channel.qsize()
+        except NotImplementedError:  # macOS
+            return None
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop every generator; terminate (then kill) the ones still running after `timeout` seconds."""
+        self.stop.set()
+        deadline = time.time() + timeout
+        # no draining here: a get() can block forever on a message a dying generator half wrote;
+        # generators never block on the channel for long (put with a timeout, then check stop)
+        while any(p.is_alive() for p in self.procs) and time.time() < deadline:
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def full_weights(policy) -> dict:
+    """The full state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere. Collective."""
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("policy."): v for k, v in sd.items()}
+
+
+def merge_stats(per_rank: list[dict]) -> dict:
+    """The ranks' train_step metrics as the step's: token-weighted means; maxima; sums of counts; loss and
+    grad norm as the mean over ranks (grad norm is already global: FSDP clips globally)."""
+    tokens, out = [s["trained_tokens"] for s in per_rank], {}
+    for k in dict.fromkeys(k for s in per_rank for k in s):
+        vals = [(s[k], n) for s, n in zip(per_rank, tokens) if k in s]
+        if k == "trained_tokens":
+            out[k] = sum(tokens)
+        elif k in ("ratio_max", "nonfinite"):
+            out[k] = max(v for v, _ in vals)
+        elif k in ("loss", "grad_norm"):
+            out[k] = sum(v for v, _ in vals) / len(vals)
+        else:
+            out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
+    return out
+
+
+def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model_copy, tok,
+                          state: dict) -> None:
+    """Model (save_pretrained of rank 0's full copy, holding the current weights) and the full optimizer
+    state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
+    osd = get_optimizer_state_dict(policy, optimizer,  # collective
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tmp = run_dir / "checkpoint.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model_copy.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        torch.save(dict(state, optimizer=osd), tmp / "trainer_state.pt")
+    dist.barrier()
+    torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, tmp / f"buffer_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        rg.swap_in_checkpoint(run_dir)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: shut the generators down too
+
+
+def train_async(cfg: rg.Args) -> dict:
+    """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
+    import transformers
+    from tqdm import tqdm
+    transformers.utils.logging.disable_progress_bar()
+    use_cuda = torch.cuda.is_available()
+    owns_group = not dist.is_initialized()
+    if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR; plain `python` is a world of 1
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    B, N = cfg.batch_size, cfg.buffer_size
+    pool, close_log, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
+    try:
+        if B % T or N % T:
+            raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
+                            "(torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+        if N // T - round(cfg.positive_bias * (N // T)) < 1:
+            raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
+                            f"{N // T} rollouts would keep no slot for the freshest ones")
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        box = [rg.open_run(cfg) if rank == 0 else None]  # rank 0 checks and creates the run folder
+        dist.broadcast_object_list(box, src=0)
+        run_name, run_dir, ckpt = box[0]
+        if rank == 0:  # first: it may write the warm-start cache that the others then read
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
+        dist.barrier()
+        if rank != 0:
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
+        # full copy before sharding: rank 0's evaluates and is what save_pretrained writes
+        model_copy = rg.HFGenerator(model, tok) if rank == 0 else None
+        policy = LogprobPolicy(model)
+        for m in model.modules():  # one FSDP unit per decoder block (HF lists their classes)
+            if type(m).__name__ in (model._no_split_modules or ()):
+                fully_shard(m)
+        fully_shard(policy)  # root: embeddings, tied head, final norm (log-probs run in its forward)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+        shard = rg.ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
+        c = {"generated_rollouts": 0, "generated_tokens": 0, "trained_rollouts": 0, "trained_tokens": 0,
+             "verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0, "nonfinite_steps": 0,
+             "gen_busy_seconds": 0.0, "gen_idle_seconds": 0.0, "trainer_idle_seconds": 0.0,
+             "train_seconds": 0.0, "sync_seconds": 0.0, "next_group_id": 0, "next_rank": 0,
+             "dealt": [0] * T, "replay_hist": Counter()}  # rank 0's run totals (checkpointed)
+        step = 0
+        if state is not None:
+            set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
+            shard.load_state_dict(own["buffer"])
+            rg.set_rng_state(own["rng"])
+            c.update(state["counters"])
+            step = state["step"]
+        evicted_sent, nonfinite_streak, last_eval, fresh = len(shard.evicted_uses), 0, {}, []
+        step_tokens, empty_requests = 0, 0  # rank 0: tokens generated since the last record; requests with no rollout
+        weights = full_weights(policy)
+        if rank == 0:
+            ctx = mp.get_context("spawn")  # fork would copy the process group and threads
+            mailbox = WeightMailbox(ctx, weights, step)
+            signal.signal(signal.SIGTERM, _interrupt)
+            pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T)
+            log, close_log = rg.open_metrics(cfg, run_name, run_dir, step)
+            print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
+                  f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
+                  f"channel {pool.capacity} requests, publish every {cfg.publish_every}")
+            if step == 0:  # while the generators start
+                last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed)
+                log({"step": 0, **last_eval, **({} if warm is None else {f"warmstart_{k}": warm[k] for k in rg.WARM_KEYS})})
+                rg.print_eval(print, 0, last_eval)
+            bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
+
+        ready = lambda: min(c["dealt"]) >= B // T  # a shard holds min(N/T, rollouts dealt to it) >= B/T
+        while step < cfg.total_steps:
+            # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
+            #    trainers idle) only while a shard lacks a batch of B/T
+            t0 = time.perf_counter()
+            if rank == 0:
+                failure = pool.failure()
+                msgs = [] if failure else pool.receive(wait=0 if ready() else 1.0)
+                parts = [[] for _ in range(T)]
+                for m in msgs:
+                    c["gen_busy_seconds"] += m["busy_seconds"]
+                    c["gen_idle_seconds"] += m["idle_seconds"]
+                    for k, v in m["counters"].items():  # generated rollouts and tokens, verifier failures...
+                        c[k] += v
+                    step_tokens += m["counters"].get("generated_tokens", 0)
+                    empty_requests = 0 if m["rollouts"] else empty_requests + 1
+                    if empty_requests >= rg.MAX_EMPTY_REQUESTS:
+                        failure = rg.all_dropped_message(empty_requests, step)
+                    for r in m["rollouts"]:
+                        parts[c["next_rank"]].append(r)
+                        c["dealt"][c["next_rank"]] += 1
+                        c["next_rank"] = (c["next_rank"] + 1) % T
+                        c["next_group_id"] = max(c["next_group_id"], r.group_id + 1)
+                        fresh.append(r)
+                out = [{"rollouts": p, "ready": ready(), "failure": failure} for p in parts]
+            box = [None]
+            dist.scatter_object_list(box, out if rank == 0 else None, src=0)
+            mine = box[0]
+            for r in mine["rollouts"]:
+                r.birth_step = step
+            shard.push(mine["rollouts"])
+            if mine["failure"]:  # every rank stops here, none is left waiting in a collective
+                if rank == 0:
+                    pool.close()
+                dist.barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
+                raise PipelineError(mine["failure"] if rank == 0 else
+                                    f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
+            if not mine["ready"]:
+                if rank == 0:
+                    c["trainer_idle_seconds"] += time.perf_counter() - t0
+                continue
+            wait_seconds = time.perf_counter() - t0
+
+            # 2. one optimizer step on B/T rollouts per rank (their uses are counted); FSDP averages the gradients
+            batch = shard.sample(B // T, step)
+            t0 = time.perf_counter()
+            policy.train()
+            stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
+            report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
+                      "since_last": shard.since_last_use, "buffer_size": len(shard),
+                      "evicted_uses": shard.evicted_uses[evicted_sent:]}
+            evicted_sent = len(shard.evicted_uses)
+            reports = [None] * T if rank == 0 else None
+            dist.gather_object(report, reports, dst=0)
+            step += 1
+            nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
+            if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
+                raise rg.nonfinite_stop(nonfinite_streak, step, ckpt)
+
+            # 3. publish weights every k steps (version = optimizer steps); evaluate and checkpoint
+            done = step == cfg.total_steps
+            evaluating = done or (cfg.eval_every and step % cfg.eval_every == 0)
+            t0 = time.perf_counter()
+            if step % cfg.publish_every == 0 or evaluating:
+                weights = full_weights(policy)  # collective
+            if rank == 0 and step % cfg.publish_every == 0:
+                mailbox.publish(weights, step)  # generators pick it up before their next request
+            if rank == 0 and evaluating:
+                model_copy.load_weights(weights, step)
+            sync_seconds = time.perf_counter() - t0
+
+            if rank == 0:
+                stats = merge_stats([r["stats"] for r in reports])
+                c["replay_hist"].update(u for r in reports for u in r["evicted_uses"])
+                c["trained_rollouts"] += B
+                c["trained_tokens"] += stats["trained_tokens"]
+                c["train_seconds"] += max(r["train_seconds"] for r in reports)
+                c["sync_seconds"] += sync_seconds
+                c["nonfinite_steps"] += stats["nonfinite"]
+                # mu the paper's way: (rollouts trained on / T) / (unique rollouts generated / W)
+                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                sums = {k: sum((r["sums"][k] for r in reports), [] if k == "staleness" else 0) for k in reports[0]["sums"]}
+                record = rg.step_record(
+                    step, stats, fresh, sums, [s for r in reports for s in r["since_last"]],
+                    sum(r["buffer_size"] for r in reports), B, c,
+                    # uses per rollout, over the rollouts evicted so far (their final replay ratio)
+                    replay_hist={str(u): n for u, n in sorted(c["replay_hist"].items())},
+                    fresh_rollouts=len(fresh), fresh_versions=sorted({r.policy_version for r in fresh}),
+                    generated_tokens=step_tokens, queue_depth=pool.depth(), rollouts_per_rank=list(c["dealt"]),
+                    wait_seconds=wait_seconds, train_seconds=max(r["train_seconds"] for r in reports),
+                    sync_seconds=sync_seconds,
+                    **{k: c[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
+                    mu=mu, gamma=(1 + W / T) / (1 + mu), num_generators=W, num_trainers=T,
+                    # the same ratio from busy seconds only (mu is exact only when neither side idles)
+                    mu_busy=(c["gen_busy_seconds"] / c["generated_rollouts"]) / (c["train_seconds"] * T / c["trained_rollouts"]))
+                fresh, step_tokens = [], 0
+                if evaluating:
+                    last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step)
+                    record.update(last_eval)
+                    rg.print_eval(bar.write, step, last_eval)
+                log(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}", mu=f"{mu:.2f}",
+                                queue=record["queue_depth"])
+            if evaluating:
+                save_async_checkpoint(run_dir, rank, policy, optimizer, shard, model_copy.model if rank == 0 else None,
+                                      tok, {"step": step, "counters": c, "mode": "async", "trainers": T})
+        if rank == 0:
+            bar.close()
+            if c["generated_rollouts"]:
+                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                print(f"measured mu = {mu:.2f} ((trained/T) / (generated/W)), gamma = (1 + W/T)/(1 + mu) = "
+                      f"{(1 + W / T) / (1 + mu):.2f}; idle seconds: trainers {c['trainer_idle_seconds']:.1f}, "
+                      f"generators {c['gen_idle_seconds']:.1f} (of {c['gen_busy_seconds']:.1f} busy)")
+        return {**last_eval, "run_dir": str(run_dir)}
+    finally:
+        if pool is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+            pool.close()
+            signal.signal(signal.SIGTERM, old_sigterm)
+        if close_log is not None:
+            close_log()
+        if owns_group:
+            dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""compare_metrics.py: check that a change leaves training unchanged.
+
+Runs the same training commands with the code of a git revision and with the working tree, then
+compares every metrics.jsonl record field by field, except wall-clock seconds and the mu computed
+from them. Exit code 0 when every record matches.
+
+    python compare_metrics.py REV                 # the two default commands below
+    python compare_metrics.py REV --keep /tmp/cmp # keep both run folders
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+COMMANDS = [  # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses
+    ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3"],
+    ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3",
+     "--loss", "asymre", "--positive-bias", "0.25"],
+]
+
+
+def timing(key: str) -> bool:
+    return key.endswith("_seconds") or key in ("mu", "mu_busy", "gamma")
+
+
+def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    records = []
+    for i, args in enumerate(COMMANDS):
+        cmd = [sys.executable, str(code_dir / "replay_grpo.py"), *args, "--out-dir", str(out_dir), "--run-name", f"c{i}"]
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, cwd=code_dir, env=env, check=True, stdout=subprocess.DEVNULL)
+        records.append([json.loads(l) for l in (out_dir / f"c{i}" / "metrics.jsonl").read_text().splitlines()])
+    return records
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="git revision to compare the working tree with")
+    ap.add_argument("--keep", help="folder for both versions' run folders (default: a temporary one)")
+    args = ap.parse_args()
+    work = Path(args.keep or tempfile.mkdtemp(prefix="compare_metrics_"))
+    before_code = work / "code"
+    if not before_code.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(before_code), args.rev], cwd=ROOT, check=True,
+                       capture_output=True)
+    try:
+        before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after")
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=ROOT, capture_output=True)
+    differences = 0
+    for args, old, new in zip(COMMANDS, before, after):
+        compared = 0
+        if len(old) != len(new):
+            print(f"{' '.join(args)}: {len(old)} records before, {len(new)} after")
+            differences += 1
+        for a, b in zip(old, new):
+            for key in sorted(set(a) | set(b)):
+                if timing(key):
+                    continue
+                compared += 1
+                if a.get(key, "<missing>") != b.get(key, "<missing>"):
+                    differences += 1
+                    print(f"step {a.get('step')}: {key}: {a.get(key, '<missing>')!r} -> {b.get(key, '<missing>')!r}")
+        print(f"{' '.join(args)}: {len(new)} records, {compared} values compared")
+    print("identical" if differences == 0 else f"{differences} differences")
+    return 0 if differences == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
