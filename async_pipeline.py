@@ -12,14 +12,17 @@ shared-memory mailbox that generators read between requests, so a rollout carrie
     python replay_grpo.py --preset cpu --mode async --num-generators 1                  # T = 1
     torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
 
-On GPUs the T ranks use GPUs 0..T-1 with NCCL and generator i takes GPU T+i. The mailbox goes
-through host memory; at scale, weights would rather go from rank 0 to the engines by an NCCL
-broadcast (a process group spanning trainers and engines) or vLLM's weight-transfer API.
+On GPUs the T ranks use GPUs 0..T-1 with NCCL and generator i takes GPU T+i (with fewer GPUs they
+share: on one GPU, the trainer's), which it sees as its only device (CUDA_VISIBLE_DEVICES is set in
+the generator before CUDA starts there, so a vLLM engine lands on it too). The mailbox goes through
+host memory; at scale, weights would rather go from rank 0 to the engines by an NCCL broadcast (a
+process group spanning trainers and engines) or vLLM's weight-transfer API.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing as mp
 import os
 import pickle
@@ -69,11 +72,19 @@ class WeightMailbox:
         self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state_dict.items()}
         self.version, self.lock = ctx.Value("q", version, lock=False), ctx.Lock()
 
-    def publish(self, state_dict: dict, version: int) -> None:
-        with self.lock:
+    def publish(self, state_dict: dict, version: int, alive=lambda: True) -> bool:
+        """Overwrite the weights; False, without waiting forever, when a generator died holding the lock
+        (alive() turned false: the run is then stopped by the dead generator's failure)."""
+        while not self.lock.acquire(timeout=1.0):
+            if not alive():
+                return False
+        try:
             for k, t in self.tensors.items():
                 t.copy_(state_dict[k])
             self.version.value = version
+        finally:
+            self.lock.release()
+        return True
 
     def pull(self, generator) -> None:
         if self.version.value != generator.policy_version:  # unlocked peek; the copy itself is locked
@@ -82,14 +93,16 @@ class WeightMailbox:
 
 
 def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, errors, stop, first_group_id: int,
-                   device: str) -> None:
+                   gpu: int | None) -> None:
     """One generator process: make_rollouts with the newest weights, request after request."""
+    if gpu is not None:  # before CUDA starts in this process: GPU `gpu` becomes its cuda:0 (vLLM uses the first one)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
     parent = mp.parent_process()
     try:
         task = rg.make_task(cfg)
-        model, tok, model_dir, _ = rg.load_policy(cfg, torch.device(device), task)
+        model, tok, model_dir, _ = rg.load_policy(cfg, torch.device("cpu" if gpu is None else "cuda:0"), task)
         generator = rg.make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
                                       model, tok, model_dir, colocated=False)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
@@ -115,7 +128,7 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
                     pass
             idle = time.perf_counter() - t0
     except Exception:
-        errors.put((index, traceback.format_exc()))
+        errors.put((index, os.environ.get("CUDA_VISIBLE_DEVICES"), traceback.format_exc()))
         raise SystemExit(1)
 
 
@@ -125,11 +138,10 @@ class GeneratorPool:
     def __init__(self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int):
         self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
         self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
-        n_gpus = torch.cuda.device_count()
+        self.gpus = generator_gpus(cfg.num_generators, n_trainers, torch.cuda.device_count())
         self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
-            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id,
-            # GPUs after the trainers' ones; with fewer GPUs they share (one GPU: the trainer's card)
-            f"cuda:{(n_trainers + i) % n_gpus}" if n_gpus else "cpu")) for i in range(cfg.num_generators)]
+            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu))
+            for i, gpu in enumerate(self.gpus)]
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
 
@@ -150,8 +162,8 @@ class GeneratorPool:
         if not dead:
             return None
         try:  # a generator that raised sent its traceback before exiting
-            index, tb = self.errors.get(timeout=2)
-            return f"generator {index} failed:\n{tb.rstrip()}"
+            index, gpus, tb = self.errors.get(timeout=2)
+            return f"generator {index} (CUDA_VISIBLE_DEVICES={gpus}) failed:\n{tb.rstrip()}"
         except queue.Empty:
             i, p = dead[0]
             how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
@@ -178,6 +190,12 @@ class GeneratorPool:
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+def generator_gpus(W: int, T: int, n_gpus: int) -> list[int | None]:
+    """The GPU of each generator: the ones after the T trainers' (W + T <= n_gpus), else shared round-robin
+    (one GPU: the trainer's); None without GPUs."""
+    return [(T + i) % n_gpus if n_gpus else None for i in range(W)]
 
 
 def full_weights(policy) -> dict:
@@ -215,11 +233,16 @@ def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.Repla
         model_copy.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         torch.save(dict(state, optimizer=osd), tmp / "trainer_state.pt")
-    dist.barrier()
+    barrier()
     torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, tmp / f"buffer_rank{rank}.pt")
-    dist.barrier()
+    barrier()
     if rank == 0:
         rg.swap_in_checkpoint(run_dir)
+
+
+def barrier() -> None:
+    """dist.barrier on this rank's GPU under NCCL (without device_ids it may guess one and hang)."""
+    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def _interrupt(signum, frame):
@@ -234,17 +257,18 @@ def train_async(cfg: rg.Args) -> dict:
     use_cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
     if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR; plain `python` is a world of 1
-        backend = "nccl" if use_cuda else "gloo"
+        # a rank waits in a collective while rank 0 evaluates or saves: NCCL's 10-minute default is too short
+        kw = dict(backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=cfg.dist_timeout))
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(**kw)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(**kw, store=dist.HashStore(), rank=0, world_size=1)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     B, N = cfg.batch_size, cfg.buffer_size
-    pool, close_log, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
+    pool, runlog, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
     try:
         if B % T or N % T:
             raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
@@ -259,7 +283,7 @@ def train_async(cfg: rg.Args) -> dict:
         run_name, run_dir, ckpt = box[0]
         if rank == 0:  # first: it may write the warm-start cache that the others then read
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
-        dist.barrier()
+        barrier()
         if rank != 0:
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
         # full copy before sharding: rank 0's evaluates and is what save_pretrained writes
@@ -292,14 +316,16 @@ def train_async(cfg: rg.Args) -> dict:
             mailbox = WeightMailbox(ctx, weights, step)
             signal.signal(signal.SIGTERM, _interrupt)
             pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T)
-            log, close_log = rg.open_metrics(cfg, run_name, run_dir, step)
+            runlog = rg.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
                   f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
                   f"channel {pool.capacity} requests, publish every {cfg.publish_every}")
             if step == 0:  # while the generators start
-                last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed)
-                log({"step": 0, **last_eval, **({} if warm is None else {f"warmstart_{k}": warm[k] for k in rg.WARM_KEYS})})
-                rg.print_eval(print, 0, last_eval)
+                samples = []
+                last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed, samples=samples)
+                warm = {} if warm is None else {f"warmstart_{k}": warm[k] for k in rg.WARM_KEYS}
+                runlog.log({"step": 0, **last_eval, **warm}, samples)
+                rg.print_eval(print, 0, last_eval, samples)
             bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
 
         ready = lambda: min(c["dealt"]) >= B // T  # a shard holds min(N/T, rollouts dealt to it) >= B/T
@@ -336,7 +362,7 @@ def train_async(cfg: rg.Args) -> dict:
             if mine["failure"]:  # every rank stops here, none is left waiting in a collective
                 if rank == 0:
                     pool.close()
-                dist.barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
+                barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
                 raise PipelineError(mine["failure"] if rank == 0 else
                                     f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
             if not mine["ready"]:
@@ -352,7 +378,9 @@ def train_async(cfg: rg.Args) -> dict:
             stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
             report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
                       "since_last": shard.since_last_use, "buffer_size": len(shard),
-                      "evicted_uses": shard.evicted_uses[evicted_sent:]}
+                      "evicted_uses": shard.evicted_uses[evicted_sent:],
+                      "samples": rg.sample_rows(tok, batch, step)
+                      if cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []}
             evicted_sent = len(shard.evicted_uses)
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
@@ -367,8 +395,8 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
-            if rank == 0 and step % cfg.publish_every == 0:
-                mailbox.publish(weights, step)  # generators pick it up before their next request
+            if rank == 0 and step % cfg.publish_every == 0:  # generators pick it up before their next request
+                mailbox.publish(weights, step, alive=lambda: all(p.is_alive() for p in pool.procs))
             if rank == 0 and evaluating:
                 model_copy.load_weights(weights, step)
             sync_seconds = time.perf_counter() - t0
@@ -396,13 +424,14 @@ def train_async(cfg: rg.Args) -> dict:
                     **{k: c[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
                     mu=mu, gamma=(1 + W / T) / (1 + mu), num_generators=W, num_trainers=T,
                     # the same ratio from busy seconds only (mu is exact only when neither side idles)
-                    mu_busy=(c["gen_busy_seconds"] / c["generated_rollouts"]) / (c["train_seconds"] * T / c["trained_rollouts"]))
-                fresh, step_tokens = [], 0
+                    mu_busy=(c["gen_busy_seconds"] / c["generated_rollouts"])
+                    / (c["train_seconds"] * T / c["trained_rollouts"]))
+                fresh, step_tokens, samples = [], 0, reports[0]["samples"]
                 if evaluating:
-                    last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step)
+                    last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step, samples=samples)
                     record.update(last_eval)
-                    rg.print_eval(bar.write, step, last_eval)
-                log(record)
+                    rg.print_eval(bar.write, step, last_eval, samples[-rg.SAMPLES:])
+                runlog.log(record, samples)
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}", mu=f"{mu:.2f}",
                                 queue=record["queue_depth"])
@@ -422,7 +451,7 @@ def train_async(cfg: rg.Args) -> dict:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
             pool.close()
             signal.signal(signal.SIGTERM, old_sigterm)
-        if close_log is not None:
-            close_log()
+        if runlog is not None:
+            runlog.close()
         if owns_group:
             dist.destroy_process_group()

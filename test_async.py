@@ -313,3 +313,83 @@ def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path, 
            "--master-port", str(free_port()), str(script), agg]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and "FSDP-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
+
+
+# --- GPU placement, timeouts and a dead reader, on CPU -------------------------------------------
+
+def test_each_generator_gets_its_own_gpu_after_the_trainers():
+    assert ap.generator_gpus(5, 3, 8) == [3, 4, 5, 6, 7]  # (W, T) = (5, 3) on one 8-GPU node
+    assert ap.generator_gpus(1, 1, 1) == [0]  # one GPU: shared with the trainer
+    assert ap.generator_gpus(2, 1, 0) == [None, None]  # CPU
+
+
+def test_spawned_generators_see_only_their_gpu(tmp_path, monkeypatch):
+    """Through the real pool: with 4 GPUs (as the parent counts them) and T = 2, the two generators start with
+    CUDA_VISIBLE_DEVICES=2 and =3. This machine has no CUDA, so each then fails and reports what it saw."""
+    import multiprocessing as mp
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = rg.parse_args(TINY + ["--num-generators", "2", "--out-dir", str(tmp_path)])
+    model, _ = rg.build_tiny_model(0)
+    ctx = mp.get_context("spawn")
+    box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
+    pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=2)
+    try:
+        seen = {}
+        for _ in range(2):
+            index, gpus, tb = pool.errors.get(timeout=120)
+            seen[index] = gpus
+            assert "CUDA" in tb or "cuda" in tb, tb  # it failed trying to use its GPU
+        assert seen == {0: "2", 1: "3"}
+        assert pool.gpus == [2, 3]
+    finally:
+        pool.close()
+
+
+class StuckGenerator:
+    """A generator whose weight load never returns: it dies holding the mailbox's lock."""
+    policy_version = -1
+
+    def __init__(self, inside):
+        self.inside = inside
+
+    def load_weights(self, state_dict, version):
+        self.inside.set()
+        time.sleep(3600)
+
+
+def _pull_and_hang(box, inside):
+    box.pull(StuckGenerator(inside))
+
+
+def test_a_generator_killed_inside_the_weight_handoff_does_not_hang_the_trainer():
+    import multiprocessing as mp
+    import threading
+    ctx = mp.get_context("spawn")
+    model, _ = rg.build_tiny_model(0)
+    box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
+    child = ctx.Process(target=_pull_and_hang, args=(box, inside))
+    child.start()
+    assert inside.wait(120), "the child never entered the critical section"
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    result = {}
+    publisher = threading.Thread(target=lambda: result.update(ok=box.publish(model.state_dict(), 2, alive=child.is_alive)),
+                                 daemon=True)
+    t0 = time.time()
+    publisher.start()
+    publisher.join(30)
+    assert not publisher.is_alive(), "publish hung on the dead generator's lock"
+    assert result["ok"] is False and time.time() - t0 < 10 and box.version.value == 1
+
+
+def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
+    import datetime
+    seen = {}
+    real = torch.distributed.init_process_group
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.distributed, "init_process_group", spy)
+    rg.main(TINY + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
+    assert seen["timeout"] == datetime.timedelta(minutes=7)

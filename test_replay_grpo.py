@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import replay_grpo as rg
+import warm_start
 
 ROOT = Path(__file__).resolve().parent
 
@@ -631,9 +632,9 @@ def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys
     assert "warm start: 2 supervised steps" in capsys.readouterr().out  # another training split
     cfg = rg.parse_args(["--eval-size", "3"])
     for f in dataclasses_fields():
-        if f not in rg.NOT_WARM_START:  # by exclusion: every other field is in the key
+        if f not in warm_start.NOT_WARM_START:  # by exclusion: every other field is in the key
             other = rg.dataclasses.replace(cfg, **{f: flipped(getattr(cfg, f))})
-            assert rg.warm_start_key(other) != rg.warm_start_key(cfg), f
+            assert warm_start.warm_start_key(other) != warm_start.warm_start_key(cfg), f
 
 
 def dataclasses_fields():
@@ -649,7 +650,7 @@ def flipped(value):
 
 
 def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rg, "SFT_CHECK_EVERY", 2)
+    monkeypatch.setattr(warm_start, "CHECK_EVERY", 2)
     monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)  # every sample is right
     args = small_args(tmp_path, "--sft-warmup-steps", "50", "--sft-target", "0.9", "--total-steps", "1")
     run_main([*args, "--run-name", "hit"])
@@ -692,3 +693,37 @@ def test_project_speaks_for_itself():
         for m in re.finditer(r"\b[Ii]ssue #?\d+", text):
             bad.append(f"{name}: {m[0]}")
     assert not bad, bad
+
+
+# --- what a run shows: samples, console ----------------------------------------------------------
+
+def test_samples_are_written_at_evaluations_and_every_sample_every_steps(tmp_path, capsys):
+    run_main(small_args(tmp_path, "--run-name", "s", "--total-steps", "4", "--eval-every", "2", "--sample-every", "3",
+                        "--loss", "asymre"))
+    rows = [json.loads(l) for l in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["source"] == "eval (greedy)"]
+    train = [r for r in rows if r["source"] == "train"]
+    assert sorted({r["step"] for r in evals}) == [0, 2, 4] and all(len([e for e in evals if e["step"] == s]) == rg.SAMPLES
+                                                                    for s in (0, 2, 4))
+    assert {r["step"] for r in train} == {3} and len(train) == rg.SAMPLES
+    task = rg.make_task(rg.parse_args(small_args(tmp_path)))
+    golds = {ex.prompt: ex.answer for ex in task.eval}
+    for r in evals:
+        assert set(r) == {"step", "source", "prompt", "completion", "gold", "reward", "truncated"}
+        assert golds[r["prompt"]] == r["gold"] and r["reward"] == float(rg.numeric_match(r["completion"], r["gold"]))
+    for r in train:
+        assert set(r) == {"step", "source", "prompt", "completion", "gold", "reward", "advantage", "staleness", "truncated"}
+        assert str(eval(r["prompt"][:-1])) == r["gold"] and r["staleness"] >= 0
+        assert r["reward"] == float(rg.numeric_match(r["completion"], r["gold"]))
+    assert capsys.readouterr().out.count("  e.g. ") == 3  # one example printed at each evaluation
+
+
+def test_a_run_logged_to_a_file_has_no_progress_bar(tmp_path):
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        res = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *small_args(tmp_path, "--total-steps", "5")],
+                             stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300)
+    text = log.read_text()
+    assert res.returncode == 0, text
+    assert "\r" not in text and "it/s" not in text and "%|" not in text, text
+    assert "step 5 eval:" in text  # the evaluations still show

@@ -119,7 +119,7 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
     calls. On CPU the worker's sleep/wake_up are no-ops, but the engine's scheduler pause and
     sleeping-tag bookkeeping are real, so a wrong tag order or a missing wake shows up here."""
     model, tok, gen, prompts = tiny
-    monkeypatch.setattr(gen, "sleep_mode", True)
+    monkeypatch.setattr(gen, "sleep_level", 1)
     gen.sleep()
     assert gen.asleep == {"weights", "kv_cache"} and gen.llm.llm_engine.is_sleeping()
     sft(model, tok, steps=5)
@@ -129,6 +129,27 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
     gen.sleep()  # publish_every > 1: the next generate wakes everything without a sync
     assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)
     assert not gen.llm.llm_engine.is_sleeping()
+
+
+@needs_vllm
+def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wakes_the_kv_cache(tiny, monkeypatch):
+    """The colocated order on the engine's own calls: sleep(level=2) before the optimizer step; on publish,
+    empty the CUDA cache, wake the weights, reload them, reset the prefix cache, wake the KV cache."""
+    model, tok, gen, prompts = tiny
+    calls = []
+    for name in ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache"):
+        real = getattr(gen.llm, name)
+        monkeypatch.setattr(gen.llm, name, lambda *a, _real=real, _name=name, **kw: (calls.append((_name, kw.get("level"), kw.get("tags"))), _real(*a, **kw))[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU as far as the cache handling goes
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None, None)))
+    monkeypatch.setattr(gen, "sleep_level", 2)
+    gen.sleep()
+    gen.load_weights(model.state_dict(), gen.policy_version + 1)
+    assert calls == [("sleep", 2, None), ("empty_cache", None, None), ("wake_up", None, ["weights"]),
+                     ("collective_rpc", None, None), ("reset_prefix_cache", None, None),
+                     ("empty_cache", None, None), ("wake_up", None, ["kv_cache"])]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)  # awake, with the loaded weights
 
 
 @needs_vllm
@@ -274,3 +295,38 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
     rg.main(args + ["--eval-every", "0", "--run-name", "never"])
     often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
     assert len(often) == 4 and often == never
+
+
+def test_an_old_vllm_is_refused_with_both_versions(monkeypatch):
+    import types
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.15.1"
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = None
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    with pytest.raises(VLLMUnavailable, match=r"vLLM 0\.15\.1 is installed; the weight sync needs vllm>=0\.16,<0\.33"):
+        _import_vllm()
+    err = None
+    try:
+        rg.make_generator(rg.parse_args(["--generator", "vllm"]), None, None, "tiny")
+    except rg.UserError as e:
+        err = str(e)
+    assert err and "0.15.1" in err and ">=0.16,<0.33" in err
+
+
+@needs_vllm
+def test_a_vllm_run_console_has_no_engine_lines_without_verbose(tmp_path):
+    import subprocess
+    args = [sys.executable, str(Path(rg.__file__)), "--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0",
+            "--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8",
+            "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2", "--total-steps", "2", "--eval-every", "0",
+            "--out-dir", str(tmp_path)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    quiet = subprocess.run(args + ["--run-name", "q"], capture_output=True, text=True, env=env, timeout=600)
+    loud = subprocess.run(args + ["--run-name", "v", "--verbose"], capture_output=True, text=True, env=env, timeout=600)
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
+    engine_lines = lambda out: [l for l in out.splitlines() if "INFO" in l or "WARNING" in l or "reload" in l.lower()]
+    assert engine_lines(loud.stdout + loud.stderr), "--verbose shows no engine lines: the check below proves nothing"
+    assert not engine_lines(quiet.stdout + quiet.stderr), engine_lines(quiet.stdout + quiet.stderr)[:10]

@@ -1,0 +1,87 @@
+"""warm_start.py: the supervised warm start that replay_grpo.py runs before RL when --sft-warmup-steps > 0.
+
+A model built in code knows nothing, and RL from it earns no reward. Teacher forcing on gold solutions
+gives it the skill; with a demonstrator that is wrong by one in --arith-demo-error of the solutions, it
+also gets a systematic error that RL has to unlearn, as an LLM before RL has (greedy accuracy low,
+pass@k high). The warm start stops once held-out pass@k reaches --sft-target (checked every CHECK_EVERY
+steps), so every seed starts RL with the skill; at most --sft-warmup-steps steps. Its result is cached in
+<out-dir>/.warmstart/<key>, the key hashing every flag that can change it, and shared by every run
+(configuration, learning rate) of the same seed.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import replay_grpo as rg
+
+BATCH_SIZE = 128  # examples per supervised step
+CHECK_EVERY = 100  # steps between two checks of --sft-target
+# Flags that cannot change the warm start; the cache key is every other field, so a new flag is in it.
+NOT_WARM_START = {"preset", "group_size", "prompts_per_step", "batch_size", "buffer_size", "publish_every", "loss",
+                  "clip_low", "clip_high", "asymre_delta_v", "positive_bias", "lr", "temperature", "loss_agg",
+                  "zero_variance_groups", "total_steps", "eval_every", "out_dir", "run_name", "resume", "wandb", "mode",
+                  "num_generators", "generator", "vllm_gpu_memory_utilization", "micro_batch_size", "grad_clip",
+                  "sample_every", "verbose", "dist_timeout"}
+
+
+def warm_start_key(cfg: rg.Args) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
+    """Teacher forcing on gold solutions until held-out pass@k reaches --sft-target; returns what it reached."""
+    rng = random.Random(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
+    model.train()
+    for step in range(1, cfg.sft_warmup_steps + 1):
+        examples = task.sample(rng, BATCH_SIZE)
+        seqs = [(rg.render_prompt(tok, ex.prompt), tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                for ex in examples]
+        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        info["steps"] = step
+        if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
+            check = rg.evaluate(rg.HFGenerator(model, tok), tok, task, cfg, seed=cfg.seed + step, pass_k_only=True)
+            model.train()
+            info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
+            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target})",
+                  flush=True)
+            if info["pass@k"] >= cfg.sft_target:
+                break
+    info["reached"] = not cfg.sft_target or (info["pass@k"] or 0.0) >= cfg.sft_target
+    return info
+
+
+def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
+    """The warm-started policy, its tokenizer, its cache folder and the warm start's record: from the cache,
+    or trained from --model and cached."""
+    cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg)
+    if (cache / "config.json").exists() and (cache / "warmstart.json").exists():
+        model, tok = rg.load_pretrained(str(cache), rg.default_dtype(device))
+        return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
+    model, tok, _, _ = rg.load_policy(dataclasses.replace(cfg, sft_warmup_steps=0), device, task)
+    t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
+    info["seconds"] = round(time.time() - t0, 1)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
+    rg.export_plain_folder(model, tok, str(tmp))
+    (tmp / "warmstart.json").write_text(json.dumps(info))
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)
+    print(f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s, pass@{cfg.pass_k} {info['pass@k']} "
+          f"-> {cache}")
+    if not info["reached"]:
+        print(f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after {info['steps']} steps, "
+              f"below --sft-target {cfg.sft_target}: raise --sft-warmup-steps")
+    return model, tok, str(cache), info
