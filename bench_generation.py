@@ -34,18 +34,21 @@ def timed_generate(gen, prompts, group, tokens, temperature, threads):
 
 
 def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_rollouts=32):
-    """fp32 forward+backward of the trainer's log-prob pass (and one Adam step) per rollout."""
+    """Forward+backward of the trainer's log-prob pass (and one Adam step) per rollout, on the model's device."""
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=0.0)  # the step's cost, weights unchanged
     samples = samples[:max_rollouts]
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
     times = []
     for _ in range(3):  # the first pass also warms up (allocator, Adam state): keep the fastest
+        sync()
         t = time.perf_counter()
         for i in range(0, len(samples), micro):
             lp = rg.completion_logprobs(model, samples[i:i + micro], tok.pad_token_id, temperature)
             (-lp.sum() / len(samples)).backward()
         opt.step()
         opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - t)
     model.eval()
     return min(times) / len(samples)
@@ -89,8 +92,11 @@ def main():
     print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: {args.train_threads or 'same'}), load average before {os.getloadavg()} "
           f"(2 cores shared with other processes: numbers are noisy)", flush=True)
     rows = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = rg.build_tiny_model(0)
+        model = model.to(device)
         model.save_pretrained(f"{tmp}/tiny")
         tok.save_pretrained(f"{tmp}/tiny")
         prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
@@ -100,6 +106,7 @@ def main():
         if spec and not args.skip_smol:
             gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
             model, tok = rg.load_pretrained(str(gguf), torch.float32)
+            model = model.to(device)
             export_plain_folder(model, tok, f"{tmp}/smol")
             prompts = [rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
                        for i in range(args.smol_prompts)]

@@ -1,0 +1,263 @@
+"""gpu_check.py: verify the GPU path of replay_grpo.py on one CUDA GPU, offline, in minutes.
+
+    python gpu_check.py            # on a CUDA machine: every check, one table, exit 1 if one fails
+    python gpu_check.py --smoke    # on a CPU: the same checks at toy sizes (tests this script)
+
+Needs torch, transformers, triton and the project's pure-Python dependencies; the vLLM checks run
+when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. Checks:
+  kernels    token_logprobs at N=16384, V=151936, d=896 and 3584 (bf16): triton and compile against
+             naive torch in the same run (time, extra peak memory, log-prob and gradient error) and
+             the targets: <= 1.5 GiB extra at d=3584, time <= naive at 3584, <= 0.6x naive at 896
+  learns     the cpu preset on the GPU gains >= 25 points of held-out greedy accuracy
+  eval-rng   evaluating every step or never gives the same training records (CUDA generators forked)
+  qwen-0.5b  a Qwen2 built in code at Qwen2.5-0.5B's width (hidden 896, 24 layers, 14 heads, vocab
+             151936, bf16) takes replay steps with the Triton log-probs: step time, peak memory,
+             sampler/trainer mismatch, no NaN
+  async      --mode async, T = 1, W = 1 on the one GPU: a clean start, increasing policy versions, a
+             clean exit with no process left
+  vllm-*     (vLLM) colocated with sleep mode: after a publish the engine's greedy output equals HF's;
+             engine vs trainer log-probs below the warning threshold; memory released while asleep
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+import kernels
+import replay_grpo as rg
+
+ROWS = []  # (check, measured, target, verdict)
+
+
+def row(check: str, measured: str, target: str, ok: bool | None) -> None:
+    ROWS.append((check, measured, target, "PASS" if ok else "FAIL" if ok is not None else "skipped"))
+    print(f"  {check}: {measured} ({target}) -> {ROWS[-1][3]}", flush=True)
+
+
+def timed(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def check_kernels(dev: str, smoke: bool) -> None:
+    cuda = dev == "cuda"
+    N, V, ds = (256, 1031, (64, 128)) if smoke else (16384, 151936, (896, 3584))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backends = ["triton", "compile"] if cuda and kernels.HAS_TRITON else ["eager"]
+    for d in ds:
+        g = torch.Generator(device=dev).manual_seed(0)
+        h = torch.randn(N, d, device=dev, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(V, d, device=dev, generator=g) * (3 / d ** 0.5)).bfloat16().requires_grad_()
+        y = torch.randint(0, V, (N,), device=dev, generator=g)
+        up = torch.randn(N, device=dev, generator=g)
+        ref_lp, ref_dh, ref_dw = kernels._reference(h.detach(), w.detach(), y, up)
+        floor = max(((r.bfloat16().float() - r).norm() / r.norm()).item() for r in (ref_dh, ref_dw))
+        results = {}
+        for be in ["naive"] + backends:
+            def step():
+                h.grad = w.grad = None
+                lp = kernels._naive(h, w, y) if be == "naive" else kernels.token_logprobs(h, w, y, backend=be)
+                (lp * up).sum().backward()
+                return lp
+            lp = step()
+            lp_err = ((lp.detach().float() - ref_lp).norm() / ref_lp.norm()).item()
+            g_err = max(((a.float() - r).norm() / r.norm()).item() for a, r in ((h.grad, ref_dh), (w.grad, ref_dw)))
+            extra = float("nan")
+            if cuda:
+                del lp
+                h.grad = w.grad = None
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                sync()
+                extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            results[be] = (timed(step, 2 if smoke else 5, sync), extra, lp_err, g_err)
+        naive_ms = results["naive"][0]
+        for be in backends:
+            ms, extra, lp_err, g_err = results[be]
+            big = d == ds[-1]
+            row(f"kernels {be} d={d}", f"{ms:.1f} ms = {ms / naive_ms:.2f}x naive, +{extra:.2f} GiB, logp err {lp_err:.1e}, "
+                f"grad err {g_err:.1e}", f"<= {'1.0' if big else '0.6'}x naive" + (", <= 1.5 GiB" if big else "")
+                + f", logp <= 1e-5, grad <= {floor + 1e-3:.1e}",
+                None if not cuda else (ms / naive_ms <= (1.0 if big else 0.6) and (extra <= 1.5 or not big)
+                                       and lp_err <= 1e-5 and g_err <= floor + 1e-3))
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def training_records(run_dir: Path) -> list[dict]:
+    skip = lambda k: k.startswith("eval/") or k.endswith("_seconds") or k in ("mu", "peak_memory_gib")
+    return [{k: v for k, v in r.items() if not skip(k)} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def check_trainer(out: Path, smoke: bool) -> None:
+    # the cpu preset, on whatever device the run picks (the GPU here)
+    args = ["--preset", "cpu", "--out-dir", str(out), "--run-name", "learns"]
+    if smoke:
+        args += ["--sft-warmup-steps", "100", "--sft-target", "0", "--total-steps", "4", "--eval-size", "20"]
+    t0 = time.time()
+    rg.main(args)
+    recs = [r for r in map(json.loads, (out / "learns" / "metrics.jsonl").read_text().splitlines()) if "eval/greedy_acc" in r]
+    gain = recs[-1]["eval/greedy_acc"] - recs[0]["eval/greedy_acc"]
+    row("learns: cpu preset", f"greedy {recs[0]['eval/greedy_acc']:.3f} -> {recs[-1]['eval/greedy_acc']:.3f} in "
+        f"{time.time() - t0:.0f} s", ">= +0.25", None if smoke else gain >= 0.25)
+
+    # evaluation runs on forked generators (CPU and CUDA): it never changes training
+    common = ["--preset", "cpu", "--sft-warmup-steps", "0", "--total-steps", "6", "--prompts-per-step", "2",
+              "--buffer-size", "256", "--loss", "asymre", "--eval-size", "16", "--out-dir", str(out)]
+    rg.main(common + ["--eval-every", "1", "--run-name", "often"])
+    rg.main(common + ["--eval-every", "0", "--run-name", "never"])
+    same = training_records(out / "often") == training_records(out / "never")
+    row("eval-rng: --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"), "identical", same)
+
+    # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16
+    real_build = rg.build_tiny_model
+    shape = dict(hidden_size=128, layers=2, vocab_size=1024) if smoke else dict(hidden_size=896, layers=24, vocab_size=151936)
+    rg.build_tiny_model = lambda seed: real_build(seed, **shape)
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        rg.main(["--preset", "cpu", "--sft-warmup-steps", "0", "--total-steps", "6", "--prompts-per-step", "4",
+                 "--batch-size", "128", "--buffer-size", "256", "--max-new-tokens", "64", "--micro-batch-size", "32",
+                 "--eval-size", "8", "--eval-every", "0", "--lr", "1e-5", "--out-dir", str(out), "--run-name", "qwen"])
+    finally:
+        rg.build_tiny_model = real_build
+    recs = [r for r in map(json.loads, (out / "qwen" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    finite = all(r["nonfinite"] == 0 for r in recs)
+    mismatch = max(r.get("logprob_mismatch_abs", 0.0) for r in recs)
+    step_ms = 1e3 * statistics.median(r["train_seconds"] for r in recs[1:])
+    peak = max(r["peak_memory_gib"] or float("nan") for r in recs)
+    row(f"qwen-0.5b: {shape['hidden_size']}x{shape['layers']}, vocab {shape['vocab_size']}",
+        f"train step {step_ms:.0f} ms ({recs[-1]['trained_tokens']} tokens), peak {peak:.1f} GiB, mismatch {mismatch:.1e}, "
+        f"{'no' if finite else 'some'} NaN/inf steps", f"mismatch < {rg.MISMATCH_WARN}, no NaN",
+        finite and mismatch < rg.MISMATCH_WARN)
+
+
+def check_async(out: Path, smoke: bool) -> None:
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--mode", "async", "--num-generators", "1",
+           "--sft-warmup-steps", "0", "--total-steps", "12", "--eval-size", "8", "--eval-every", "0", "--loss", "asymre",
+           "--prompts-per-step", "2", "--batch-size", "32", "--buffer-size", "64", "--out-dir", str(out), "--run-name", "async"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log = proc.communicate()[0]
+    def in_session():  # live processes still in the run's session (a zombie waiting to be reaped is gone)
+        pids = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        state = lambda p: (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                           if Path(f"/proc/{p}/stat").exists() else "Z")
+        return [p for p in pids if state(p) != "Z"]
+    deadline = time.time() + 15
+    while in_session() and time.time() < deadline:
+        time.sleep(0.5)
+    left = in_session()
+    recs = [r for r in map(json.loads, (out / "async" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0] \
+        if (out / "async" / "metrics.jsonl").exists() else []
+    newest = [max(r["fresh_versions"]) for r in recs if r.get("fresh_versions")]
+    ok = proc.returncode == 0 and len(recs) == 12 and newest == sorted(newest) and newest[-1] > 0 and not left
+    row("async: T=1, W=1, one GPU", f"exit {proc.returncode}, {len(recs)} steps, newest versions {newest[:3]}..{newest[-1:]},"
+        f" {len(left)} processes left", "exit 0, 12 steps, versions rise, none left", ok)
+    if not ok:
+        print(log[-3000:])
+
+
+def check_vllm(out: Path, smoke: bool) -> None:
+    try:
+        rg._import_vllm()
+    except rg.VLLMUnavailable as e:
+        row("vllm", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
+        return
+    model, tok = rg.build_tiny_model(0)
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+    folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
+    gen = rg.VLLMGenerator(model, tok, folder, "float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
+                           sleep_level=1, cpu_threads=1)
+    prompts = [rg.render_prompt(tok, f"{a}+{b}=") for a, b in [(1, 2), (12, 7), (30, 4), (44, 44)]]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seqs = [(p, tok(str(sum(map(int, tok.decode(p)[:-1].split("+")))), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p in prompts]
+    for _ in range(30):  # move the weights so that a missed sync would show
+        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    free = lambda: torch.cuda.mem_get_info()[0] / 2 ** 30 if torch.cuda.is_available() else float("nan")
+    awake = free()
+    gen.sleep()
+    asleep = free()
+    gen.load_weights(model.state_dict(), 1)
+    woken = free()
+    hf = [g[0].completion_ids for g in rg.HFGenerator(model, tok).generate(prompts, 1, 8, 0.0, logprobs=False)]
+    eng = [g[0].completion_ids for g in gen.generate(prompts, 1, 8, 0.0, logprobs=False)]
+    row("vllm-sync: greedy after a publish", "equal to HF's" if hf == eng else "DIFFERS from HF's", "equal", hf == eng)
+    samples = [s for g in gen.generate(prompts, 4, 16, 1.0) for s in g]
+    with torch.no_grad():
+        ref = rg.completion_logprobs(model, [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)],
+                                     tok.pad_token_id, 1.0).float().cpu()
+    diff = (torch.cat([s.logprobs for s in samples]) - ref).abs().mean().item()
+    row("vllm-logprobs: engine vs trainer", f"mean |d logp| {diff:.1e}", f"< {rg.MISMATCH_WARN}", diff < rg.MISMATCH_WARN)
+    released = asleep - awake
+    row("vllm-sleep: memory released / regained", f"free GiB awake {awake:.1f}, asleep {asleep:.1f}, woken {woken:.1f}",
+        "more free while asleep", None if smoke or not torch.cuda.is_available() else released > 0.05)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on any device (checks this script, measures nothing)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() and not args.smoke:
+        print(f"skipped: no CUDA device here (torch {torch.__version__}, cuda {torch.version.cuda}); gpu_check.py measures "
+              "the GPU path and needs one (--smoke runs its checks at toy sizes on this device)")
+        return 0
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = "missing"
+    import transformers
+    print(f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, triton {tv}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        for name, check in (("kernels", check_kernels), ("trainer", check_trainer), ("async", check_async),
+                            ("vllm", check_vllm)):
+            sub = Path(tmp) / name
+            sub.mkdir()
+            try:
+                check(dev if name == "kernels" else sub, args.smoke)
+            except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
+                traceback.print_exc()
+                row(name, f"crashed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}", "runs", False)
+    width = max(len(r[0]) for r in ROWS)
+    print(f"\n{'check':{width}}  verdict  measured  [target]")
+    for check, measured, target, verdict in ROWS:
+        print(f"{check:{width}}  {verdict:7}  {measured}" + (f"  [{target}]" if target else ""))
+    failed = [r for r in ROWS if r[3] == "FAIL"]
+    print(f"{len(ROWS)} checks in {time.time() - t_start:.0f} s: {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
