@@ -4,6 +4,7 @@
     python sweep.py run --out-dir runs/smoke --grid smoke --seeds 0 1 # 2 tiny configs (seconds)
     python sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
     python sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
+    python sweep.py plot runs/NAME                                    # one run's curves, into its folder
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
 --subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
@@ -69,6 +70,11 @@ class Args:
     N = B = R published every step)."""
     paper_mu: float = 5.28
     """report: the paper's generation/training cost ratio, for the second compute axis."""
+    report_dir: str | None = None
+    """report: where table.md, summary.json and the figures go (default: --out-dir)."""
+    saving_target: float = 30.0
+    """report: the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu)
+    whose attainment the report decides with bootstrap 90% intervals."""
     extra: list[str] = field(default_factory=list)
     """run: trainer flags for every run, e.g. --extra --total-steps 50 --lr 1e-4. Must come last:
     everything after --extra goes to replay_grpo.py verbatim. Flags set by a grid entry win."""
@@ -110,6 +116,11 @@ STUDY_GRID = ["--preset", "cpu-study"], [
     dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
     dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
     dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+    # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
+    # accuracy 0.835 at lr 1e-5, against 0.82 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
+    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, loss="asymre", lr=[1e-5, 3e-5],
+         asymre_delta_v=[-0.05, -0.1]),
+    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
 ]
 GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID}
 
@@ -365,9 +376,11 @@ def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dic
     return configs, choices
 
 
-def summarize(runs: list[dict], reference: str | None, paper_mu: float) -> dict:
-    """Per configuration (best lr): final metrics over seeds and cost to the reference's accuracy."""
-    configs, lr_choice = pick_lrs(runs)
+def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_seeds: list[int] | None = None,
+              saving_target: float = 30.0) -> dict:
+    """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
+    seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
+    configs, lr_choice = pick_lrs(runs, tune_seeds)
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
         reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c)) if cands else None
@@ -402,9 +415,85 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float) -> dict:
             ours, ref = row[f"{axis}_to_target"], rows[reference][f"{axis}_to_target"] if reference else None
             row[f"{axis}_saving_pct"] = 100 * (1 - ours / ref) if ours is not None and ref else None
     order = sorted(configs, key=lambda c: (c != reference, rows[c]["N"], -rows[c]["R"], c))
-    return {"reference": reference, "target_greedy_acc": target, "mu_measured": mu_machine,
-            "paper_mu": paper_mu, "lr_choice": lr_choice, "configs": {c: rows[c] for c in order},
-            "_runs": {c: configs[c] for c in order}}
+    out = {"reference": reference, "target_greedy_acc": target, "mu_measured": mu_machine,
+           "paper_mu": paper_mu, "lr_choice": lr_choice, "configs": {c: rows[c] for c in order},
+           "tune_seeds": sorted(tune_seeds or []), "_runs": {c: configs[c] for c in order}}
+    if reference:
+        out.update(bootstrap_costs(configs, reference, axes, saving_target))
+        out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
+    return out
+
+
+def per_seed(run: dict, target: float, axes: dict) -> dict:
+    """One run's numbers: the warm start, the final accuracies, and its cost to the target on each axis."""
+    first, last = run["records"][0], evals(run)[-1]
+    reach = next((r for r in evals(run) if r["eval/greedy_acc"] >= target - 1e-9), None)
+    return {"seed": run["seed"], "name": run["name"], "warmstart_reached": first.get("warmstart_reached"),
+            "warmstart_pass@k": first.get("warmstart_pass@k"), "greedy_acc_start": first.get("eval/greedy_acc"),
+            "greedy_acc_final": last["eval/greedy_acc"], "pass@1_final": last["eval/pass@1"],
+            **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()}}
+
+
+def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: float, n: int = 2000,
+                    key: str = "eval/greedy_acc") -> dict:
+    """Bootstrap over seeds (each configuration's seeds resampled with replacement, the target recomputed
+    from each resample of the reference): 90% intervals of the cost to reach the reference's final median
+    accuracy and 90% of it, of the saving against the reference, and of the median accuracy and pass@k
+    at the reference's final compute (equal compute). The decision on the saving target: met (the whole
+    interval at or above it), not met (the whole interval below) or not resolvable."""
+    rng = np.random.default_rng(0)
+    arrays = {}  # per configuration: its runs' accuracy, pass@k and x values at the evaluations all share
+    for c, rs in configs.items():
+        steps = sorted(set.intersection(*({r["step"] for r in evals(run)} for run in rs)))
+        by = [{r["step"]: r for r in evals(run)} for run in rs]
+        k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
+        arrays[c] = {"acc": np.array([[b[t][key] for t in steps] for b in by], dtype=float),
+                     "passk": np.array([[b[t].get(k, np.nan) for t in steps] for b in by], dtype=float),
+                     **{axis: np.array([[x(b[t]) for t in steps] for b in by], dtype=float) for axis, x in axes.items()}}
+    fracs = {"target": 1.0, "90% of target": 0.9}
+    samples = {c: {f"{axis}|{f}": [] for axis in axes for f in fracs} | {f"saving {axis}|{f}": [] for axis in axes for f in fracs}
+               | {f"acc at equal {axis}": [] for axis in axes if axis != "tokens"}
+               | {f"pass@k at equal {axis}": [] for axis in axes if axis != "tokens"} for c in configs}
+
+    def reach(a: dict, idx, axis: str, level: float) -> float:
+        med = np.median(a["acc"][idx], axis=0)
+        hit = np.nonzero(med >= level - 1e-9)[0]
+        return float(np.median(a[axis][idx][:, hit[0]])) if len(hit) else np.inf
+
+    for _ in range(n):
+        draw = {c: rng.integers(0, len(configs[c]), len(configs[c])) for c in configs}
+        ref = arrays[reference]
+        level = float(np.median(ref["acc"][draw[reference]][:, -1]))
+        budget = {axis: float(np.median(ref[axis][draw[reference]][:, -1])) for axis in axes}
+        ref_cost = {(axis, f): reach(ref, draw[reference], axis, frac * level) for axis in axes for f, frac in fracs.items()}
+        for c, a in arrays.items():
+            for axis in axes:
+                for f, frac in fracs.items():
+                    cost = reach(a, draw[c], axis, frac * level)
+                    samples[c][f"{axis}|{f}"].append(cost)
+                    rc = ref_cost[(axis, f)]
+                    samples[c][f"saving {axis}|{f}"].append(100 * (1 - cost / rc) if 0 < rc < np.inf else np.nan)
+                if axis != "tokens":  # accuracy at the last evaluation within the reference's final compute
+                    within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
+                    j = within[-1] if len(within) else None
+                    for what, arr in (("acc", a["acc"]), ("pass@k", a["passk"])):
+                        samples[c][f"{what} at equal {axis}"].append(np.nan if j is None else float(np.median(arr[draw[c]][:, j])))
+    intervals = {c: {name: [float(np.nanpercentile(v, p, method="nearest")) if not np.all(np.isnan(v)) else None for p in (5, 50, 95)]
+                     for name, v in ((name, np.asarray(v, dtype=float)) for name, v in d.items())}
+                 for c, d in samples.items()}
+    decision = {}
+    for c in configs:
+        if c == reference:
+            continue
+        verdicts = []
+        for axis in ("tokens", "compute_paper_mu"):
+            lo, _, hi = intervals[c][f"saving {axis}|target"]
+            verdicts.append("not resolvable" if lo is None else "met" if lo >= saving_target
+                            else "not met" if hi < saving_target else "not resolvable")
+        decision[c] = {"tokens": verdicts[0], "compute_paper_mu": verdicts[1],
+                       "both": "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts
+                       else "not resolvable"}
+    return {"bootstrap": {"replicates": n, "intervals": intervals}, "decision": decision, "saving_target": saving_target}
 
 
 def fmt(x) -> str:
@@ -456,11 +545,52 @@ def write_table(s: dict, path: Path) -> None:
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += ["", f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
                       "so the savings are undefined: train longer or with a weaker warm start."]
+    if "bootstrap" in s:
+        iv = s["bootstrap"]["intervals"]
+        cost = lambda x: "never" if x == math.inf else fmt(x)
+        ci = lambda v: "—" if v[1] is None else f"{cost(v[1])} [{cost(v[0])}, {cost(v[2])}]"
+        pct = lambda v: "—" if v[1] is None else f"{v[1]:+.0f}% [{v[0]:+.0f}, {v[2]:+.0f}]".replace("-inf", "never")
+        lines += ["", f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it", "",
+                  f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
+                  "configuration; the target recomputed from each resample of the reference). 'never': not reached "
+                  "within the run. Saving = 1 − ours / reference's.", "",
+                  "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
+                  "|" + "---|" * 8]
+        for c in s["configs"]:
+            for f in ("target", "90% of target"):
+                cells = [c, f]
+                for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
+                    cells += [ci(iv[c][f"{axis}|{f}"]), "—" if c == ref else pct(iv[c][f"saving {axis}|{f}"])]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"## Accuracy at equal compute (the compute {ref} used in its whole run)", "",
+                  "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.", "",
+                  "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
+                  "|" + "---|" * 5]
+        acc = lambda v: "—" if v[1] is None else f"{v[1]:.3f} [{v[0]:.3f}, {v[2]:.3f}]"
+        for c in s["configs"]:
+            lines.append("| " + " | ".join([c] + [acc(iv[c][f"{w} at equal {a}"]) for a in ("compute_measured_mu", "compute_paper_mu")
+                                                  for w in ("acc", "pass@k")]) + " |")
+        lines += ["", f"## Decision: >= {s['saving_target']:g}% fewer generated tokens and >= {s['saving_target']:g}% less "
+                  f"compute at the paper's mu, to {ref}'s final median accuracy", "",
+                  "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+                  "below it; not resolvable: the interval straddles it (or the target was not reached).", ""]
+        for c, d in s["decision"].items():
+            lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
+    if s.get("per_seed"):
+        lines += ["", "## Seeds", "", "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
+                  "|" + "---|" * 6]
+        for c, rows in s["per_seed"].items():
+            for r in rows:
+                fmt3 = lambda v: "—" if v is None else f"{v:.3f}"
+                lines.append(f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
+                             f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |")
     if s["lr_choice"]:
+        tuned = s.get("tune_seeds")
         lines += ["", "## Learning rate (*)", "",
-                  "Configurations run with several learning rates keep the one with the best median final "
-                  "greedy accuracy (ties: pass@1, then the smaller lr), chosen on the same seeds it is "
-                  "reported on:", ""]
+                  "Configurations run with several learning rates (and delta_V) keep the one with the best median final "
+                  "greedy accuracy (ties: pass@1, then the smaller lr), chosen "
+                  + (f"on seeds {', '.join(map(str, tuned))}, which are not reported:" if tuned else
+                     "on the same seeds it is reported on:"), ""]
         for c in s["configs"]:
             if c in s["lr_choice"]:
                 note = s["lr_choice"][c]
@@ -573,17 +703,85 @@ def report(args: Args) -> dict:
     runs = load_runs(out) if out.is_dir() else []
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --out-dir {out})")
-    s = summarize(runs, args.reference, args.paper_mu)
-    write_table(s, out / "table.md")
-    (out / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "_runs"}, indent=2))
-    figures = plot(s, out)
-    print((out / "table.md").read_text())
-    print("wrote", ", ".join(str(p) for p in [out / "table.md", out / "summary.json", *figures]))
+    sweep_json = out / "sweep.json"  # the tune seeds that `run` used
+    tune_seeds = args.tune_seeds or (json.loads(sweep_json.read_text()).get("tune_seeds") if sweep_json.exists() else [])
+    s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
+    dest = Path(args.report_dir or out)
+    dest.mkdir(parents=True, exist_ok=True)
+    write_table(s, dest / "table.md")
+    (dest / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "_runs"}, indent=2))
+    figures = plot(s, dest)
+    print((dest / "table.md").read_text())
+    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
     return s
+
+
+# ----------------------------------------------------------------------------------------------
+# plot: one run's curves
+# ----------------------------------------------------------------------------------------------
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """<run>/curves_vs_steps.png and curves_vs_tokens.png from <run>/metrics.jsonl: held-out accuracy and
+    pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by "
+                         "replay_grpo.py)")
+    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    steps = [r for r in recs if r["step"] > 0]
+    if not steps:
+        raise SystemExit(f"error: {path} holds no training step yet")
+    k = cfg.get("pass_k", 8)
+    R = cfg.get("prompts_per_step", 0) * cfg.get("group_size", 0)
+    mu = steps[-1].get("mu")
+    title = (f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, B = {cfg.get('batch_size', '?')}, "
+             f"R = {R or '?'}, k = {cfg.get('publish_every', '?')}, lr {cfg.get('lr', '?')}"
+             + (f"; measured mu = {mu:.2f}" if mu is not None else ""))
+    panels = [("held-out accuracy", [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"),
+                                     (f"eval/pass@{k}", f"pass@{k} (T 1)")]),
+              ("reward", [("reward", "fresh rollouts"), ("reward_batch", "trained batch")]),
+              ("entropy (nats/token)", [("entropy", "trained tokens")]),
+              ("response length (tokens)", [("response_length", "mean"), ("truncated_frac", "truncated fraction (right)")]),
+              ("staleness (steps)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
+              ("replay ratio", [("replay_ratio", "trained / generated rollouts")])]
+    written = []
+    for xname, xkey, xlabel in (("steps", "step", "gradient steps"),
+                                ("tokens", "total_generated_tokens", "generated tokens")):
+        fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+        for ax, (ylabel, series) in zip(axes.flat, panels):
+            for key, label in series:
+                pts = [(r.get(xkey, 0), r[key]) for r in recs if r.get(key) is not None]
+                target = ax.twinx() if key == "truncated_frac" else ax
+                if pts:
+                    target.plot(*zip(*pts), marker="o" if key.startswith("eval/") else None, ms=3, label=label,
+                                color="grey" if key == "truncated_frac" else None, lw=1.4)
+                if key == "truncated_frac":
+                    target.set_ylim(0, 1)
+                    target.legend(loc="upper right", fontsize=8, frameon=False)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(loc="upper left", fontsize=8, frameon=False)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        out = run_dir / f"curves_vs_{xname}.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    print("wrote", ", ".join(map(str, written)))
+    return written
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:  # python sweep.py plot runs/NAME
+        if len(argv) != 2:
+            raise SystemExit("usage: python sweep.py plot RUN_FOLDER")
+        return plot_run(Path(argv[1]))
     extra = []
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")

@@ -2,6 +2,7 @@
 report's numbers on hand-made runs whose answers are known."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def records(run_dir):
 
 
 def table_row(table: Path, config: str) -> list[str]:
-    rows = [l for l in table.read_text().splitlines() if l.startswith(f"| {config} |")]
+    main_table = table.read_text().split("\n## ")[0]  # the per-configuration table, before the later sections
+    rows = [l for l in main_table.splitlines() if l.startswith(f"| {config} |")]
     assert len(rows) == 1, table.read_text()
     return [c.strip() for c in rows[0].strip("|").split("|")]
 
@@ -202,3 +204,43 @@ def test_report_numbers_on_known_runs(tmp_path):
     assert "N16-R4-grpo: lr 0.0001 picked" in (tmp_path / "table.md").read_text()
     with pytest.raises(SystemExit, match="no finished runs"):
         sweep.main(["report", "--out-dir", str(tmp_path / "empty")])
+
+
+# --- one run's figures ----------------------------------------------------------------------------
+
+def test_plot_writes_a_runs_figures_from_its_metrics(study, tmp_path):
+    run_dir = study["out"] / "N16-R4-grpo-lr0.001-s0"
+    written = sweep.main(["plot", str(run_dir)])
+    assert sorted(p.name for p in written) == ["curves_vs_steps.png", "curves_vs_tokens.png"]
+    for p in written:
+        with Image.open(p) as im:
+            assert im.format == "PNG" and im.width > 800 and im.height > 400
+    with pytest.raises(SystemExit, match="has no metrics.jsonl"):
+        sweep.main(["plot", str(tmp_path)])
+
+
+def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
+    """Identical seeds: every resample is the same, so each interval is a point; replay reaches the
+    reference's accuracy with 75% fewer tokens, so the 30% target is met on tokens, and at the paper's mu
+    the compute saving is computed the same way."""
+    for s in range(3):
+        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, .2, .5])
+        fake_run(tmp_path, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, .5, .6])
+        fake_run(tmp_path, f"N32-R4-grpo-s{s}", seed=s, lr=1e-4, N=32, P=1, accs=[0, .1, .2])  # never reaches 0.5
+    s = sweep.main(["report", "--out-dir", str(tmp_path), "--report-dir", str(tmp_path / "docs")])
+    iv = s["bootstrap"]["intervals"]
+    assert iv["onpolicy"]["tokens|target"] == [128.0] * 3 and iv["N16-R4-grpo"]["tokens|target"] == [32.0] * 3
+    assert iv["N16-R4-grpo"]["saving tokens|target"] == [75.0] * 3
+    paper = 100 * (1 - (16 + 5.28 * 8) / (32 + 5.28 * 32))
+    assert iv["N16-R4-grpo"]["saving compute_paper_mu|target"] == pytest.approx([paper] * 3)
+    assert iv["N32-R4-grpo"]["tokens|target"] == [math.inf] * 3
+    assert s["decision"]["N16-R4-grpo"] == {"tokens": "met", "compute_paper_mu": "met", "both": "met"}
+    assert s["decision"]["N32-R4-grpo"]["both"] == "not met"
+    # equal compute: on-policy's whole run is 4 x (8 + 5.28 x 8) at the paper's mu; N16 fits all 4 steps
+    assert iv["N16-R4-grpo"]["acc at equal compute_paper_mu"] == pytest.approx([0.6] * 3)
+    seeds = s["per_seed"]["N16-R4-grpo"]
+    assert [r["seed"] for r in seeds] == [0, 1, 2] and all(r["tokens_to_target"] == 32 for r in seeds)
+    table = (tmp_path / "docs" / "table.md").read_text()
+    assert "| N16-R4-grpo | target | 32 [32, 32] | +75% [+75, +75] |" in table
+    assert "- N16-R4-grpo: tokens met, compute at paper mu met: **met**" in table
+    assert "| N32-R4-grpo | target | never [never, never] |" in table
