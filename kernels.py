@@ -406,9 +406,88 @@ def _reference(h, w, y, g, chunk=2048):
     return lp, dh, dw
 
 
-def _bench_main():
+def measure(N, V, d, backends, reps, dev):
+    """One benchmark shape: bf16 hidden [N, d] and weight [V, d] from a seeded generator, random upstream
+    gradients; for each backend (and "naive", full logits) the median time of a forward + backward, the
+    extra peak memory (CUDA), and the relative errors of the log-probs and of both gradients against an
+    fp32 reference. Also the bare-matmul floor and the error that storing the exact gradient in bf16
+    costs. A backend that runs out of memory gets None."""
     import statistics
     import time
+    cuda = torch.device(dev).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(N, d, device=dev, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(V, d, device=dev, generator=gen) * (3 / d ** 0.5)).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (N,), device=dev, generator=gen)
+    g = torch.randn(N, device=dev, generator=gen)
+    ref_lp, ref_dh, ref_dw = _reference(h.detach(), w.detach(), y, g)
+    floor_err = max(((r.bfloat16().float() - r).norm() / r.norm()).item() for r in (ref_dh, ref_dw))
+
+    def timed(fn):
+        ts = []
+        for _ in range(reps):
+            sync(); t0 = time.perf_counter(); fn(); sync(); ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+
+    # the floor: the bare bf16 matmuls a recomputing kernel needs (z twice, dH, dW)
+    with torch.no_grad():
+        hd, wd = h.detach(), w.detach()
+        def mms():
+            z = hd @ wd.t()  # forward
+            z = hd @ wd.t()  # backward recompute
+            return z @ wd, z.t() @ hd  # dH, dW
+        try:
+            mms()
+            floor_ms = timed(mms)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            floor_ms = float("nan")
+    results = {}
+    for be in backends:
+        def step():
+            h.grad = w.grad = None
+            lp = _naive(h, w, y) if be == "naive" else token_logprobs(h, w, y, backend=be)
+            (lp * g).sum().backward()
+            return lp
+        try:
+            lp = step()  # warm-up (compiles) and the numbers checked
+            sync()
+            lp_err = ((lp.detach() - ref_lp).norm() / ref_lp.norm()).item()
+            g_err = max(((a.float() - r).norm() / r.norm()).item() for a, r in ((h.grad, ref_dh), (w.grad, ref_dw)))
+            del lp
+            h.grad = w.grad = None
+            extra = float("nan")
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                sync()
+                extra = (torch.cuda.max_memory_allocated() - base) / 2.0 ** 30
+            results[be] = (timed(step), extra, lp_err, g_err)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            results[be] = None
+        h.grad = w.grad = None
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"floor_ms": floor_ms, "floor_err": floor_err, "results": results}
+
+
+def targets_met(be, d, ms, naive_ms, extra, lp_err, g_err, floor_err, cuda):
+    """The targets, by name: time <= naive (d >= 3584) or <= 0.6x naive (smaller d) and <= 1.5 GiB extra at
+    d >= 3584 (GPU only), log-probs within 1e-5, gradients within 1e-3 above the bf16 storage floor."""
+    out = {}
+    if be != "naive":
+        if naive_ms and cuda:  # the time targets are for the GPU shape
+            out["time"] = ms / naive_ms <= (1.0 if d >= 3584 else 0.6)
+        if cuda and d >= 3584:
+            out["mem"] = extra <= 1.5
+    out["logp"] = lp_err <= 1e-5
+    out["grad"] = g_err <= floor_err + 1e-3
+    return out
+
+
+def _bench_main():
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     if cuda:
@@ -424,75 +503,16 @@ def _bench_main():
         backends = ["eager", "compile", "naive"]
         print(f"No CUDA: small CPU shape (the real targets are for N=16384, V=151936 on a GPU); "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads; memory not measured")
-    GiB = 2.0 ** 30
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     print("rules: time <= naive (d=3584) / <= 0.6x naive (d=896); extra mem <= 1.5 GiB at d=3584 "
           "(includes the bf16 gradients themselves);\n       logp rel err <= 1e-5; grad rel err "
           "<= 1e-3 above the floor that storing the fp32-exact gradient in bf16 costs")
     hdr = f"{'backend':8} {'d':>5} {'ms':>9} {'x naive':>8} {'x floor':>8} {'extra GiB':>9} " \
           f"{'logp err':>9} {'grad err':>9} {'bf16 flr':>9}  verdict"
     for d in ds:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        h = torch.randn(N, d, device=dev, generator=gen).bfloat16().requires_grad_()
-        w = (torch.randn(V, d, device=dev, generator=gen) * (3 / d ** 0.5)).bfloat16().requires_grad_()
-        y = torch.randint(0, V, (N,), device=dev, generator=gen)
-        g = torch.randn(N, device=dev, generator=gen)
-        ref_lp, ref_dh, ref_dw = _reference(h.detach(), w.detach(), y, g)
-        floor_err = max(((r.bfloat16().float() - r).norm() / r.norm()).item() for r in (ref_dh, ref_dw))
-
-        # the floor: the bare bf16 matmuls a recomputing kernel needs (z twice, dH, dW)
-        with torch.no_grad():
-            hd, wd = h.detach(), w.detach()
-            def mms():
-                z = hd @ wd.t()  # forward
-                z = hd @ wd.t()  # backward recompute
-                return z @ wd, z.t() @ hd  # dH, dW
-            try:
-                mms()
-                ts = []
-                for _ in range(reps):
-                    sync(); t0 = time.perf_counter(); mms(); sync(); ts.append(time.perf_counter() - t0)
-                floor_ms = 1e3 * statistics.median(ts)
-            except (torch.cuda.OutOfMemoryError, MemoryError):
-                floor_ms = float("nan")
+        m = measure(N, V, d, backends, reps, dev)
+        floor_ms, floor_err, results = m["floor_ms"], m["floor_err"], m["results"]
         print(f"\nN={N} V={V} d={d} bf16: matmul floor {floor_ms:.2f} ms ({8 * N * d * V / 1e12:.2f} TFLOP)")
         print(hdr)
-        results = {}
-        for be in backends:
-            def step():
-                h.grad = w.grad = None
-                lp = _naive(h, w, y) if be == "naive" else token_logprobs(h, w, y, backend=be)
-                (lp * g).sum().backward()
-                return lp
-            try:
-                lp = step()  # warm-up (compiles) and the numbers checked
-                sync()
-                lp_err = ((lp.detach() - ref_lp).norm() / ref_lp.norm()).item()
-                g_err = max(((a.float() - r).norm() / r.norm()).item()
-                            for a, r in ((h.grad, ref_dh), (w.grad, ref_dw)))
-                del lp
-                h.grad = w.grad = None
-                extra = float("nan")
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    step()
-                    sync()
-                    extra = (torch.cuda.max_memory_allocated() - base) / GiB
-                ts = []
-                for _ in range(reps):
-                    sync(); t0 = time.perf_counter(); step(); sync(); ts.append(time.perf_counter() - t0)
-                results[be] = (1e3 * statistics.median(ts), extra, lp_err, g_err)
-            except (torch.cuda.OutOfMemoryError, MemoryError):
-                results[be] = None
-            h.grad = w.grad = None
-            if cuda:
-                torch.cuda.empty_cache()
         naive_ms = results.get("naive", None)[0] if results.get("naive") else None
         for be in backends:
             r = results[be]
@@ -501,18 +521,11 @@ def _bench_main():
                 continue
             ms, extra, lp_err, g_err = r
             xn = ms / naive_ms if naive_ms else float("nan")
-            verdict = []
-            if be != "naive":
-                if naive_ms and cuda:  # the time targets are for the GPU shape
-                    verdict.append("time " + ("PASS" if xn <= (1.0 if d >= 3584 else 0.6) else "MISS"))
-                if cuda and d >= 3584:
-                    verdict.append("mem " + ("PASS" if extra <= 1.5 else "MISS"))
-            verdict.append("logp " + ("PASS" if lp_err <= 1e-5 else "MISS"))
-            verdict.append("grad " + ("PASS" if g_err <= floor_err + 1e-3 else "MISS"))
+            met = targets_met(be, d, ms, naive_ms, extra, lp_err, g_err, floor_err, cuda)
+            verdict = " ".join(f"{k} {'PASS' if ok else 'MISS'}" for k, ok in met.items())
             mem = f"{extra:9.2f}" if cuda else f"{'n/a':>9}"
             print(f"{be:8} {d:5d} {ms:9.2f} {xn:8.2f} {ms / floor_ms:8.2f} {mem} "
-                  f"{lp_err:9.2e} {g_err:9.2e} {floor_err:9.2e}  {' '.join(verdict)}")
-        del h, w, ref_dh, ref_dw
+                  f"{lp_err:9.2e} {g_err:9.2e} {floor_err:9.2e}  {verdict}")
         if cuda:
             torch.cuda.empty_cache()
 
