@@ -549,7 +549,8 @@ def write_table(s: dict, path: Path) -> None:
         iv = s["bootstrap"]["intervals"]
         cost = lambda x: "never" if x == math.inf else fmt(x)
         ci = lambda v: "—" if v[1] is None else f"{cost(v[1])} [{cost(v[0])}, {cost(v[2])}]"
-        pct = lambda v: "—" if v[1] is None else f"{v[1]:+.0f}% [{v[0]:+.0f}, {v[2]:+.0f}]".replace("-inf", "never")
+        one = lambda x: "never" if x == -math.inf else f"{x:+.0f}%"  # -inf: the configuration never got there
+        pct = lambda v: "—" if v[1] is None else f"{one(v[1])} [{one(v[0])}, {one(v[2])}]"
         lines += ["", f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it", "",
                   f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
                   "configuration; the target recomputed from each resample of the reference). 'never': not reached "
@@ -706,6 +707,8 @@ def report(args: Args) -> dict:
     sweep_json = out / "sweep.json"  # the tune seeds that `run` used
     tune_seeds = args.tune_seeds or (json.loads(sweep_json.read_text()).get("tune_seeds") if sweep_json.exists() else [])
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
+    if not s["configs"]:
+        raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
     dest = Path(args.report_dir or out)
     dest.mkdir(parents=True, exist_ok=True)
     write_table(s, dest / "table.md")

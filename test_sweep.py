@@ -241,6 +241,6 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     seeds = s["per_seed"]["N16-R4-grpo"]
     assert [r["seed"] for r in seeds] == [0, 1, 2] and all(r["tokens_to_target"] == 32 for r in seeds)
     table = (tmp_path / "docs" / "table.md").read_text()
-    assert "| N16-R4-grpo | target | 32 [32, 32] | +75% [+75, +75] |" in table
+    assert "| N16-R4-grpo | target | 32 [32, 32] | +75% [+75%, +75%] |" in table
     assert "- N16-R4-grpo: tokens met, compute at paper mu met: **met**" in table
     assert "| N32-R4-grpo | target | never [never, never] |" in table
