@@ -423,6 +423,16 @@ def render_prompt(tok, text: str) -> list[int]:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
+def load_policy(cfg: Args, device: torch.device, task: Task):
+    """The policy ('tiny' or pretrained), its tokenizer, where its weights live (a folder, or --model) and the warm
+    start's record: with --sft-warmup-steps, the cached supervised warm start of warm_start.py, else None."""
+    if cfg.sft_warmup_steps > 0:
+        import warm_start  # imported only when used
+        return warm_start.load_or_train(cfg, device, task)
+    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, default_dtype(device))
+    tok.padding_side = "left"
+    return model.to(device=device, dtype=default_dtype(device)), tok, cfg.model, None
+
 def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
     it, -100 elsewhere (no prompt logits are ever built)."""
@@ -861,7 +871,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     return stats
 
 
-# ===== Evaluation, warm start, checkpoints ========================================================
+# ===== Evaluation and checkpoints =================================================================
 
 @contextlib.contextmanager
 def forked_rng(seed: int):
@@ -906,16 +916,6 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out
-
-def load_policy(cfg: Args, device: torch.device, task: Task):
-    """The policy ('tiny' or pretrained), its tokenizer, where its weights live (a folder, or --model) and the warm
-    start's record: with --sft-warmup-steps, the cached supervised warm start of warm_start.py, else None."""
-    if cfg.sft_warmup_steps > 0:
-        import warm_start  # imported only when used
-        return warm_start.load_or_train(cfg, device, task)
-    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, default_dtype(device))
-    tok.padding_side = "left"
-    return model.to(device=device, dtype=default_dtype(device)), tok, cfg.model, None
 
 def rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
