@@ -85,6 +85,12 @@ def test_second_run_skips_finished_runs(study, capsys):
     assert {p: p.stat().st_mtime_ns for p in study["out"].glob("*/metrics.jsonl")} == mtimes
 
 
+def test_runs_into_one_folder_merge_their_seeds_in_sweep_json(study):
+    sweep.main(["run", "--out-dir", str(study["out"]), "--grid", "smoke", "--seeds", "1"])  # finished: skipped
+    assert json.loads((study["out"] / "sweep.json").read_text())["seeds"] == [0, 1]
+    assert not list(study["out"].glob(".sweep.json.*"))
+
+
 def test_report_table_matches_metrics_and_figures_parse(study):
     out = study["out"]
     sweep.main(["report", "--out-dir", str(out)])
