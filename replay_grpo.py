@@ -392,6 +392,7 @@ def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_s
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
 
+
 def load_pretrained(name: str, dtype: torch.dtype):
     """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -654,6 +655,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
+        print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
         use_vllm = False
     if not use_vllm:
         return HFGenerator(model, tok)

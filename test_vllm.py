@@ -297,7 +297,7 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
     assert len(often) == 4 and often == never
 
 
-def test_an_old_vllm_is_refused_with_both_versions(monkeypatch):
+def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
     import types
     fake = types.ModuleType("vllm")
     fake.__version__ = "0.15.1"
@@ -313,6 +313,9 @@ def test_an_old_vllm_is_refused_with_both_versions(monkeypatch):
     except rg.UserError as e:
         err = str(e)
     assert err and "0.15.1" in err and ">=0.16,<0.33" in err
+    model, tok = rg.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
+    assert isinstance(rg.make_generator(rg.parse_args(["--generator", "auto"]), model, tok, "tiny"), rg.HFGenerator)
+    assert "vLLM is not used: vLLM 0.15.1 is installed" in capsys.readouterr().out
 
 
 @needs_vllm
