@@ -713,6 +713,18 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+def strict_json(x):
+    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
+    "never", an undefined one (nan) is null."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else "never"
+    return x
+
+
 def report(args: Args) -> dict:
     out = Path(args.out_dir)
     runs = load_runs(out) if out.is_dir() else []
@@ -726,7 +738,8 @@ def report(args: Args) -> dict:
     dest = Path(args.report_dir or out)
     dest.mkdir(parents=True, exist_ok=True)
     write_table(s, dest / "table.md")
-    (dest / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "_runs"}, indent=2))
+    (dest / "summary.json").write_text(json.dumps(strict_json({k: v for k, v in s.items() if k != "_runs"}),
+                                                  indent=2, allow_nan=False))
     figures = plot(s, dest)
     print((dest / "table.md").read_text())
     print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))

@@ -240,6 +240,9 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     paper = 100 * (1 - (16 + 5.28 * 8) / (32 + 5.28 * 32))
     assert iv["N16-R4-grpo"]["saving compute_paper_mu|target"] == pytest.approx([paper] * 3)
     assert iv["N32-R4-grpo"]["tokens|target"] == [math.inf] * 3
+    strict = json.loads((tmp_path / "docs" / "summary.json").read_text(),
+                        parse_constant=lambda c: pytest.fail(f"summary.json holds {c}, not JSON"))
+    assert strict["bootstrap"]["intervals"]["N32-R4-grpo"]["tokens|target"] == ["never"] * 3
     assert s["decision"]["N16-R4-grpo"] == {"tokens": "met", "compute_paper_mu": "met", "both": "met"}
     assert s["decision"]["N32-R4-grpo"]["both"] == "not met"
     # equal compute: on-policy's whole run is 4 x (8 + 5.28 x 8) at the paper's mu; N16 fits all 4 steps
