@@ -98,6 +98,8 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
     if gpu is not None:  # before CUDA starts in this process: GPU `gpu` becomes its cuda:0 (vLLM uses the first one)
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # a spawned process: no weight-loading bars in the run's log
     channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
     parent = mp.parent_process()
     try:

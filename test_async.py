@@ -189,6 +189,18 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
     assert adam_steps == {float(state["step"])}  # Adam's moments carried over from the first run
 
 
+def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path):
+    """The generator processes load the warm-started weights too: no transformers bar from them either."""
+    log = tmp_path / "log.txt"
+    with log.open("w") as f:
+        res = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--sft-warmup-steps", "20",
+                              "--total-steps", "3", "--out-dir", str(tmp_path), "--run-name", "q"],
+                             stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300)
+    text = log.read_text()
+    assert res.returncode == 0, text[-3000:]
+    assert "warm start:" in text and "%|" not in text and "it/s]" not in text, text[-3000:]
+
+
 def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
     """T = 1 as plain `python replay_grpo.py`; Ctrl-C (SIGINT to the process group) ends it cleanly,
     even when it was started with SIGINT ignored, as a background job of a script starts it."""
