@@ -257,15 +257,18 @@ def execute(args: Args, runs: list[dict]) -> list[str]:
 
 
 def record_sweep(out_dir: Path, args: Args) -> None:
-    """sweep.json: the grid, the tune seeds and every seed run into this folder so far. Several `run`
-    processes share a folder (two at a time, say): seeds are merged, and the file is replaced whole."""
-    path, seeds = out_dir / "sweep.json", set(args.seeds)
+    """sweep.json: the grid, and every seed and tune seed run into this folder so far (the report leaves the
+    tune seeds out). Several `run` processes share a folder (two at a time, say): seeds are merged, and the
+    file is replaced whole."""
+    path, seeds, tune_seeds = out_dir / "sweep.json", set(args.seeds), set(args.tune_seeds)
     try:
-        seeds |= set(json.loads(path.read_text()).get("seeds", []))
+        before = json.loads(path.read_text())
+        seeds |= set(before.get("seeds", []))
+        tune_seeds |= set(before.get("tune_seeds", []))
     except (OSError, ValueError):
         pass
     tmp = out_dir / f".sweep.json.{os.getpid()}"
-    tmp.write_text(json.dumps({"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": args.tune_seeds,
+    tmp.write_text(json.dumps({"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds),
                                "extra": args.extra}, indent=2))
     os.replace(tmp, path)
 

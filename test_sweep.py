@@ -4,6 +4,7 @@ report's numbers on hand-made runs whose answers are known."""
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -85,10 +86,14 @@ def test_second_run_skips_finished_runs(study, capsys):
     assert {p: p.stat().st_mtime_ns for p in study["out"].glob("*/metrics.jsonl")} == mtimes
 
 
-def test_runs_into_one_folder_merge_their_seeds_in_sweep_json(study):
-    sweep.main(["run", "--out-dir", str(study["out"]), "--grid", "smoke", "--seeds", "1"])  # finished: skipped
-    assert json.loads((study["out"] / "sweep.json").read_text())["seeds"] == [0, 1]
-    assert not list(study["out"].glob(".sweep.json.*"))
+def test_runs_into_one_folder_merge_their_seeds_in_sweep_json(study, tmp_path):
+    out = tmp_path / "study"  # a copy: the report tests below read the study's own sweep.json
+    shutil.copytree(study["out"], out)
+    sweep.main(["run", "--out-dir", str(out), "--grid", "smoke", "--seeds", "1", "--tune-seeds", "0"])  # all skipped
+    sweep.main(["run", "--out-dir", str(out), "--grid", "smoke", "--seeds", "1"])  # e.g. a second process, no tuning
+    recorded = json.loads((out / "sweep.json").read_text())
+    assert recorded["seeds"] == [0, 1] and recorded["tune_seeds"] == [0]
+    assert not list(out.glob(".sweep.json.*"))
 
 
 def test_report_table_matches_metrics_and_figures_parse(study):
