@@ -1098,7 +1098,8 @@ def train(cfg: Args) -> dict:
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         buffer.load_state_dict(state["buffer"])
-        published = state.get("generator_weights")
+        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
+            published = state["generator_weights"]
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
         counters.update(state["counters"])

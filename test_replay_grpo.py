@@ -617,6 +617,26 @@ def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
     assert state["generator_version"] == 3
 
 
+def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_checkpoint(tmp_path):
+    """--publish-every 2: the checkpoint at step 2 is taken right after a publish (the generator holds the
+    trained weights); resumed, the run's next checkpoint (step 3, between publishes) must still carry the
+    generator's step-2 weights, so that a second resume generates with them as the uninterrupted run does."""
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "2",
+              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "5", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "3", "--resume", *common))
+    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 3 and state["generator_version"] == 2 and state["generator_weights"] is not None
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "5", "--resume", *common))
+    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4, 5]
+    for a, b in zip(full, cut):
+        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+
+
 def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys):
     """Changing --eval-size changes a JSONL task's training split, so the warm start is rebuilt;
     changing an RL knob (--lr) reuses it."""
