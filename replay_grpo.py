@@ -934,6 +934,7 @@ def swap_in_checkpoint(run_dir: Path) -> None:
     """checkpoint.tmp becomes checkpoint by renames: a kill at any point leaves a whole checkpoint (open_run
     renames a lone checkpoint.old back)."""
     tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)  # a stale one, when a kill came before its deletion below
     if final.exists():
         final.rename(old)
     tmp.rename(final)

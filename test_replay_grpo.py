@@ -4,6 +4,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -288,6 +289,17 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     s_full = torch.load(tmp_path / "full" / "checkpoint" / "trainer_state.pt", weights_only=False)
     s_cut = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert [r["completion_ids"] for r in s_full["buffer"]["items"]] == [r["completion_ids"] for r in s_cut["buffer"]["items"]]
+
+
+def test_resume_after_a_kill_inside_the_swap_of_a_checkpoint(tmp_path):
+    """A kill after the new checkpoint was renamed in but before the old one was deleted leaves both
+    folders: the resumed run's next save must not trip over the stale checkpoint.old."""
+    args = small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--total-steps", "3")
+    run_main(args)
+    shutil.copytree(tmp_path / "r" / "checkpoint", tmp_path / "r" / "checkpoint.old")  # the stale one
+    run_main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--total-steps", "6", "--resume"))
+    assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(7))
+    assert not (tmp_path / "r" / "checkpoint.old").exists()
 
 
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
