@@ -28,7 +28,6 @@ import os
 import pickle
 import queue
 import random
-import shutil
 import signal
 import time
 import traceback
@@ -107,6 +106,7 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
         model, tok, model_dir, _ = rg.load_policy(cfg, torch.device("cpu" if gpu is None else "cuda:0"), task)
         generator = rg.make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
                                       model, tok, model_dir, colocated=False)
+        del model  # the generator holds its own copy (HF) or the engine's (vLLM)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
         rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # own prompts per generator and per resume
         torch.manual_seed(rng.getrandbits(63))
@@ -229,17 +229,20 @@ def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.Repla
     state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
     osd = get_optimizer_state_dict(policy, optimizer,  # collective
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    tmp = run_dir / "checkpoint.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model_copy.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        torch.save(dict(state, optimizer=osd), tmp / "trainer_state.pt")
+        rg.save_checkpoint(run_dir, model_copy, tok, dict(state, optimizer=osd), swap=False)
     barrier()
-    torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, tmp / f"buffer_rank{rank}.pt")
+    torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
         rg.swap_in_checkpoint(run_dir)
+
+
+def mu_gamma(c: dict, T: int, W: int) -> tuple[float, float]:
+    """mu the paper's way, (rollouts trained on / T) / (unique rollouts generated / W), and the speed-up
+    gamma = (1 + W/T) / (1 + mu) of the W/T split over alternating generation and training."""
+    mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+    return mu, (1 + W / T) / (1 + mu)
 
 
 def barrier() -> None:
@@ -253,9 +256,7 @@ def _interrupt(signum, frame):
 
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
-    import transformers
     from tqdm import tqdm
-    transformers.utils.logging.disable_progress_bar()
     use_cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()
     if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR; plain `python` is a world of 1
@@ -297,11 +298,10 @@ def train_async(cfg: rg.Args) -> dict:
         fully_shard(policy)  # root: embeddings, tied head, final norm (log-probs run in its forward)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         shard = rg.ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
-        c = {"generated_rollouts": 0, "generated_tokens": 0, "trained_rollouts": 0, "trained_tokens": 0,
-             "verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0, "nonfinite_steps": 0,
-             "gen_busy_seconds": 0.0, "gen_idle_seconds": 0.0, "trainer_idle_seconds": 0.0,
-             "train_seconds": 0.0, "sync_seconds": 0.0, "next_group_id": 0, "next_rank": 0,
-             "dealt": [0] * T, "replay_hist": Counter()}  # rank 0's run totals (checkpointed)
+        c = dict.fromkeys(rg.COUNTED, 0) | {  # rank 0's run totals (checkpointed)
+            "generated_tokens": 0, "trained_tokens": 0, "gen_busy_seconds": 0.0, "gen_idle_seconds": 0.0,
+            "trainer_idle_seconds": 0.0, "train_seconds": 0.0, "sync_seconds": 0.0, "next_group_id": 0,
+            "next_rank": 0, "dealt": [0] * T, "replay_hist": Counter()}
         step = 0
         if state is not None:
             set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -325,8 +325,7 @@ def train_async(cfg: rg.Args) -> dict:
             if step == 0:  # while the generators start
                 samples = []
                 last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed, samples=samples)
-                warm = {} if warm is None else {f"warmstart_{k}": warm[k] for k in rg.WARM_KEYS}
-                runlog.log({"step": 0, **last_eval, **warm}, samples)
+                runlog.log({"step": 0, **last_eval, **rg.warm_start_record(warm)}, samples)
                 rg.print_eval(print, 0, last_eval, samples)
             bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
 
@@ -381,8 +380,8 @@ def train_async(cfg: rg.Args) -> dict:
             report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
                       "since_last": shard.since_last_use, "buffer_size": len(shard),
                       "evicted_uses": shard.evicted_uses[evicted_sent:],
-                      "samples": rg.sample_rows(tok, batch, step)
-                      if cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []}
+                      "samples": rg.sample_rows(tok, batch, step)  # rank 0's are logged
+                      if rank == 0 and cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []}
             evicted_sent = len(shard.evicted_uses)
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
@@ -408,11 +407,11 @@ def train_async(cfg: rg.Args) -> dict:
                 c["replay_hist"].update(u for r in reports for u in r["evicted_uses"])
                 c["trained_rollouts"] += B
                 c["trained_tokens"] += stats["trained_tokens"]
-                c["train_seconds"] += max(r["train_seconds"] for r in reports)
+                train_seconds = max(r["train_seconds"] for r in reports)  # the slowest rank sets the pace
+                c["train_seconds"] += train_seconds
                 c["sync_seconds"] += sync_seconds
                 c["nonfinite_steps"] += stats["nonfinite"]
-                # mu the paper's way: (rollouts trained on / T) / (unique rollouts generated / W)
-                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                mu, gamma = mu_gamma(c, T, W)
                 sums = {k: sum((r["sums"][k] for r in reports), [] if k == "staleness" else 0) for k in reports[0]["sums"]}
                 record = rg.step_record(
                     step, stats, fresh, sums, [s for r in reports for s in r["since_last"]],
@@ -421,10 +420,10 @@ def train_async(cfg: rg.Args) -> dict:
                     replay_hist={str(u): n for u, n in sorted(c["replay_hist"].items())},
                     fresh_rollouts=len(fresh), fresh_versions=sorted({r.policy_version for r in fresh}),
                     generated_tokens=step_tokens, queue_depth=pool.depth(), rollouts_per_rank=list(c["dealt"]),
-                    wait_seconds=wait_seconds, train_seconds=max(r["train_seconds"] for r in reports),
+                    wait_seconds=wait_seconds, train_seconds=train_seconds,
                     sync_seconds=sync_seconds,
                     **{k: c[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
-                    mu=mu, gamma=(1 + W / T) / (1 + mu), num_generators=W, num_trainers=T,
+                    mu=mu, gamma=gamma, num_generators=W, num_trainers=T,
                     # the same ratio from busy seconds only (mu is exact only when neither side idles)
                     mu_busy=(c["gen_busy_seconds"] / c["generated_rollouts"])
                     / (c["train_seconds"] * T / c["trained_rollouts"]))
@@ -443,9 +442,9 @@ def train_async(cfg: rg.Args) -> dict:
         if rank == 0:
             bar.close()
             if c["generated_rollouts"]:
-                mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+                mu, gamma = mu_gamma(c, T, W)
                 print(f"measured mu = {mu:.2f} ((trained/T) / (generated/W)), gamma = (1 + W/T)/(1 + mu) = "
-                      f"{(1 + W / T) / (1 + mu):.2f}; idle seconds: trainers {c['trainer_idle_seconds']:.1f}, "
+                      f"{gamma:.2f}; idle seconds: trainers {c['trainer_idle_seconds']:.1f}, "
                       f"generators {c['gen_idle_seconds']:.1f} (of {c['gen_busy_seconds']:.1f} busy)")
         return {**last_eval, "run_dir": str(run_dir)}
     finally:

@@ -407,6 +407,16 @@ def _reference(h, w, y, g, chunk=2048):
 
 
 def measure(N, V, d, backends, reps, dev):
+    """_measure with TF32 off for its duration (the fp32 reference must be fp32), restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _measure(N, V, d, backends, reps, dev)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _measure(N, V, d, backends, reps, dev):
     """One benchmark shape: bf16 hidden [N, d] and weight [V, d] from a seeded generator, random upstream
     gradients; for each backend (and "naive", full logits) the median time of a forward + backward, the
     extra peak memory (CUDA), and the relative errors of the log-probs and of both gradients against an
@@ -491,7 +501,6 @@ def _bench_main():
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
         N, V, ds, reps = 16384, 151936, (896, 3584), 5
         backends = ["triton", "compile", "eager", "naive"] if HAS_TRITON else ["eager", "naive"]
         print(f"CUDA: {torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -940,21 +940,26 @@ def swap_in_checkpoint(run_dir: Path) -> None:
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
 
-def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict) -> None:
-    """Model (save_pretrained) and trainer_state.pt (optimizer, buffer, RNG, counters), swapped in by rename."""
+def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, swap: bool = True) -> None:
+    """Model (save_pretrained) and trainer_state.pt (optimizer, buffer, RNG, counters) into checkpoint.tmp, swapped
+    in by rename (swap=False: the caller swaps, once more files are in)."""
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     torch.save(trainer_state, tmp / "trainer_state.pt")
-    swap_in_checkpoint(run_dir)
+    if swap:
+        swap_in_checkpoint(run_dir)
 
 
 # ===== The run: folder, setup, resume, metrics (both loops) ======================================
 
 COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonfinite_steps", "generated_rollouts",
            "trained_rollouts")
-WARM_KEYS = ("steps", "pass@k", "reached")  # the warm start's record, logged at step 0
+
+def warm_start_record(warm: dict | None) -> dict:
+    """The warm start's record (steps, pass@k reached, target reached), logged at step 0."""
+    return {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
 
 def open_run(cfg: Args) -> tuple[str, Path, Path]:
     """Run name, folder (created, config saved) and checkpoint; never overwrites a run or resumes one without."""
@@ -976,20 +981,19 @@ def open_run(cfg: Args) -> tuple[str, Path, Path]:
     return run_name, run_dir, ckpt
 
 def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1):
-    """The task, the policy (the checkpoint's weights on --resume), its tokenizer and folder, the warm start's
-    record and, on --resume, the checkpoint's trainer state."""
+    """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
+    the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
+    the warm start's record, logged at step 0 only, is None."""
     task = make_task(cfg)
-    model, tok, model_dir, warm = load_policy(cfg, device, task)
-    state = None
-    if cfg.resume:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
-            raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
-                            f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
-                            f"--mode {cfg.mode} on {trainers} rank(s)")
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=default_dtype(device)).to(device)
-    return task, model, tok, model_dir, warm, state
+    if not cfg.resume:
+        return task, *load_policy(cfg, device, task), None
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
+        raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
+                        f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
+                        f"--mode {cfg.mode} on {trainers} rank(s)")
+    model, tok = load_pretrained(str(ckpt), default_dtype(device))
+    return task, model.to(device), tok, str(ckpt), None, state
 
 class RunLog:
     """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
@@ -1073,14 +1077,14 @@ def train(cfg: Args) -> dict:
     if not cfg.verbose:  # vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
         logging.getLogger("math_verify").setLevel(logging.ERROR)
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
     if cfg.mode == "async":
         from async_pipeline import train_async  # the W/T pipeline: imported only when used
         return train_async(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
-    import transformers
     from tqdm import tqdm
-    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -1116,8 +1120,7 @@ def train(cfg: Args) -> dict:
     if start_step == 0:
         samples = []
         last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed, samples=samples)
-        runlog.log({"step": 0, **last_eval, **({} if warm is None else {f"warmstart_{k}": warm[k] for k in WARM_KEYS})},
-                   samples)
+        runlog.log({"step": 0, **last_eval, **warm_start_record(warm)}, samples)
         print_eval(print, 0, last_eval, samples)
 
     bar = tqdm(range(start_step, cfg.total_steps), initial=start_step, total=cfg.total_steps, dynamic_ncols=True,

@@ -192,8 +192,7 @@ def plan_runs(args: Args, seeds: list[int] | None = None, picks: dict | None = N
                                  f"{config + tag!r}: give one a 'name'")
             for seed in seeds:
                 name = f"{config}{tag}-s{seed}"
-                runs.append({"name": name, "config": config, "variant": tag, "seed": seed,
-                             "total_steps": cfg.total_steps,
+                runs.append({"name": name, "total_steps": cfg.total_steps,
                              "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
     return runs
 
@@ -298,6 +297,10 @@ def run(args: Args) -> None:
 RUN_NAME = re.compile(r"(?P<config>.+?)(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)-s(?P<seed>\d+)")
 
 
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001),
     seed, cfg, metric records and the use count of every rollout (evicted and resident)."""
@@ -310,7 +313,7 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
         m = RUN_NAME.fullmatch(run_dir.name)
-        records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        records = read_metrics(run_dir / "metrics.jsonl")
         buf = state["buffer"]
         runs.append({"name": run_dir.name, "config": m["config"] if m else run_dir.name,
                      "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records,
@@ -472,8 +475,8 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
                | {f"acc at equal {axis}": [] for axis in axes if axis != "tokens"}
                | {f"pass@k at equal {axis}": [] for axis in axes if axis != "tokens"} for c in configs}
 
-    def reach(a: dict, idx, axis: str, level: float) -> float:
-        med = np.median(a["acc"][idx], axis=0)
+    def reach(a: dict, idx, med, axis: str, level: float) -> float:
+        """Median x over the resampled seeds at the first evaluation where their median accuracy `med` reaches level."""
         hit = np.nonzero(med >= level - 1e-9)[0]
         return float(np.median(a[axis][idx][:, hit[0]])) if len(hit) else np.inf
 
@@ -482,14 +485,16 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         ref = arrays[reference]
         level = float(np.median(ref["acc"][draw[reference]][:, -1]))
         budget = {axis: float(np.median(ref[axis][draw[reference]][:, -1])) for axis in axes}
-        ref_cost = {(axis, f): reach(ref, draw[reference], axis, frac * level) for axis in axes for f, frac in fracs.items()}
+        cost = {}  # every configuration's cost to each level, the reference's first
+        for c in [reference] + [c for c in arrays if c != reference]:
+            a, med = arrays[c], np.median(arrays[c]["acc"][draw[c]], axis=0)
+            cost[c] = {(axis, f): reach(a, draw[c], med, axis, frac * level) for axis in axes for f, frac in fracs.items()}
         for c, a in arrays.items():
             for axis in axes:
-                for f, frac in fracs.items():
-                    cost = reach(a, draw[c], axis, frac * level)
-                    samples[c][f"{axis}|{f}"].append(cost)
-                    rc = ref_cost[(axis, f)]
-                    samples[c][f"saving {axis}|{f}"].append(100 * (1 - cost / rc) if 0 < rc < np.inf else np.nan)
+                for f in fracs:
+                    samples[c][f"{axis}|{f}"].append(cost[c][(axis, f)])
+                    rc = cost[reference][(axis, f)]
+                    samples[c][f"saving {axis}|{f}"].append(100 * (1 - cost[c][(axis, f)] / rc) if 0 < rc < np.inf else np.nan)
                 if axis != "tokens":  # accuracy at the last evaluation within the reference's final compute
                     within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
                     j = within[-1] if len(within) else None
@@ -763,7 +768,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     if not path.is_file():
         raise SystemExit(f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by "
                          "replay_grpo.py)")
-    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    recs = read_metrics(path)
     cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     steps = [r for r in recs if r["step"] > 0]
     if not steps:

@@ -42,6 +42,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
+    checker = rg.HFGenerator(model, tok) if cfg.sft_target else None  # gets the weights at each check
     model.train()
     for step in range(1, cfg.sft_warmup_steps + 1):
         examples = task.sample(rng, BATCH_SIZE)
@@ -53,7 +54,8 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         opt.step()
         info["steps"] = step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
-            check = rg.evaluate(rg.HFGenerator(model, tok), tok, task, cfg, seed=cfg.seed + step, pass_k_only=True)
+            checker.load_weights(model.state_dict(), step)
+            check = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True)
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
             print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target})",
