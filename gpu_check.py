@@ -4,22 +4,29 @@
     python gpu_check.py --smoke    # on a CPU: the same checks at toy sizes (tests this script)
 
 Needs torch, transformers, triton and the project's pure-Python dependencies; the vLLM checks run
-when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. Checks:
+when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. --smoke on a CPU
+simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Checks:
   kernels    token_logprobs at N=16384, V=151936, d=896 and 3584 (bf16): triton and compile against
-             naive torch in the same run (time, extra peak memory, log-prob and gradient error) and
-             the targets: <= 1.5 GiB extra at d=3584, time <= naive at 3584, <= 0.6x naive at 896
-  learns     the cpu preset on the GPU gains >= 25 points of held-out greedy accuracy
-  eval-rng   evaluating every step or never gives the same training records (CUDA generators forked)
+             naive torch in the same run (time, extra peak memory, log-prob and gradient error, the
+             matmul path taken) and the targets: <= 1.5 GiB extra at d=3584, time <= naive at 3584,
+             <= 0.6x naive at 896
+  precision  at lr 1e-6 and 6e-8 (the GPU presets'), 5 AdamW steps under the run's policy: bf16
+             compute, fp32 masters, >= 99% of the weights moved, update norm within 10% of fp32's
+  learns     the cpu preset on the GPU (bf16 compute) gains >= 25 points of held-out greedy accuracy
+  eval-rng   evaluating every step or never gives the same training records (CUDA generators and
+             numpy forked), with HF generate and, when vLLM imports, with the vLLM engine
   qwen-0.5b  a Qwen2 built in code at Qwen2.5-0.5B's width (hidden 896, 24 layers, 14 heads, vocab
-             151936, bf16) takes replay steps with the Triton log-probs: step time, peak memory,
-             sampler/trainer mismatch, no NaN
+             151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
+             peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
   async      --mode async, T = 1, W = 1 on the one GPU: a clean start, increasing policy versions, a
-             clean exit with no process left
-  vllm-*     (vLLM) colocated with sleep mode: after a publish the engine's greedy output equals HF's;
-             engine vs trainer log-probs below the warning threshold; memory released while asleep
+             clean exit with no process left (read from /proc)
+  vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
+             publish the engine's greedy output equals HF's; engine vs trainer log-probs below the
+             warning threshold; memory released while asleep and taken back on wake
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,6 +61,7 @@ def check_kernels(dev: str, smoke: bool) -> None:
     for d, big in zip(ds, (False, True)):  # the targets of the larger width are those of d = 3584
         m = kernels.measure(N, V, d, ["naive"] + backends, 2 if smoke else 5, dev)
         naive_ms = m["results"]["naive"][0] if m["results"]["naive"] else None
+        path, slow = kernels.matmul_path(dev, torch.bfloat16)  # which GEMMs the bf16 tiles ran on
         for be in backends:
             if m["results"][be] is None:
                 row(f"kernels {be} d={d}", "out of memory", "runs", False)
@@ -62,7 +70,8 @@ def check_kernels(dev: str, smoke: bool) -> None:
             met = kernels.targets_met(be, 3584 if big else 896, ms, naive_ms, extra, lp_err, g_err, m["floor_err"], cuda)
             speed = f"{ms / naive_ms:.2f}x naive" if naive_ms else "naive out of memory"
             row(f"kernels {be} d={d}", f"{ms:.1f} ms = {speed}, +{extra:.2f} GiB, logp err {lp_err:.1e}, "
-                f"grad err {g_err:.1e}", f"<= {'1.0' if big else '0.6'}x naive" + (", <= 1.5 GiB" if big else "")
+                f"grad err {g_err:.1e}; matmuls: {path}" + (" (SLOW PATH)" if slow else ""),
+                f"<= {'1.0' if big else '0.6'}x naive" + (", <= 1.5 GiB" if big else "")
                 + f", logp <= 1e-5, grad <= {m['floor_err'] + 1e-3:.1e}", all(met.values()) if cuda else None)
 
 
@@ -91,7 +100,20 @@ def check_trainer(out: Path, smoke: bool) -> None:
     same = training_records(out / "often") == training_records(out / "never")
     row("eval-rng: --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"), "identical", same)
 
-    # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16
+    # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream)
+    try:
+        rg._import_vllm()
+    except rg.VLLMUnavailable:
+        row("eval-rng (vLLM)", "skipped: vLLM not installed or unusable here", "", None)
+    else:
+        rg.main(common + ["--generator", "vllm", "--eval-every", "1", "--run-name", "often-vllm"])
+        rg.main(common + ["--generator", "vllm", "--eval-every", "0", "--run-name", "never-vllm"])
+        same = training_records(out / "often-vllm") == training_records(out / "never-vllm")
+        row("eval-rng (vLLM): --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"),
+            "identical", same)
+
+    # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16 compute. A random model over the
+    # byte tokenizer earns reward 0 (ids past 258 decode to nothing): AsymRE's gradient is nonzero even then.
     real_build = rg.build_tiny_model
     shape = dict(hidden_size=128, layers=2, vocab_size=1024) if smoke else dict(hidden_size=896, layers=24, vocab_size=151936)
     rg.build_tiny_model = lambda seed: real_build(seed, **shape)
@@ -100,18 +122,72 @@ def check_trainer(out: Path, smoke: bool) -> None:
             torch.cuda.reset_peak_memory_stats()
         rg.main(["--preset", "cpu", "--sft-warmup-steps", "0", "--total-steps", "6", "--prompts-per-step", "4",
                  "--batch-size", "128", "--buffer-size", "256", "--max-new-tokens", "64", "--micro-batch-size", "32",
-                 "--eval-size", "8", "--eval-every", "0", "--lr", "1e-5", "--out-dir", str(out), "--run-name", "qwen"])
+                 "--eval-size", "8", "--eval-every", "0", "--loss", "asymre", "--lr", "1e-5", "--out-dir", str(out),
+                 "--run-name", "qwen"])
+        start = real_build(0, **shape)[0].state_dict()
     finally:
         rg.build_tiny_model = real_build
+    from safetensors.torch import load_file
+    final = load_file(out / "qwen" / "checkpoint" / "model.safetensors")
+    moved = sum(int((final[k] != start[k]).sum()) for k in final) / sum(v.numel() for v in final.values())
     recs = [r for r in map(json.loads, (out / "qwen" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     finite = all(r["nonfinite"] == 0 for r in recs)
+    grad = min(r["grad_norm"] for r in recs)
     mismatch = max(r.get("logprob_mismatch_abs", 0.0) for r in recs)
     step_ms = 1e3 * statistics.median(r["train_seconds"] for r in recs[1:])
     peak = max(r["peak_memory_gib"] or float("nan") for r in recs)
     row(f"qwen-0.5b: {shape['hidden_size']}x{shape['layers']}, vocab {shape['vocab_size']}",
         f"train step {step_ms:.0f} ms ({recs[-1]['trained_tokens']} tokens), peak {peak:.1f} GiB, mismatch {mismatch:.1e}, "
-        f"{'no' if finite else 'some'} NaN/inf steps", f"mismatch < {rg.MISMATCH_WARN}, no NaN",
-        finite and mismatch < rg.MISMATCH_WARN)
+        f"min grad norm {grad:.2e}, {100 * moved:.1f}% of weights moved, {'no' if finite else 'some'} NaN/inf steps",
+        f"mismatch < {rg.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
+        finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5)
+
+
+@contextlib.contextmanager
+def compute_dtype_forced(name: str):
+    """Run a block with the compute dtype `name` (the hook replay_grpo reads), then restore it."""
+    saved = os.environ.get(rg.COMPUTE_DTYPE_ENV)
+    os.environ[rg.COMPUTE_DTYPE_ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(rg.COMPUTE_DTYPE_ENV)
+        else:
+            os.environ[rg.COMPUTE_DTYPE_ENV] = saved
+
+
+def check_precision(dev: str, smoke: bool) -> None:
+    """At the GPU presets' learning rates, a few optimizer steps under the run's precision policy move the weights
+    as fp32 masters do (bf16 weights would lose nearly every update)."""
+    import copy
+    device = torch.device(dev)
+    batch = [rg.Rollout([1 + i, 2, 3], [40 + i, 50, 60 + i % 3], torch.zeros(3), reward=float(i % 2), advantage=0.0,
+                        group_mean=0.5, correct=bool(i % 2), policy_version=0, birth_step=0, group_id=i)
+             for i in range(16)]
+    for lr in (1e-6, 6e-8):
+        cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", str(lr), "--micro-batch-size", "8"])
+        model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
+        compute = rg.HFGenerator(model, tok).model.dtype  # what the generators and the autocast forward use
+        start = copy.deepcopy(model.state_dict())
+        moved = {}
+        for name, policy in (("policy", contextlib.nullcontext()), ("fp32", compute_dtype_forced("float32"))):
+            m = copy.deepcopy(model)
+            with policy:
+                opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0)
+                for step in range(5):
+                    rg.train_step(m, opt, batch, cfg, tok.pad_token_id, version=step)
+            after = m.state_dict()
+            changed = sum(int((after[k] != v).sum()) for k, v in start.items())
+            norm = sum(float((after[k].double() - v.double()).pow(2).sum()) for k, v in start.items()) ** 0.5
+            moved[name] = (changed / sum(v.numel() for v in start.values()), norm)
+        masters = {p.dtype for p in model.parameters()}
+        ratio = moved["policy"][1] / moved["fp32"][1]
+        ok = compute == torch.bfloat16 and masters == {torch.float32} and moved["policy"][0] >= 0.99 \
+            and 0.9 <= ratio <= 1.1
+        row(f"precision lr={lr:g}", f"compute {str(compute)[6:]}, masters {'/'.join(str(d)[6:] for d in masters)}, "
+            f"{100 * moved['policy'][0]:.1f}% of weights moved (fp32: {100 * moved['fp32'][0]:.1f}%), update norm "
+            f"{ratio:.2f}x fp32's", "bf16 compute, fp32 masters, >= 99% moved, norm within 10%", ok)
 
 
 def check_async(out: Path, smoke: bool) -> None:
@@ -124,11 +200,16 @@ def check_async(out: Path, smoke: bool) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         log = proc.communicate()[0]
-    def in_session():  # live processes still in the run's session (a zombie waiting to be reaped is gone)
-        pids = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        state = lambda p: (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                           if Path(f"/proc/{p}/stat").exists() else "Z")
-        return [p for p in pids if state(p) != "Z"]
+    def in_session():  # live processes still in the run's session, from /proc (a zombie waiting to be reaped is gone)
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+            if fields[3] == str(proc.pid) and fields[0] != "Z":
+                left.append(stat.parent.name)
+        return left
     deadline = time.time() + 15
     while in_session() and time.time() < deadline:
         time.sleep(0.5)
@@ -149,11 +230,15 @@ def check_vllm(out: Path, smoke: bool) -> None:
     except rg.VLLMUnavailable as e:
         row("vllm", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
         return
+    # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
+    # on GPUs), sleep level 2 (what a colocated engine published every step uses)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = rg.build_tiny_model(0)
-    model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device)
     folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
-    gen = rg.VLLMGenerator(model, tok, folder, "float32", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
-                           sleep_level=1, cpu_threads=1)
+    dtype = str(rg.compute_dtype(device)).removeprefix("torch.")
+    gen = rg.VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=256, gpu_memory_utilization=0.3,
+                           sleep_level=2, cpu_threads=1)
     prompts = [rg.render_prompt(tok, f"{a}+{b}=") for a, b in [(1, 2), (12, 7), (30, 4), (44, 44)]]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seqs = [(p, tok(str(sum(map(int, tok.decode(p)[:-1].split("+")))), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p in prompts]
@@ -177,9 +262,11 @@ def check_vllm(out: Path, smoke: bool) -> None:
                                      tok.pad_token_id, 1.0).float().cpu()
     diff = (torch.cat([s.logprobs for s in samples]) - ref).abs().mean().item()
     row("vllm-logprobs: engine vs trainer", f"mean |d logp| {diff:.1e}", f"< {rg.MISMATCH_WARN}", diff < rg.MISMATCH_WARN)
-    released = asleep - awake
-    row("vllm-sleep: memory released / regained", f"free GiB awake {awake:.1f}, asleep {asleep:.1f}, woken {woken:.1f}",
-        "more free while asleep", None if smoke or not torch.cuda.is_available() else released > 0.05)
+    released, regained = asleep - awake, asleep - woken
+    row(f"vllm-sleep (level {gen.sleep_level}, {dtype}): memory released / regained",
+        f"free GiB awake {awake:.2f}, asleep {asleep:.2f}, woken {woken:.2f}",
+        "asleep frees > 1 GiB, waking takes it back (within 1 GiB)",
+        None if smoke or not torch.cuda.is_available() else released > 1.0 and abs(regained - released) < 1.0)
 
 
 def main() -> int:
@@ -191,6 +278,8 @@ def main() -> int:
               "the GPU path and needs one (--smoke runs its checks at toy sizes on this device)")
         return 0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke and dev == "cpu":  # a bf16 GPU's precision policy, simulated: bf16 compute on fp32 masters
+        os.environ[rg.COMPUTE_DTYPE_ENV] = "bfloat16"
     try:
         import triton
         tv = triton.__version__
@@ -201,12 +290,12 @@ def main() -> int:
           f"{transformers.__version__}, triton {tv}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for name, check in (("kernels", check_kernels), ("trainer", check_trainer), ("async", check_async),
-                            ("vllm", check_vllm)):
+        for name, check in (("kernels", check_kernels), ("precision", check_precision), ("trainer", check_trainer),
+                            ("async", check_async), ("vllm", check_vllm)):
             sub = Path(tmp) / name
             sub.mkdir()
             try:
-                check(dev if name == "kernels" else sub, args.smoke)
+                check(dev if name in ("kernels", "precision") else sub, args.smoke)
             except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
                 traceback.print_exc()
                 row(name, f"crashed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}", "runs", False)

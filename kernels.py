@@ -103,6 +103,17 @@ def _out_dtype_ok(device):
     return _OUT_DTYPE_OK[key]
 
 
+def matmul_path(device, dtype):
+    """(description, slow) of the GEMM path that logits tiles of `dtype` inputs take on `device`. slow: a GPU whose
+    torch refuses bf16/fp16 matmuls with fp32 output, so every tile is upcast to fp32 first (about 10x slower)."""
+    if dtype == torch.float32:
+        return "fp32 matmuls", False
+    if _out_dtype_ok(device):
+        return f"{str(dtype).removeprefix('torch.')} matmuls with fp32 output (torch.mm out_dtype)", False
+    slow = torch.device(device).type == "cuda"
+    return f"{str(dtype).removeprefix('torch.')} operands upcast to fp32 matmuls (no torch.mm out_dtype here)", slow
+
+
 def _mm_f32(a, b):
     """a @ b with fp32 output and fp32 accumulation (bf16 logits would break the ratio)."""
     if a.dtype == torch.float32:

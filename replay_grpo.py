@@ -22,7 +22,8 @@ the synchronous loop alternates generation and training, the paper's W/T split i
 
 from __future__ import annotations
 
-import contextlib, copy, dataclasses, json, logging, math, os, random, re, shutil, signal, sys, tempfile, threading, time
+import contextlib, copy, dataclasses, itertools, json, logging, math, os, random, re, shutil, signal, sys
+import tempfile, threading, time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Literal
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
@@ -81,6 +83,8 @@ class Args:
     arith_demo_error: float = 0.0  # arith: share of warm-start demonstrations whose answer is off by one
     sft_warmup_steps: int = 0  # most supervised steps on gold solutions before RL (cached in <out-dir>/.warmstart)
     sft_target: float = 0.0  # stop the warm start once held-out pass@k reaches this (checked every 100 steps)
+    sft_patience: int = 1  # checks in a row at --sft-target that stop the warm start (> 1: one lucky check cannot)
+    sft_check_prompts: int = 50  # held-out prompts of each warm-start check of pass@k (more: less noise)
     sft_lr: float = 1e-3  # learning rate of the supervised warm start
     # --- the run ---
     seed: int = 0  # seed for model init, data order, buffer sampling and generation
@@ -114,6 +118,9 @@ VERIFY_TIMEOUT = 5.0  # seconds a verifier may take on one completion (reward 0 
 MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
+MAX_PASS_K = 256  # largest --pass-k (its samples are generated at every evaluation)
+MAX_EVAL_SIZE = 100_000  # largest --eval-size
+MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the model's own, if smaller; vLLM's cap)
 SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 ARITH_OPS = "+"  # operators of the synthetic task
 
@@ -154,7 +161,8 @@ def validate(cfg: Args) -> None:
     flag = lambda name: f"--{name.replace('_', '-')} {getattr(cfg, name)}"
     for names, test, valid in (
             (("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps", "max_new_tokens", "pass_k",
-              "micro_batch_size", "publish_every", "num_generators", "eval_size", "arith_terms"), lambda v: v >= 1, ">= 1"),
+              "micro_batch_size", "publish_every", "num_generators", "eval_size", "arith_terms", "sft_patience",
+              "sft_check_prompts"), lambda v: v >= 1, ">= 1"),
             (("eval_every", "sft_warmup_steps", "arith_max_operand", "sample_every", "dist_timeout"),
              lambda v: v >= 0, ">= 0"),
             (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
@@ -172,6 +180,15 @@ def validate(cfg: Args) -> None:
     need(cfg.buffer_size - protected >= 1, f"--positive-bias {cfg.positive_bias} with --buffer-size "
          f"{cfg.buffer_size} reserves all {protected} slots for older correct rollouts, leaving none for the "
          "freshest ones (every new incorrect rollout would be evicted on arrival): lower it or raise --buffer-size")
+    need(cfg.rollouts_per_step <= cfg.buffer_size, f"--prompts-per-step {cfg.prompts_per_step} x --group-size "
+         f"{cfg.group_size} = {cfg.rollouts_per_step} fresh rollouts a step exceed --buffer-size {cfg.buffer_size}: "
+         "the buffer would evict fresh rollouts on arrival (R must be <= N)")
+    need(cfg.pass_k <= MAX_PASS_K, f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
+         f"{PASS_K_PROMPTS} prompts at every evaluation)")
+    need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
+    need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
+    for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
+        need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
 
@@ -203,6 +220,7 @@ class Task:
     draw: object  # rng -> Example
     eval: list[Example]
     verifier: str  # a key of VERIFIERS
+    train: list[Example] | None = None  # the training rows `draw` picks from (None: drawn by a generator, arith)
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -232,6 +250,7 @@ def make_arith_task(cfg: Args) -> Task:
             worked = worked[: worked.rfind(str(value))] + str(value + 1)  # a wrong demonstration
         return Example(text, str(value), worked)
 
+    count_arith_problems(cfg, is_eval)
     eval_rng, held_out = random.Random(10_000 + cfg.seed), {}
     for _ in range(100 * cfg.eval_size):
         text, value, worked = draw(eval_rng)
@@ -239,17 +258,40 @@ def make_arith_task(cfg: Args) -> Task:
             held_out.setdefault(text, Example(text, str(value), worked))
             if len(held_out) == cfg.eval_size:
                 break
-    if not held_out:
-        raise UserError("--arith-max-operand is too small to hold out any problem")
+    if len(held_out) < cfg.eval_size:
+        raise UserError(f"--eval-size {cfg.eval_size}: {100 * cfg.eval_size} draws found only {len(held_out)} "
+                        "distinct held-out problems: lower it, or raise --arith-max-operand / --arith-terms")
     return Task("arith", sampler, list(held_out.values()), "numeric")
+
+def count_arith_problems(cfg: Args, is_eval) -> None:
+    """Refuse an arith task with nothing to train on, or fewer held-out problems than --eval-size (counted
+    exactly up to 2M distinct sums, estimated as a tenth beyond)."""
+    size = (cfg.arith_max_operand + 1) ** cfg.arith_terms
+    where = f"(--arith-max-operand {cfg.arith_max_operand}, --arith-terms {cfg.arith_terms}: {size} distinct sums)"
+    if size > 2_000_000:
+        held = size // 10
+    else:
+        operands = range(cfg.arith_max_operand + 1)
+        held = sum(is_eval("+".join(map(str, t)) + "=") for t in itertools.product(operands, repeat=cfg.arith_terms))
+    if held == size:
+        raise UserError(f"--arith-max-operand {cfg.arith_max_operand}: every problem is held out {where}, none is "
+                        "left to train on: raise it")
+    if cfg.eval_size > held:
+        raise UserError(f"--eval-size {cfg.eval_size}: the task holds out only {held} problems {where}: use at most "
+                        f"{held}, or a larger task")
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 def read_jsonl(path: str) -> list[Example]:
+    """{"prompt": str, "answer": str or number, "solution": optional str} per line; one line names a bad one."""
     if not Path(path).is_file():
         raise UserError(f"--data-path {path}: no such file")
     out = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
         if not line.strip():
             continue
         try:
@@ -259,25 +301,40 @@ def read_jsonl(path: str) -> list[Example]:
         if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
             raise UserError(f'{path}:{lineno}: each line needs "prompt" and "answer" keys, '
                             f"got {sorted(row) if isinstance(row, dict) else type(row).__name__}")
-        out.append(Example(str(row["prompt"]), str(row["answer"]), str(row.get("solution", row["answer"]))))
+        for key, kinds in (("prompt", (str,)), ("answer", (str, int, float)), ("solution", (str,))):
+            value = row.get(key, "")
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise UserError(f'{path}:{lineno}: "{key}" must be {" or ".join(k.__name__ for k in kinds)}, got '
+                                f"{json.dumps(value)[:40]}")
+        out.append(Example(row["prompt"], str(row["answer"]), row.get("solution", str(row["answer"]))))
     if not out:
         raise UserError(f"{path}: the data set is empty")
     return out
 
-def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None) -> list[dict]:
+def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None, columns: tuple[str, ...]) -> list:
     """Rows from the hub (users with a network) or a local copy (--data-path): a folder saved by
-    `datasets`, a folder of <split>.jsonl / .parquet files, or one such file."""
+    `datasets`, a folder of <split>.jsonl / .parquet files, or one such file. Every row must hold each of
+    `columns` as text."""
     import datasets
+    datasets.disable_progress_bars()  # the console shows the run, not the loader
+    where = f"--data-path {local}" if local else f"hub data set {hub_id}"
     try:
         if local and (Path(local) / "dataset_dict.json").exists():
-            return list(datasets.load_from_disk(local)[split])
-        if local and Path(local).is_file():
-            return list(datasets.load_dataset(Path(local).suffix.lstrip(".").replace("jsonl", "json"),
+            rows = list(datasets.load_from_disk(local)[split])
+        elif local and Path(local).is_file():
+            rows = list(datasets.load_dataset(Path(local).suffix.lstrip(".").replace("jsonl", "json"),
                                               data_files={split: local}, split=split))
-        return list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
+        else:
+            rows = list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
     except Exception as e:  # the hub, a missing file: one clear line either way
-        where = f"--data-path {local}" if local else f"hub data set {hub_id} (needs a network)"
+        where += "" if local else " (needs a network)"
         raise UserError(f"could not load split '{split}' from {where}: {type(e).__name__}: {e}") from None
+    for i, row in enumerate(rows):
+        bad = [c for c in columns if not isinstance(row.get(c), str)]
+        if bad:
+            raise UserError(f"{where}, split '{split}', row {i}: the task needs the text columns {', '.join(columns)}; "
+                            f"{', '.join(bad)} is missing or not text (columns: {', '.join(sorted(row))})")
+    return rows
 
 def make_task(cfg: Args) -> Task:
     if cfg.task == "arith":
@@ -295,14 +352,19 @@ def make_task(cfg: Args) -> Task:
             rationale, _, final = row["answer"].rpartition("####")
             return Example(row["question"] + MATH_INSTRUCTION, final.strip().replace(",", ""),
                            rationale.strip() + f"\nThe final answer is \\boxed{{{final.strip()}}}.")
-        train = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "train", cfg.data_path)]
-        test, verifier = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path)], "numeric"
+        columns = ("question", "answer")
+        train = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "train", cfg.data_path, columns)]
+        test = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path, columns)]
+        verifier = "numeric"
     else:
         example = lambda row: Example(row["problem"] + MATH_INSTRUCTION,
                                       row.get("answer") or last_boxed(row["solution"]) or "", row["solution"])
-        train = [example(r) for r in load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path)]
-        test, verifier = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path)], "math"
-    return Task(cfg.task, lambda rng: train[rng.randrange(len(train))], test[: cfg.eval_size], verifier)
+        columns = ("problem", "solution")
+        rows = load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path, columns)
+        train = [example(r) for r in rows]
+        test = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path, columns)]
+        verifier = "math"
+    return Task(cfg.task, lambda rng: train[rng.randrange(len(train))], test[: cfg.eval_size], verifier, train)
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in text, braces balanced."""
@@ -355,9 +417,35 @@ def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT)
 
 # ===== Models and per-token log-probs =============================================================
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that support it, fp32 elsewhere (log-probs are always computed in fp32)."""
-    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+# The precision policy. Weights and Adam state are fp32 everywhere (masters): a bf16 weight loses every update
+# below half its ulp, nearly all of them at lr 1e-6. Forward and backward run in the compute dtype (bf16 on GPUs
+# that support it, under autocast), generators hold compute-dtype copies, log-probs are fp32 (kernels.py).
+# REPLAY_GRPO_COMPUTE_DTYPE=bfloat16 selects bf16 on a CPU too: the tests simulate a GPU's policy with it.
+COMPUTE_DTYPE_ENV = "REPLAY_GRPO_COMPUTE_DTYPE"
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, fp32 elsewhere, unless REPLAY_GRPO_COMPUTE_DTYPE names one."""
+    forced = os.environ.get(COMPUTE_DTYPE_ENV)
+    if forced:
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[forced]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+def report_precision(device: torch.device, write=print) -> None:
+    """One line at the start of a run that computes in bf16: the policy, and the log-prob matmul path if slow."""
+    dtype = compute_dtype(device)
+    if dtype == torch.float32:
+        return
+    path, slow = kernels.matmul_path(device, dtype)
+    write(f"precision: fp32 master weights and Adam state, {str(dtype).removeprefix('torch.')} compute; log-prob "
+          f"tiles: {path}" + (" -- the slow path (about 10x): a torch with mm(..., out_dtype=float32) avoids it"
+                              if slow else ""))
+
+def autocast(device: torch.device):
+    """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
+    dtype = compute_dtype(device)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 def byte_tokenizer():
     """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
@@ -425,15 +513,44 @@ def render_prompt(tok, text: str) -> list[int]:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
+def context_length(model) -> int:
+    """Positions a prompt and its completion may take: the model's context, capped at MAX_MODEL_LEN."""
+    return min(getattr(model.config, "max_position_embeddings", None) or MAX_MODEL_LEN, MAX_MODEL_LEN)
+
+def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
+    """Drop the prompts that cannot take --max-new-tokens more within the model's context (the held-out ones and,
+    for a task of rows, the training ones) and return how many; refuse when none is left, or when the task draws
+    its prompts (arith) and a held-out one does not fit."""
+    context = context_length(model)
+    room = context - cfg.max_new_tokens
+
+    def fits(ex: Example) -> bool:
+        return len(render_prompt(tok, ex.prompt)) <= room
+    why = f"the model's context is {context} positions and --max-new-tokens {cfg.max_new_tokens}"
+    if room < 1:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why} leaves no room for a prompt")
+    skipped = {}
+    for part, rows in (("eval", task.eval), ("train", task.train)):
+        if rows is None:
+            continue
+        kept = [ex for ex in rows if fits(ex)]
+        skipped[f"skipped_{part}_prompts"] = len(rows) - len(kept)
+        rows[:] = kept  # in place: the task's sampler draws from this list
+        if not kept:
+            raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): lower it")
+    if task.train is None and skipped["skipped_eval_prompts"]:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
+    return {k: v for k, v in skipped.items() if v}
+
 def load_policy(cfg: Args, device: torch.device, task: Task):
     """The policy ('tiny' or pretrained), its tokenizer, where its weights live (a folder, or --model) and the warm
     start's record: with --sft-warmup-steps, the cached supervised warm start of warm_start.py, else None."""
     if cfg.sft_warmup_steps > 0:
         import warm_start  # imported only when used
         return warm_start.load_or_train(cfg, device, task)
-    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, default_dtype(device))
+    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, torch.float32)
     tok.padding_side = "left"
-    return model.to(device=device, dtype=default_dtype(device)), tok, cfg.model, None
+    return model.to(device=device, dtype=torch.float32), tok, cfg.model, None  # fp32 masters
 
 def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
@@ -459,10 +576,13 @@ def completion_logprobs(model, seqs, pad_id, temperature, backend="auto", entrop
 
 def packed_logprobs(model, ids, mask, targets, temperature, backend="auto", entropy=False):
     """completion_logprobs on packed ids / mask / targets (see pack)."""
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    device = ids.device
+    with autocast(device):
+        hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel, head = targets != -100, model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
-    return kernels.token_logprobs(hidden[sel], head, targets[sel], temperature=temperature, return_entropy=entropy,
-                                  backend=backend)
+    dtype = compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # the head in the compute dtype
+    return kernels.token_logprobs(hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature,
+                                  return_entropy=entropy, backend=backend)
 
 
 # ===== Generation: HF generate, or a vLLM engine with weight sync =================================
@@ -484,7 +604,8 @@ class HFGenerator:
 
     def __init__(self, model, tok, logprob_backend: str = "auto"):
         from transformers import GenerationConfig
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        device = next(model.parameters()).device
+        self.model = copy.deepcopy(model).to(compute_dtype(device)).eval().requires_grad_(False)  # a bf16 copy on GPUs
         self.backend, self.policy_version = logprob_backend, 0
         self.pad_id, self.eos_ids = tok.pad_token_id, stop_token_ids(model, tok)
         # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
@@ -584,11 +705,13 @@ class VLLMGenerator:
         if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.sleep_level = sleep_level if platform.is_sleep_mode_available() else 0
+        threads = torch.get_num_threads()  # vLLM's GPU worker sets this process's torch threads to 1 for serving
         self.llm = vllm.LLM(  # its own errors (bad max_model_len, out of memory) are clear as is
             model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=True,
             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
             generation_config="vllm")  # ignore the folder's sampling defaults: ours are explicit
+        torch._C.set_num_threads(threads)  # the trainer's share back (torch._C: vLLM's CPU worker patches the API)
         self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.policy_version, self.asleep = 0, set()  # asleep: tags released by sleep(), "weights" / "kv_cache"
@@ -661,8 +784,9 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
         return HFGenerator(model, tok)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    generator = VLLMGenerator(model, tok, model_dir, str(next(model.parameters()).dtype).removeprefix("torch."), cfg.seed,
-                              min(getattr(model.config, "max_position_embeddings", 4096), 4096),
+    dtype = str(compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    generator = VLLMGenerator(model, tok, model_dir, dtype, cfg.seed,
+                              context_length(model),
                               cfg.vllm_gpu_memory_utilization,
                               (2 if cfg.publish_every == 1 else 1) if colocated and torch.cuda.is_available() else 0)
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
@@ -863,6 +987,10 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
     else:
         optimizer.step()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
+        if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
+            raise UserError(f"the weights are not finite after the optimizer step at policy version {version} "
+                            "(the loss and gradient were): lower --lr; the last checkpoint is kept")
     m = sums.pop("mismatch_tokens")
     stats = {"loss": sums["loss"], "entropy": sums["entropy"] / total_tokens, "clip_frac": sums["clipped"] / total_tokens,
              "ratio_mean": sums["ratio"] / total_tokens, "ratio_max": ratio_max,
@@ -879,19 +1007,23 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
 @contextlib.contextmanager
 def forked_rng(seed: int):
     """Run a block on its own random streams seeded with `seed`, then restore every stream: the CPU's and every
-    CUDA device's torch generators (HF and in-process vLLM sampling on a GPU draw from these) and `random`."""
+    CUDA device's torch generators (HF sampling, vLLM's CPU runner), numpy's (vLLM's GPU runner seeds each
+    request from it) and `random`."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     state = random.getstate()
+    np_state = np.random.get_state()
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)  # the CPU and every CUDA device
+        np.random.seed(seed % 2**32)
         try:
             yield
         finally:
             random.setstate(state)
+            np.random.set_state(np_state)
 
 @torch.no_grad()
 def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False,
-             samples: list | None = None) -> dict:
+             samples: list | None = None, pass_k_prompts: int = PASS_K_PROMPTS) -> dict:
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), pass@k with k samples at
     temperature 1 / top-p 0.95. On forked random streams: evaluating (or not) never changes training."""
     with forked_rng(seed):
@@ -913,20 +1045,28 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
             pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, logprobs=False), task.eval)
             out = {"eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
                    "eval/pass@1": sum(g[0] for g in pass1) / len(pass1)}
-        sub = slice(0, PASS_K_PROMPTS)
+        sub = slice(0, pass_k_prompts)
         passk = accuracy(generator.generate(prompts[sub], cfg.pass_k, cfg.max_new_tokens, 1.0, 0.95, logprobs=False),
                          task.eval[sub])
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out
 
+def seed_everything(seed: int) -> None:
+    """torch (CPU and CUDA), numpy and `random`: every stream a run or an engine in it draws from."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if state.get("numpy") is not None:  # absent from checkpoints of older versions
+        np.random.set_state(state["numpy"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -940,16 +1080,43 @@ def swap_in_checkpoint(run_dir: Path) -> None:
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
 
-def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, swap: bool = True) -> None:
-    """Model (save_pretrained) and trainer_state.pt (optimizer, buffer, RNG, counters) into checkpoint.tmp, swapped
-    in by rename (swap=False: the caller swaps, once more files are in)."""
+def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_state: dict, weights: dict | None = None,
+                    swap: bool = True) -> None:
+    """The model (save_pretrained of the fp32 master weights: `weights`, or the model's own), optimizer.pt (fp32
+    Adam state, read by rank 0 alone on resume) and trainer_state.pt (buffer, RNG, counters) into checkpoint.tmp,
+    swapped in by rename (swap=False: the caller swaps, once more files are in)."""
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save(trainer_state, tmp / "trainer_state.pt")
+    try:
+        model.save_pretrained(tmp, state_dict=weights)
+        tok.save_pretrained(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    except Exception as e:
+        full = disk_full(e, run_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would only fill the disk further
+        if not full:
+            raise
+        ckpt, kept = run_dir / "checkpoint", "no earlier checkpoint exists"
+        if ckpt.exists():
+            kept_step = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+            kept = f"the checkpoint of step {kept_step} in {ckpt} is kept"
+        raise UserError(f"disk full: the checkpoint of step {trainer_state['step']} could not be written to {run_dir} "
+                        f"({shutil.disk_usage(run_dir).free / 2**20:.0f} MiB free there now); {kept}: free some "
+                        "space, then --resume") from None
     if swap:
         swap_in_checkpoint(run_dir)
+
+def disk_full(e: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of space (torch and safetensors do not always say ENOSPC): the error says
+    so, or under 1 MiB is left where it wrote."""
+    import errno
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
+        return True
+    try:
+        return shutil.disk_usage(where).free < 2**20
+    except OSError:
+        return False
 
 
 # ===== The run: folder, setup, resume, metrics (both loops) ======================================
@@ -961,39 +1128,142 @@ def warm_start_record(warm: dict | None) -> dict:
     """The warm start's record (steps, pass@k reached, target reached), logged at step 0."""
     return {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
 
+# Flags a resume may change: how long to run, how often to evaluate and log, where the folder is, and the
+# infrastructure that sets how fast, not what, the run computes. Any other difference from config.json is refused.
+RESUMABLE = ("total_steps", "eval_every", "sample_every", "wandb", "verbose", "out_dir", "run_name", "resume",
+             "dist_timeout", "num_generators", "micro_batch_size", "vllm_gpu_memory_utilization")
+RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
+
+def lock_run(run_dir: Path) -> None:
+    """Hold <run>/lock (fcntl.flock) for this process's run: a second process in the folder is refused. The OS
+    releases it when the process dies."""
+    import fcntl
+    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
+                        "it to end, or choose another --run-name") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    RUN_LOCKS[str(run_dir)] = fd
+
+def release_runs() -> None:
+    for fd in RUN_LOCKS.values():
+        os.close(fd)  # closing the descriptor releases its flock
+    RUN_LOCKS.clear()
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a file whole or not at all: a kill or a full disk leaves the old content (a temporary is renamed in)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+def check_resume_config(cfg: Args, run_dir: Path) -> None:
+    """The saved configuration is the truth: refuse a resume whose flags differ outside RESUMABLE (one line naming
+    each, with its saved and given values); append the RESUMABLE ones that changed to <run>/resumes.jsonl."""
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--resume: {run_dir / 'config.json'} is missing or damaged ({type(e).__name__}): the run's "
+                        "settings are unknown, so it cannot be continued") from None
+    given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as saved: JSON types
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+    differ = [k for k in given if k in saved and saved[k] != given[k] and k not in RESUMABLE]
+    if differ:
+        listed = "; ".join(f"{flag(k)} {given[k]} (saved: {saved[k]})" for k in differ)
+        raise UserError(f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
+                        "Resume with the saved values, or start a new --run-name")
+    changed = {flag(k): [saved[k], given[k]] for k in RESUMABLE if k in saved and saved[k] != given[k]}
+    changed.pop("--resume", None)
+    with (run_dir / "resumes.jsonl").open("a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed}) + "\n")
+
 def open_run(cfg: Args) -> tuple[str, Path, Path]:
-    """Run name, folder (created, config saved) and checkpoint; never overwrites a run or resumes one without."""
+    """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
+    run, resumes one without --resume, resumes it with other settings, or appends to a killed run's records."""
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.out_dir) / run_name
     ckpt = run_dir / "checkpoint"
-    if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
-        (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
-    if cfg.resume and not ckpt.exists():
+    if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
-    if ckpt.exists() and not cfg.resume:
-        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another --run-name")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        lock_run(run_dir)
+    except OSError as e:
+        raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
+    if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
+        (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
+    if ckpt.exists() and not cfg.resume:
+        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another --run-name")
+    metrics = run_dir / "metrics.jsonl"
+    if not cfg.resume and metrics.exists() and metrics.stat().st_size > 0:
+        raise UserError(f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
+                        f"folder (rm -r {run_dir}) to start again, or choose another --run-name")
+    if cfg.resume:
+        check_resume_config(cfg, run_dir)
+        return run_name, run_dir, ckpt
+    try:
+        write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     except OSError as e:
         raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
 
-def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1):
+def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0):
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
     the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
-    the warm start's record, logged at step 0 only, is None."""
+    the warm start's record, logged at step 0 only, is None. The optimizer state is read on rank 0 only (at 7B it
+    is ~60 GB: the other ranks get it by broadcast)."""
     task = make_task(cfg)
     if not cfg.resume:
-        return task, *load_policy(cfg, device, task), None
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        model, tok, model_dir, warm = load_policy(cfg, device, task)
+        report_skipped(fit_to_context(cfg, task, tok, model), rank)
+        return task, model, tok, model_dir, warm, None
+    state = read_checkpoint_file(ckpt, "trainer_state.pt", lambda path: torch.load(path, weights_only=False))
+    if rank == 0:
+        state["optimizer"] = read_checkpoint_file(ckpt, "optimizer.pt", lambda p: torch.load(p, weights_only=False))
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
         raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
                         f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
                         f"--mode {cfg.mode} on {trainers} rank(s)")
-    model, tok = load_pretrained(str(ckpt), default_dtype(device))
+    # checkpoints hold the fp32 masters
+    model, tok = read_checkpoint_file(ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32))
+    report_skipped(fit_to_context(cfg, task, tok, model), rank)
     return task, model.to(device), tok, str(ckpt), None, state
+
+def report_skipped(skipped: dict, rank: int = 0) -> None:
+    if skipped and rank == 0:
+        print("prompts longer than the model's context less --max-new-tokens are skipped: " +
+              ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items()))
+
+def read_checkpoint_file(ckpt: Path, name: str, read):
+    """read(ckpt / name), or one line naming the damaged (cut, empty, missing) file and what can be done."""
+    try:
+        return read(ckpt / name)
+    except Exception as e:  # torch's, safetensors' and pickle's errors for a damaged file share no base class
+        reason = str(e).splitlines()[0][:120] if str(e) else ""
+        raise UserError(f"--resume: {ckpt / name} is damaged or missing ({type(e).__name__}: {reason}), so the run "
+                        f"cannot continue from it: restore the file, or start the run again (rm -r {ckpt.parent}, "
+                        "or another --run-name)") from None
+
+def cut_records(path: Path, last_step: int) -> tuple[list[str], int]:
+    """The lines of a records file up to `last_step`, and how many lines were unreadable (cut, garbage, no step)."""
+    kept, unreadable = [], 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            step = None
+        if not isinstance(step, int):
+            unreadable += 1
+        elif step <= last_step:
+            kept.append(line)
+    return kept, unreadable
 
 class RunLog:
     """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
@@ -1002,8 +1272,11 @@ class RunLog:
         for name in ("metrics", "samples"):  # drop what a killed run wrote after its checkpoint
             path = run_dir / f"{name}.jsonl"
             if cfg.resume and path.exists():
-                kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= start_step]
-                path.write_text("".join(l + "\n" for l in kept))
+                kept, unreadable = cut_records(path, start_step)
+                write_atomic(path, "".join(line + "\n" for line in kept))
+                if unreadable:
+                    print(f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk "
+                          "leaves)")
         self.metrics, self.samples = (run_dir / "metrics.jsonl").open("a"), (run_dir / "samples.jsonl").open("a")
         self.wandb = None
         if cfg.wandb:
@@ -1017,8 +1290,14 @@ class RunLog:
     def log(self, record: dict, samples: list[dict] = ()) -> None:
         """One step's metrics, and the completions sampled at it (also a wandb table)."""
         for f, rows in ((self.samples, [{"step": record["step"], **row} for row in samples]), (self.metrics, [record])):
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
-            f.flush()
+            try:
+                f.write("".join(json.dumps(row) + "\n" for row in rows))
+                f.flush()
+            except OSError as e:
+                if not disk_full(e, Path(f.name).parent):
+                    raise
+                raise UserError(f"disk full: could not write {f.name} at step {record['step']}; the last checkpoint "
+                                "is kept: free some space, then --resume (a cut last line is dropped)") from None
         if self.wandb is not None:
             import wandb
             table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])} \
@@ -1086,8 +1365,8 @@ def train(cfg: Args) -> dict:
         raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
     from tqdm import tqdm
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
+    report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
@@ -1190,9 +1469,10 @@ def train(cfg: Args) -> dict:
         if evaluating:
             save_checkpoint(run_dir, model, tok, {
                 "step": step + 1, "mode": "sync", "trainers": 1, "next_group_id": next_group_id,
-                "task_rng": task_rng.getstate(), "counters": counters, "optimizer": optimizer.state_dict(),
+                "task_rng": task_rng.getstate(), "counters": counters,
                 "buffer": buffer.state_dict(), "rng": rng_state(), "generator_version": generator.policy_version,
-                "generator_weights": published if generator.policy_version != step + 1 else None})
+                "generator_weights": published if generator.policy_version != step + 1 else None},
+                optimizer_state=optimizer.state_dict())
     bar.close()
     runlog.close()
     if start_step < cfg.total_steps:
@@ -1257,6 +1537,9 @@ def suggest_schedule(mu: float, alpha: float, rho: float, batch: int, group_size
     return {"N/R": x, "B/R": y, "R": R, "N": N, "B": batch, "prompts_per_step": R // group_size, "on_policy": False}
 
 def plan(args: PlanArgs) -> dict:
+    for name in ("batch", "group_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1 (rollouts)")
     x, y = optimal_replay(args.mu, args.alpha, args.rho)
     s = suggest_schedule(args.mu, args.alpha, args.rho, args.batch, args.group_size)
     print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
@@ -1291,6 +1574,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     except KeyboardInterrupt:
         print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME", file=sys.stderr)
         raise SystemExit(130)
+    finally:
+        release_runs()
 
 
 if __name__ == "__main__":

@@ -181,7 +181,10 @@ def plan_runs(args: Args, seeds: list[int] | None = None, picks: dict | None = N
     for i, entry in enumerate(entries):
         for fixed, varied, tag in variants(entry):
             argv = base + list(args.extra) + flags(fixed) + flags(varied)
-            cfg = replay_grpo.parse_args(argv)
+            try:
+                cfg = replay_grpo.parse_args(argv)
+            except replay_grpo.UserError as e:  # a bad --extra flag: one line, as the trainer says it
+                raise SystemExit(f"error: {e}") from None
             config = entry.get("name") or config_name(vars(cfg))
             if args.only and not any(s in config for s in args.only):
                 continue
@@ -297,8 +300,38 @@ def run(args: Args) -> None:
 RUN_NAME = re.compile(r"(?P<config>.+?)(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)-s(?P<seed>\d+)")
 
 
+class Damaged(Exception):
+    """A run folder's file that cannot be read: its message names the file (and line)."""
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
+        raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}") from None
+    if not isinstance(value, dict):
+        raise Damaged(f"{path}: a JSON object was expected, not {type(value).__name__}")
+    return value
+
+
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    """The records of a metrics.jsonl; Damaged names the first line that is not a record with an integer step."""
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100]}") from None
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise Damaged(f"{path}:{lineno}: not JSON (a cut or garbage line)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise Damaged(f"{path}:{lineno}: not a record with an integer \"step\"")
+        records.append(record)
+    return records
 
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
@@ -306,14 +339,19 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     seed, cfg, metric records and the use count of every rollout (evicted and resident)."""
     runs = []
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
-        cfg = json.loads((run_dir / "config.json").read_text())
-        state = checkpoint_state(run_dir)
-        if state is None or state["step"] != cfg["total_steps"] or not (run_dir / "metrics.jsonl").exists():
+        try:
+            cfg = read_json(run_dir / "config.json")
+            state = checkpoint_state(run_dir)
+            finished = state is not None and state["step"] == cfg.get("total_steps")
+            records = read_metrics(run_dir / "metrics.jsonl") if finished else None
+        except Damaged as e:
+            print(f"report: {run_dir.name} left out, a file is damaged: {e}")
+            continue
+        if not finished:
             if not quiet:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
         m = RUN_NAME.fullmatch(run_dir.name)
-        records = read_metrics(run_dir / "metrics.jsonl")
         buf = state["buffer"]
         runs.append({"name": run_dir.name, "config": m["config"] if m else run_dir.name,
                      "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records,
@@ -744,11 +782,14 @@ def report(args: Args) -> dict:
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
     dest = Path(args.report_dir or out)
-    dest.mkdir(parents=True, exist_ok=True)
-    write_table(s, dest / "table.md")
-    (dest / "summary.json").write_text(json.dumps(strict_json({k: v for k, v in s.items() if k != "_runs"}),
-                                                  indent=2, allow_nan=False))
-    figures = plot(s, dest)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_table(s, dest / "table.md")
+        (dest / "summary.json").write_text(json.dumps(strict_json({k: v for k, v in s.items() if k != "_runs"}),
+                                                      indent=2, allow_nan=False))
+        figures = plot(s, dest)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
     print((dest / "table.md").read_text())
     print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
     return s
@@ -768,8 +809,11 @@ def plot_run(run_dir: Path) -> list[Path]:
     if not path.is_file():
         raise SystemExit(f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by "
                          "replay_grpo.py)")
-    recs = read_metrics(path)
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    try:
+        recs = read_metrics(path)
+        cfg = read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else {}
+    except Damaged as e:
+        raise SystemExit(f"error: {run_dir}: a file is damaged: {e}") from None
     steps = [r for r in recs if r["step"] > 0]
     if not steps:
         raise SystemExit(f"error: {path} holds no training step yet")
@@ -807,8 +851,12 @@ def plot_run(run_dir: Path) -> list[Path]:
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         out = run_dir / f"curves_vs_{xname}.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
+        try:
+            fig.savefig(out, dpi=100)
+        except OSError as e:
+            raise SystemExit(f"error: {run_dir}: cannot write {out.name} ({e.strerror or e})") from None
+        finally:
+            plt.close(fig)
         written.append(out)
     print("wrote", ", ".join(map(str, written)))
     return written

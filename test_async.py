@@ -185,7 +185,8 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
     assert all(a >= b for a, b in zip(first["rollouts_per_rank"], before["rollouts_per_rank"]))
     state = torch.load(state_file, weights_only=False)
     assert state["step"] >= 8
-    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    optimizer = torch.load(run_dir / "checkpoint" / "optimizer.pt", weights_only=False)
+    adam_steps = {float(s["step"]) for s in optimizer["state"].values()}
     assert adam_steps == {float(state["step"])}  # Adam's moments carried over from the first run
 
 
@@ -330,8 +331,8 @@ def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path, 
 # --- GPU placement, timeouts and a dead reader, on CPU -------------------------------------------
 
 def test_each_generator_gets_its_own_gpu_after_the_trainers():
-    assert ap.generator_gpus(5, 3, 8) == [3, 4, 5, 6, 7]  # (W, T) = (5, 3) on one 8-GPU node
-    assert ap.generator_gpus(1, 1, 1) == [0]  # one GPU: shared with the trainer
+    assert ap.generator_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
+    assert ap.generator_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
     assert ap.generator_gpus(2, 1, 0) == [None, None]  # CPU
 
 
@@ -352,34 +353,25 @@ def test_spawned_generators_see_only_their_gpu(tmp_path, monkeypatch):
             seen[index] = gpus
             assert "CUDA" in tb or "cuda" in tb, tb  # it failed trying to use its GPU
         assert seen == {0: "2", 1: "3"}
-        assert pool.gpus == [2, 3]
+        assert pool.gpus == ["2", "3"]
     finally:
         pool.close()
 
 
-class StuckGenerator:
-    """A generator whose weight load never returns: it dies holding the mailbox's lock."""
-    policy_version = -1
-
-    def __init__(self, inside):
-        self.inside = inside
-
-    def load_weights(self, state_dict, version):
-        self.inside.set()
-        time.sleep(3600)
+def _hold_the_lock_and_hang(box, inside):
+    """A generator stuck while copying the weights out: it dies holding the mailbox's lock."""
+    box.lock.acquire()
+    inside.set()
+    time.sleep(3600)
 
 
-def _pull_and_hang(box, inside):
-    box.pull(StuckGenerator(inside))
-
-
-def test_a_generator_killed_inside_the_weight_handoff_does_not_hang_the_trainer():
+def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer():
     import multiprocessing as mp
     import threading
     ctx = mp.get_context("spawn")
     model, _ = rg.build_tiny_model(0)
     box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
-    child = ctx.Process(target=_pull_and_hang, args=(box, inside))
+    child = ctx.Process(target=_hold_the_lock_and_hang, args=(box, inside))
     child.start()
     assert inside.wait(120), "the child never entered the critical section"
     os.kill(child.pid, signal.SIGKILL)
@@ -405,3 +397,23 @@ def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed, "init_process_group", spy)
     rg.main(TINY + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
     assert seen["timeout"] == datetime.timedelta(minutes=7)
+
+
+# --- CPU threads: each process of the pipeline takes its share of the cores ---------------------------------
+
+@pytest.mark.parametrize("omp", [None, "2"])
+def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
+    """Without OMP_NUM_THREADS the trainer and the generator each take cores / 2 threads (two processes spinning
+    on the same cores run many times slower); a user's OMP_NUM_THREADS is honoured. Each says so in one line."""
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    if omp:
+        env["OMP_NUM_THREADS"] = omp
+    res = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--total-steps", "2",
+                          "--out-dir", str(tmp_path), "--run-name", "t"], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    share = max(1, ap.available_cores() // 2)
+    why = f"(OMP_NUM_THREADS={omp})" if omp else f"({ap.available_cores()} cores / 2 processes on this machine)"
+    for role in ("trainer rank 0", "generator 0"):
+        n = int(omp) if omp else share
+        assert f"threads: {role} uses {n} torch thread{'s' * (n > 1)} {why}" in res.stdout, res.stdout[-3000:]

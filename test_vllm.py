@@ -333,3 +333,26 @@ def test_a_vllm_run_console_has_no_engine_lines_without_verbose(tmp_path):
     engine_lines = lambda out: [l for l in out.splitlines() if "INFO" in l or "WARNING" in l or "reload" in l.lower()]
     assert engine_lines(loud.stdout + loud.stderr), "--verbose shows no engine lines: the check below proves nothing"
     assert not engine_lines(quiet.stdout + quiet.stderr), engine_lines(quiet.stdout + quiet.stderr)[:10]
+
+
+@needs_vllm
+def test_the_engine_leaves_the_trainer_its_torch_threads(tmp_path, monkeypatch):
+    """vLLM's GPU worker sets this process's torch threads to 1 for serving (set_torch_threads_for_runtime, in
+    Worker.load_model), which would leave the trainer one thread: simulated here on the CPU's engine."""
+    import vllm
+    real = vllm.LLM
+
+    class GPUWorkerLLM(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            torch._C.set_num_threads(1)  # what Worker.load_model leaves behind on a GPU
+    monkeypatch.setattr(vllm, "LLM", GPUWorkerLLM)
+    model, tok = rg.build_tiny_model(0)
+    folder = export_plain_folder(model, tok, str(tmp_path / "m"))
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(2)
+    try:
+        make_engine(model, tok, folder, "float32", seed=0, max_model_len=256)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch._C.set_num_threads(before)

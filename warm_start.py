@@ -32,8 +32,11 @@ NOT_WARM_START = {"preset", "group_size", "prompts_per_step", "batch_size", "buf
                   "sample_every", "verbose", "dist_timeout"}
 
 
-def warm_start_key(cfg: rg.Args) -> str:
+def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
+    """Every field that can change the warm start, and the compute dtype it trains in (a CPU's fp32 warm start is
+    another model than a GPU's bf16 one)."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
+    fields["compute_dtype"] = str(rg.compute_dtype(device))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -43,6 +46,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
     checker = rg.HFGenerator(model, tok) if cfg.sft_target else None  # gets the weights at each check
+    streak = 0  # checks in a row at the target
     model.train()
     for step in range(1, cfg.sft_warmup_steps + 1):
         examples = task.sample(rng, BATCH_SIZE)
@@ -55,30 +59,40 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         info["steps"] = step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
-            check = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True)
+            check = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True,
+                                pass_k_prompts=cfg.sft_check_prompts)
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
-            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target})",
-                  flush=True)
-            if info["pass@k"] >= cfg.sft_target:
+            streak = streak + 1 if info["pass@k"] >= cfg.sft_target else 0
+            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target}"
+                  f", {streak} of {cfg.sft_patience} checks in a row)", flush=True)
+            if streak >= cfg.sft_patience:
                 break
-    info["reached"] = not cfg.sft_target or (info["pass@k"] or 0.0) >= cfg.sft_target
+    info["reached"] = not cfg.sft_target or streak >= cfg.sft_patience
     return info
 
 
 def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
     """The warm-started policy, its tokenizer, its cache folder and the warm start's record: from the cache,
     or trained from --model and cached."""
-    cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg)
+    cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg, device)
     if (cache / "config.json").exists() and (cache / "warmstart.json").exists():
-        model, tok = rg.load_pretrained(str(cache), rg.default_dtype(device))
+        model, tok = rg.load_pretrained(str(cache), torch.float32)  # fp32 masters
         return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
     model, tok, _, _ = rg.load_policy(dataclasses.replace(cfg, sft_warmup_steps=0), device, task)
     t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
     info["seconds"] = round(time.time() - t0, 1)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
-    rg.export_plain_folder(model, tok, str(tmp))
-    (tmp / "warmstart.json").write_text(json.dumps(info))
+    try:
+        rg.export_plain_folder(model, tok, str(tmp))
+        (tmp / "warmstart.json").write_text(json.dumps(info))
+    except Exception as e:
+        full = rg.disk_full(e, cache.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not full:
+            raise
+        raise rg.UserError(f"disk full: the warm start could not be cached in {cache.parent}: free some space and "
+                           "run again (it is trained again)") from None
     shutil.rmtree(cache, ignore_errors=True)
     tmp.rename(cache)
     print(f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s, pass@{cfg.pass_k} {info['pass@k']} "

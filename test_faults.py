@@ -1,0 +1,293 @@
+"""Faults a careful user meets, through the real CLI: a resume with other flags, two processes in one run folder,
+kills inside a rewrite, damaged checkpoints, a full disk, settings that would hang, bad data, and the tools
+(plan, sweep.py) on bad input. Each ends in one clear line (exit 2) or is counted and logged, and never loses a
+checkpoint or mixes two configurations. docs/reference.md's table of faults lists the same cases."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+import replay_grpo as rg
+import sweep
+
+ROOT = Path(__file__).resolve().parent
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def small_args(out_dir, *extra):
+    return ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
+            "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2",
+            "--total-steps", "3", "--eval-every", "0", "--loss", "asymre", "--out-dir", str(out_dir), *extra]
+
+
+def user_error(capsys, args) -> str:
+    """Run main; it must stop with exit 2 and one line on stderr, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        rg.main(list(args))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def lines(path):
+    return Path(path).read_text().splitlines()
+
+
+# --- 1. a resume never mixes configurations --------------------------------------------------------
+
+def test_a_resume_with_a_flag_that_shapes_the_run_is_refused_naming_each(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    saved = (tmp_path / "r" / "config.json").read_text()
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--resume", "--buffer-size", "16", "--lr", "0.5"))
+    assert "--buffer-size 16 (saved: 8)" in err and "--lr 0.5 (saved: 3e-05)" in err and "mixes two" in err
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--resume", "--mode", "async"))
+    assert "--mode async (saved: sync)" in err
+    assert (tmp_path / "r" / "config.json").read_text() == saved  # a refused resume writes nothing
+
+
+def test_a_resume_may_change_the_run_length_and_records_it(tmp_path):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    saved = (tmp_path / "r" / "config.json").read_text()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
+    assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(7))
+    assert (tmp_path / "r" / "config.json").read_text() == saved  # written once
+    record = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])
+    assert record["changed"] == {"--total-steps": [3, 6]}
+
+
+# --- 2. one process per run folder ------------------------------------------------------------------
+
+def test_a_second_process_in_a_run_folder_is_refused(tmp_path):
+    args = small_args(tmp_path, "--run-name", "busy", "--total-steps", "100000", "--eval-every", "2")
+    first = subprocess.Popen([sys.executable, str(ROOT / "replay_grpo.py"), *args], cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ckpt = tmp_path / "busy" / "checkpoint"
+        deadline = time.time() + 120
+        while not ckpt.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        assert ckpt.exists()
+        for extra in ([], ["--resume"]):
+            second = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *args, *extra], cwd=ROOT, env=ENV,
+                                    capture_output=True, text=True, timeout=120)
+            assert second.returncode == 2 and f"is in use by process {first.pid}" in second.stderr, second.stderr
+            assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    steps = [json.loads(line)["step"] for line in lines(tmp_path / "busy" / "metrics.jsonl")]
+    assert steps == list(range(len(steps)))  # one writer: no step twice
+
+
+# --- 3. records: rewrites are atomic, a fresh start never appends, a cut line is dropped ------------
+
+def test_a_kill_inside_the_rewrite_of_the_records_loses_nothing(tmp_path, monkeypatch):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    before = lines(tmp_path / "r" / "metrics.jsonl")
+    real = pathlib.Path.write_text
+
+    def killed_halfway(self, text, *args, **kwargs):  # the process dies after writing half of the file
+        if self.name.startswith("metrics.jsonl"):
+            real(self, text[: len(text) // 2])
+            raise KeyboardInterrupt
+        return real(self, text, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
+    with pytest.raises(SystemExit):
+        rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
+    monkeypatch.undo()
+    assert lines(tmp_path / "r" / "metrics.jsonl") == before
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
+    assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(7))
+
+
+def test_a_fresh_start_never_appends_to_a_killed_runs_records(tmp_path, capsys, monkeypatch):
+    def killed(*args, **kwargs):  # killed before its first checkpoint
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rg, "save_checkpoint", killed)
+    with pytest.raises(SystemExit):
+        rg.main(small_args(tmp_path, "--run-name", "k"))
+    monkeypatch.undo()
+    capsys.readouterr()
+    before = lines(tmp_path / "k" / "metrics.jsonl")
+    assert before
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "k"))
+    assert "stopped before its first checkpoint" in err and f"rm -r {tmp_path / 'k'}" in err
+    assert lines(tmp_path / "k" / "metrics.jsonl") == before
+
+
+def test_a_cut_last_line_of_the_records_is_dropped_on_resume_and_said(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    with (tmp_path / "r" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "loss": 0.1')  # what a kill or a full disk leaves
+    capsys.readouterr()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "5"))
+    assert "dropped 1 unreadable line(s)" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(6))
+
+
+# --- 4. damaged checkpoints and a full disk --------------------------------------------------------
+
+@pytest.mark.parametrize("name,damage", [("trainer_state.pt", "cut"), ("trainer_state.pt", "empty"),
+                                         ("trainer_state.pt", "delete"), ("optimizer.pt", "cut"),
+                                         ("model.safetensors", "cut")])
+def test_a_damaged_checkpoint_file_is_named_in_one_line(tmp_path, capsys, name, damage):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    path = tmp_path / "r" / "checkpoint" / name
+    if damage == "delete":
+        path.unlink()
+    else:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if damage == "cut" else b"")
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
+    assert f"{path} is damaged or missing" in err and "start the run again" in err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 10 MiB tmpfs: room for one checkpoint of the tiny model, not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True,
+                         text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk, capsys):
+    rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2"))
+    err = user_error(capsys, small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "4",
+                                        "--resume"))
+    assert "disk full" in err and "the checkpoint of step 2" in err and "is kept" in err, err
+    assert not (small_disk / "r" / "checkpoint.tmp").exists()  # no partial folder left to fill the disk
+    state = torch.load(small_disk / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2
+
+
+# --- 5. settings that would hang or exhaust memory are refused at once -----------------------------
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--eval-size", "1000000000"], "--eval-size 1000000000: at most 100000"),
+    (["--eval-size", "5000"], "--eval-size 5000: the task holds out only"),
+    (["--arith-max-operand", "0"], "--arith-max-operand 0: every problem is held out"),
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000: the model's context is 512 positions"),
+    (["--pass-k", "1000000"], "--pass-k 1000000: at most 256"),
+    (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
+    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
+    (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
+])
+def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
+    t0 = time.time()
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
+    assert needle in err and time.time() - t0 < 20, err
+
+
+def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys, monkeypatch):
+    real = torch.optim.AdamW.step
+
+    def blows_up(self, *args, **kwargs):  # an update that overflows (what --lr 1e30 did)
+        out = real(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data.fill_(float("inf"))
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "x"))
+    assert "the weights are not finite after the optimizer step" in err and "lower --lr" in err
+
+
+# --- 6. bad data -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line,needle", [
+    (b'{"prompt": "1+1=", "answer": "2\xff"}', ":2: not valid UTF-8"),
+    (b'{"prompt": "1+1=", "answer": null}', ':2: "answer" must be str or int or float, got null'),
+    (b'{"prompt": {"text": "1+1="}, "answer": "2"}', ':2: "prompt" must be str, got {"text"'),
+    (b'{"prompt": "1+1=", "answer": ["2"]}', ':2: "answer" must be str or int or float, got ["2"]'),
+])
+def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n' + line + b"\n")
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data)))
+    assert f"{data}{needle}" in err, err
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(30)] + [{"prompt": "9" * 600, "answer": 1}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rg.main(small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--run-name", "j", "--total-steps", "1"))
+    out = capsys.readouterr().out
+    assert "prompts longer than the model's context less --max-new-tokens are skipped: 1 train" in out
+
+
+def test_a_local_data_set_with_other_columns_names_the_expected_ones(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"q": "What is 1+1?", "a": "2"}) + "\n")
+    err = user_error(capsys, small_args(tmp_path, "--task", "gsm8k", "--data-path", str(data)))
+    assert "the task needs the text columns question, answer" in err and "columns: a, q" in err
+    data.write_text(json.dumps({"question": "What is 1+1?", "answer": 2}) + "\n")
+    err = user_error(capsys, small_args(tmp_path, "--task", "gsm8k", "--data-path", str(data)))
+    assert "answer is missing or not text" in err
+
+
+@pytest.mark.parametrize("extra,needle", [(["--batch", "0"], "--batch 0: must be >= 1"),
+                                          (["--batch", "-60"], "--batch -60: must be >= 1"),
+                                          (["--group-size", "-16"], "--group-size -16: must be >= 1"),
+                                          (["--group-size", "0"], "--group-size 0: must be >= 1")])
+def test_the_planner_refuses_a_batch_or_group_below_one(capsys, extra, needle):
+    err = user_error(capsys, ["plan", *extra])
+    assert needle in err
+
+
+# --- sweep.py on bad input ------------------------------------------------------------------------------
+
+def test_sweep_run_with_a_bad_extra_flag_is_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["run", "--out-dir", str(tmp_path), "--grid", "smoke", "--extra", "--preset", "nope"])
+    assert str(exc.value) == "error: --preset nope: unknown (valid: " + ", ".join(rg.PRESETS) + ")"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    sweep.main(["run", "--out-dir", str(out), "--grid", "smoke", "--seeds", "0", "--only", "onpolicy"])
+    return out, next(p for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("file,content", [("config.json", b"{not json"), ("metrics.jsonl", b'{"step": 0}\n{"ste'),
+                                          ("metrics.jsonl", b"\xff\xfe\n"), ("metrics.jsonl", b'{"loss": 1}\n'),
+                                          ("metrics.jsonl", b"[1, 2]\n")])
+def test_sweep_report_and_plot_name_a_damaged_file(finished_run, tmp_path, capsys, file, content):
+    out, run_dir = finished_run
+    copy = tmp_path / "sweep"
+    shutil.copytree(out, copy)
+    damaged = copy / run_dir.name
+    (damaged / file).write_bytes(content)
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["plot", str(damaged)])
+    assert str(exc.value).startswith(f"error: {damaged}: a file is damaged: {damaged / file}"), exc.value
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["report", "--out-dir", str(copy)])
+    assert "no finished runs" in str(exc.value)  # the only run is left out...
+    assert f"report: {run_dir.name} left out, a file is damaged: {damaged / file}" in capsys.readouterr().out
+
+
+def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_path):
+    out, run_dir = finished_run
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    (copy / "curves_vs_steps.png").mkdir()  # a path it cannot write (root ignores a read-only mode)
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["plot", str(copy)])
+    assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value

@@ -1,0 +1,290 @@
+"""The GPU path, simulated on a CPU: what differs on a GPU is made to happen here, through the real code.
+
+- precision: REPLAY_GRPO_COMPUTE_DTYPE=bfloat16 makes the compute dtype bf16, as a bf16 GPU's is;
+- numpy's random stream: vLLM's GPU runner seeds each request from it, simulated by a generator that does so;
+- device placement under an inherited CUDA_VISIBLE_DEVICES, the weight hand-off to a slow generator, the
+  optimizer state broadcast from rank 0, the warm-start cache key, the benchmark's precision and the log-prob
+  matmul path.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import numpy as np
+import pytest
+import torch
+
+import async_pipeline as ap
+import bench_generation
+import kernels
+import replay_grpo as rg
+
+ROOT = Path(__file__).resolve().parent
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+SMALL = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
+         "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2",
+         "--total-steps", "4", "--eval-every", "0", "--loss", "asymre", "--lr", "1e-3"]
+
+
+@pytest.fixture
+def bf16(monkeypatch):
+    """The precision policy of a bf16 GPU, on this CPU."""
+    monkeypatch.setenv(rg.COMPUTE_DTYPE_ENV, "bfloat16")
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_records(run_dir):
+    timing = ("mu", "peak_memory_gib")
+    return [{k: v for k, v in r.items() if not (k.endswith("_seconds") or k.startswith("eval/") or k in timing)}
+            for r in metrics(run_dir)]
+
+
+def random_batch(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    batch = []
+    for i in range(n):
+        completion = torch.randint(0, 256, (3 + i % 4,), generator=g).tolist()
+        prompt = torch.randint(0, 256, (4,), generator=g).tolist()
+        batch.append(rg.Rollout(prompt, completion, torch.zeros(len(completion)), reward=float(i % 2), advantage=0.0,
+                                group_mean=0.5, correct=bool(i % 2), policy_version=0, birth_step=0, group_id=i))
+    return batch
+
+
+def fraction_changed(before: dict, model) -> float:
+    after = model.state_dict()
+    changed = sum(int((after[k] != v).sum()) for k, v in before.items())
+    return changed / sum(v.numel() for v in before.values())
+
+
+# --- defect: pure bf16 training loses the updates -------------------------------------------------
+
+def test_bf16_compute_on_fp32_masters_moves_every_weight_at_the_gpu_presets_lr(bf16):
+    """10 AdamW steps at lr 1e-6 (the gsm8k preset's) through load_policy and train_step under the bf16 policy:
+    the masters are fp32 and >= 99% of the weights move. The same steps on pure bf16 weights move ~2%."""
+    cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", "1e-6", "--micro-batch-size", "8"])
+    device = torch.device("cpu")
+    model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert rg.HFGenerator(model, tok).model.dtype == torch.bfloat16  # the generator's copy computes in bf16
+    pure = rg.build_tiny_model(cfg.seed)[0].to(torch.bfloat16)
+    moved = {}
+    for name, m in (("masters", model), ("pure bf16", pure)):
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=0.0)
+        for step in range(10):
+            stats = rg.train_step(m, opt, random_batch(seed=step), cfg, tok.pad_token_id, version=step)
+            assert stats["nonfinite"] == 0 and stats["grad_norm"] > 0
+        moved[name] = fraction_changed(before, m)
+    assert moved["masters"] >= 0.99, moved
+    assert moved["pure bf16"] < 0.1, moved  # what this policy avoids
+
+
+def test_the_cpu_preset_learns_as_much_under_the_gpu_precision_policy(bf16, tmp_path):
+    """The cpu preset, seed 0, with bf16 compute on fp32 masters: at least +25 points of greedy accuracy."""
+    result = rg.main(["--preset", "cpu", "--seed", "0", "--out-dir", str(tmp_path), "--run-name", "bf16"])
+    evals = [r for r in metrics(tmp_path / "bf16") if "eval/greedy_acc" in r]
+    gain = evals[-1]["eval/greedy_acc"] - evals[0]["eval/greedy_acc"]
+    assert gain >= 0.25, (gain, result)
+    adam = torch.load(tmp_path / "bf16" / "checkpoint" / "optimizer.pt", weights_only=False)
+    assert {v.dtype for s in adam["state"].values() for k, v in s.items() if k != "step"} == {torch.float32}
+
+
+def test_a_checkpoint_holds_the_fp32_masters_and_resume_continues_exactly(bf16, tmp_path):
+    full = rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "full", "--eval-every", "2"])
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--total-steps", "2"])
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--resume"])
+    assert training_records(tmp_path / "cut") == training_records(tmp_path / "full"), full
+    a = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "full" / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# --- defect: vLLM's GPU runner samples from numpy's global stream ---------------------------------
+
+@pytest.fixture
+def numpy_seeded_sampling(monkeypatch):
+    """HF generate seeded per request from numpy's global RNG, as vLLM's GPU model runner seeds its requests."""
+    real = rg.HFGenerator.generate
+
+    def generate(self, *args, **kwargs):
+        torch.manual_seed(int(np.random.randint(2**31)))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(rg.HFGenerator, "generate", generate)
+
+
+def test_evaluating_never_changes_training_when_sampling_draws_from_numpy(numpy_seeded_sampling, tmp_path):
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "often", "--eval-every", "1"])
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "never"])
+    assert training_records(tmp_path / "often") == training_records(tmp_path / "never")
+
+
+def test_resume_restores_numpy_stream(numpy_seeded_sampling, tmp_path):
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "full", "--eval-every", "2"])
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--total-steps", "2"])
+    np.random.seed(12345)  # whatever the process did in between
+    rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--resume"])
+    assert training_records(tmp_path / "cut") == training_records(tmp_path / "full")
+
+
+def test_each_generator_process_draws_its_own_numpy_stream():
+    draws = {}
+    for index in (0, 1):
+        ap.generator_streams(seed=0, index=index, first_group_id=0)
+        draws[index] = np.random.random(4).tolist()
+    ap.generator_streams(seed=0, index=0, first_group_id=0)
+    assert np.random.random(4).tolist() == draws[0]  # reproducible
+    assert draws[0] != draws[1]
+
+
+# --- defect: generators ignored an inherited CUDA_VISIBLE_DEVICES ---------------------------------
+
+def test_generator_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert ap.generator_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,MIG-bb")
+    assert ap.generator_gpus(1, 1, 2) == ["MIG-bb"]
+
+
+# --- defect: a publish waited for a generator's weight reload -------------------------------------
+
+class SlowLoader:
+    """A generator whose weight load takes 5 s."""
+    policy_version = -1
+
+    def __init__(self, inside):
+        self.inside = inside
+
+    def load_weights(self, state_dict, version):
+        self.inside.set()
+        time.sleep(5)
+        self.policy_version = version
+
+
+def _pull_slowly(box, inside):
+    box.pull(SlowLoader(inside))
+
+
+def test_a_publish_returns_while_a_generator_is_inside_a_slow_load():
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    model, _ = rg.build_tiny_model(0)
+    box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
+    child = ctx.Process(target=_pull_slowly, args=(box, inside))
+    child.start()
+    try:
+        assert inside.wait(120), "the child never started loading"
+        t0 = time.perf_counter()
+        assert box.publish(model.state_dict(), 2, alive=child.is_alive)
+        assert time.perf_counter() - t0 < 1.0 and child.is_alive()  # the load (5 s) is still running
+        assert box.version.value == 2
+    finally:
+        child.join(30)
+
+
+# --- defect: every rank read the full optimizer state on resume -----------------------------------
+
+OPTIMIZER_BROADCAST = r'''
+import copy, torch, torch.distributed as dist
+import async_pipeline as ap, replay_grpo as rg
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from test_gpu_path import random_batch
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = rg.parse_args(["--loss", "asymre", "--micro-batch-size", "4", "--lr", "1e-2"])
+device = torch.device("cpu")
+model, tok = rg.build_tiny_model(0)
+policy = ap.shard_policy(model, device)
+opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+for step in range(2):
+    rg.train_step(policy, opt, random_batch(n=8, seed=2 * step + rank), cfg, tok.pad_token_id, step)
+# copies: on a CPU these may share storage with the live state (a checkpoint writes them out at once)
+saved = copy.deepcopy(get_optimizer_state_dict(policy, opt,
+                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+weights = copy.deepcopy(ap.full_weights(policy))
+box = [weights]
+dist.broadcast_object_list(box, src=0)  # every rank loads the checkpoint's model
+rg.train_step(policy, opt, random_batch(n=8, seed=10 + rank), cfg, tok.pad_token_id, 2)
+uninterrupted = ap.full_weights(policy)
+resumed_model = rg.build_tiny_model(1)[0]
+resumed_model.load_state_dict(box[0])
+resumed = ap.shard_policy(resumed_model, device)
+opt2 = torch.optim.AdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
+ap.load_optimizer_state(resumed, opt2, saved if rank == 0 else {})  # only rank 0 read the file
+rg.train_step(resumed, opt2, random_batch(n=8, seed=10 + rank), cfg, tok.pad_token_id, 2)
+after = ap.full_weights(resumed)
+if rank == 0:
+    assert saved and after.keys() == uninterrupted.keys()
+    worst = max((after[k] - uninterrupted[k]).abs().max().item() for k in after)
+    assert worst == 0.0, worst
+    print("BROADCAST-OK")
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_resume_on_two_ranks_reads_the_optimizer_state_on_rank_0_only(tmp_path):
+    """T = 2 under gloo: rank 0 alone holds the saved optimizer state; after the broadcast the next step's weights
+    equal the uninterrupted run's, bit for bit."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "broadcast_check.py"
+    script.write_text(OPTIMIZER_BROADCAST)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--master-port", str(port), str(script)]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "BROADCAST-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
+
+
+# --- defect: the warm-start cache ignored the precision -------------------------------------------
+
+def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, capsys):
+    args = SMALL + ["--sft-warmup-steps", "2", "--total-steps", "1", "--out-dir", str(tmp_path)]
+    rg.main(args + ["--run-name", "fp32"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out
+    monkeypatch.setenv(rg.COMPUTE_DTYPE_ENV, "bfloat16")
+    rg.main(args + ["--run-name", "bf16"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out  # trained again, in bf16
+    rg.main(args + ["--run-name", "bf16-again"])
+    assert "warm start" not in capsys.readouterr().out  # and cached for bf16
+
+
+# --- defect: the generation benchmark measured another precision than a run's --------------------
+
+def test_the_generation_benchmark_uses_the_run_precision(bf16):
+    model, tok = rg.build_tiny_model(0)
+    prompts = [rg.render_prompt(tok, f"{i}+1=") for i in range(4)]
+    rows = bench_generation.bench("tiny", model, tok, None, prompts, group=2, tokens=4, threads=None,
+                                  train_threads=None, vllm=False)
+    assert [r[1] for r in rows] == ["hf-bfloat16"]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the trainer's side: fp32 masters
+
+
+# --- defect: the slow log-prob matmul path went unsaid ---------------------------------------------
+
+def test_the_slow_matmul_path_is_said_once_at_the_start(bf16, monkeypatch):
+    monkeypatch.setitem(kernels._OUT_DTYPE_OK, "cuda", False)  # a torch whose mm refuses out_dtype=float32
+    lines = []
+    rg.report_precision(torch.device("cuda"), write=lines.append)
+    assert len(lines) == 1 and "bfloat16 compute" in lines[0] and "the slow path" in lines[0], lines
+    monkeypatch.setitem(kernels._OUT_DTYPE_OK, "cuda", True)
+    lines.clear()
+    rg.report_precision(torch.device("cuda"), write=lines.append)
+    assert "out_dtype" in lines[0] and "slow" not in lines[0], lines
+    monkeypatch.delenv(rg.COMPUTE_DTYPE_ENV)
+    lines.clear()
+    rg.report_precision(torch.device("cpu"), write=lines.append)  # fp32: nothing to say
+    assert lines == []
