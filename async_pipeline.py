@@ -123,8 +123,8 @@ def cgroup_cpu_quota() -> int | None:
 
 def set_cpu_threads(role: str, processes: int) -> int:
     """This process's torch intra-op threads: its share of the machine's cores among the `processes` of the
-    pipeline that run on it (W generators and the local trainer ranks spinning on the same cores are many
-    times slower than one thread each), unless the user set OMP_NUM_THREADS. Says so in one line."""
+    pipeline that run on it (on 2 cores, two processes of 2 threads each ran 3x slower than of 1 thread each),
+    unless the user set OMP_NUM_THREADS. Says so in one line."""
     if "OMP_NUM_THREADS" in os.environ:
         threads, why = torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     else:

@@ -689,6 +689,9 @@ def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
     run_main([*args, "--run-name", "hit"])
     first = metrics(tmp_path / "hit")[0]
     assert first["warmstart_steps"] == 2 and first["warmstart_pass@k"] == 1.0 and first["warmstart_reached"]
+    run_main([*args, "--run-name", "twice", "--sft-patience", "2"])  # one check at the target is not enough
+    first = metrics(tmp_path / "twice")[0]
+    assert first["warmstart_steps"] == 4 and first["warmstart_reached"]
     monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
     run_main([*args, "--run-name", "miss", "--sft-warmup-steps", "5"])
     first = metrics(tmp_path / "miss")[0]
