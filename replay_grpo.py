@@ -37,10 +37,10 @@ import torch.distributed as dist
 import tyro
 
 import kernels
+import run_folder
+from run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
 
 
-class UserError(Exception):
-    """A mistake in flags or input files: printed as one clear line, never as a traceback."""
 
 
 class PipelineError(RuntimeError):
@@ -1093,7 +1093,7 @@ def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_st
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer_state.pt")
     except Exception as e:
-        full = disk_full(e, run_dir)
+        full = run_folder.disk_full(e, run_dir)
         shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would only fill the disk further
         if not full:
             raise
@@ -1107,18 +1107,6 @@ def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_st
     if swap:
         swap_in_checkpoint(run_dir)
 
-def disk_full(e: BaseException, where: Path) -> bool:
-    """Whether a failed write ran out of space (torch and safetensors do not always say ENOSPC): the error says
-    so, or under 1 MiB is left where it wrote."""
-    import errno
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
-        return True
-    try:
-        return shutil.disk_usage(where).free < 2**20
-    except OSError:
-        return False
-
-
 # ===== The run: folder, setup, resume, metrics (both loops) ======================================
 
 COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonfinite_steps", "generated_rollouts",
@@ -1127,61 +1115,6 @@ COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonf
 def warm_start_record(warm: dict | None) -> dict:
     """The warm start's record (steps, pass@k reached, target reached), logged at step 0."""
     return {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
-
-# Flags a resume may change: how long to run, how often to evaluate and log, where the folder is, and the
-# infrastructure that sets how fast, not what, the run computes. Any other difference from config.json is refused.
-RESUMABLE = ("total_steps", "eval_every", "sample_every", "wandb", "verbose", "out_dir", "run_name", "resume",
-             "dist_timeout", "num_generators", "micro_batch_size", "vllm_gpu_memory_utilization")
-RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
-
-def lock_run(run_dir: Path) -> None:
-    """Hold <run>/lock (fcntl.flock) for this process's run: a second process in the folder is refused. The OS
-    releases it when the process dies."""
-    import fcntl
-    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise UserError(f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
-                        "it to end, or choose another --run-name") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    RUN_LOCKS[str(run_dir)] = fd
-
-def release_runs() -> None:
-    for fd in RUN_LOCKS.values():
-        os.close(fd)  # closing the descriptor releases its flock
-    RUN_LOCKS.clear()
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a file whole or not at all: a kill or a full disk leaves the old content (a temporary is renamed in)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-def check_resume_config(cfg: Args, run_dir: Path) -> None:
-    """The saved configuration is the truth: refuse a resume whose flags differ outside RESUMABLE (one line naming
-    each, with its saved and given values); append the RESUMABLE ones that changed to <run>/resumes.jsonl."""
-    try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"--resume: {run_dir / 'config.json'} is missing or damaged ({type(e).__name__}): the run's "
-                        "settings are unknown, so it cannot be continued") from None
-    given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as saved: JSON types
-
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-    differ = [k for k in given if k in saved and saved[k] != given[k] and k not in RESUMABLE]
-    if differ:
-        listed = "; ".join(f"{flag(k)} {given[k]} (saved: {saved[k]})" for k in differ)
-        raise UserError(f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
-                        "Resume with the saved values, or start a new --run-name")
-    changed = {flag(k): [saved[k], given[k]] for k in RESUMABLE if k in saved and saved[k] != given[k]}
-    changed.pop("--resume", None)
-    with (run_dir / "resumes.jsonl").open("a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed}) + "\n")
 
 def open_run(cfg: Args) -> tuple[str, Path, Path]:
     """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
@@ -1194,7 +1127,7 @@ def open_run(cfg: Args) -> tuple[str, Path, Path]:
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock_run(run_dir)
+        run_folder.lock_run(run_dir)
     except OSError as e:
         raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
     if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
@@ -1206,10 +1139,10 @@ def open_run(cfg: Args) -> tuple[str, Path, Path]:
         raise UserError(f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
                         f"folder (rm -r {run_dir}) to start again, or choose another --run-name")
     if cfg.resume:
-        check_resume_config(cfg, run_dir)
+        run_folder.check_resume_config(cfg, run_dir)
         return run_name, run_dir, ckpt
     try:
-        write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        run_folder.write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     except OSError as e:
         raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
@@ -1224,15 +1157,18 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         model, tok, model_dir, warm = load_policy(cfg, device, task)
         report_skipped(fit_to_context(cfg, task, tok, model), rank)
         return task, model, tok, model_dir, warm, None
-    state = read_checkpoint_file(ckpt, "trainer_state.pt", lambda path: torch.load(path, weights_only=False))
+    def torch_load(path: Path):
+        return torch.load(path, weights_only=False)
+    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load)
     if rank == 0:
-        state["optimizer"] = read_checkpoint_file(ckpt, "optimizer.pt", lambda p: torch.load(p, weights_only=False))
+        state["optimizer"] = run_folder.read_checkpoint_file(ckpt, "optimizer.pt", torch_load)
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
         raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
                         f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
                         f"--mode {cfg.mode} on {trainers} rank(s)")
     # checkpoints hold the fp32 masters
-    model, tok = read_checkpoint_file(ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32))
+    model, tok = run_folder.read_checkpoint_file(ckpt, "model.safetensors",
+                                                 lambda _: load_pretrained(str(ckpt), torch.float32))
     report_skipped(fit_to_context(cfg, task, tok, model), rank)
     return task, model.to(device), tok, str(ckpt), None, state
 
@@ -1241,30 +1177,6 @@ def report_skipped(skipped: dict, rank: int = 0) -> None:
         print("prompts longer than the model's context less --max-new-tokens are skipped: " +
               ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items()))
 
-def read_checkpoint_file(ckpt: Path, name: str, read):
-    """read(ckpt / name), or one line naming the damaged (cut, empty, missing) file and what can be done."""
-    try:
-        return read(ckpt / name)
-    except Exception as e:  # torch's, safetensors' and pickle's errors for a damaged file share no base class
-        reason = str(e).splitlines()[0][:120] if str(e) else ""
-        raise UserError(f"--resume: {ckpt / name} is damaged or missing ({type(e).__name__}: {reason}), so the run "
-                        f"cannot continue from it: restore the file, or start the run again (rm -r {ckpt.parent}, "
-                        "or another --run-name)") from None
-
-def cut_records(path: Path, last_step: int) -> tuple[list[str], int]:
-    """The lines of a records file up to `last_step`, and how many lines were unreadable (cut, garbage, no step)."""
-    kept, unreadable = [], 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, TypeError, KeyError):
-            step = None
-        if not isinstance(step, int):
-            unreadable += 1
-        elif step <= last_step:
-            kept.append(line)
-    return kept, unreadable
-
 class RunLog:
     """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
 
@@ -1272,8 +1184,8 @@ class RunLog:
         for name in ("metrics", "samples"):  # drop what a killed run wrote after its checkpoint
             path = run_dir / f"{name}.jsonl"
             if cfg.resume and path.exists():
-                kept, unreadable = cut_records(path, start_step)
-                write_atomic(path, "".join(line + "\n" for line in kept))
+                kept, unreadable = run_folder.cut_records(path, start_step)
+                run_folder.write_atomic(path, "".join(line + "\n" for line in kept))
                 if unreadable:
                     print(f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk "
                           "leaves)")
@@ -1294,7 +1206,7 @@ class RunLog:
                 f.write("".join(json.dumps(row) + "\n" for row in rows))
                 f.flush()
             except OSError as e:
-                if not disk_full(e, Path(f.name).parent):
+                if not run_folder.disk_full(e, Path(f.name).parent):
                     raise
                 raise UserError(f"disk full: could not write {f.name} at step {record['step']}; the last checkpoint "
                                 "is kept: free some space, then --resume (a cut last line is dropped)") from None
@@ -1575,7 +1487,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME", file=sys.stderr)
         raise SystemExit(130)
     finally:
-        release_runs()
+        run_folder.release_runs()
 
 
 if __name__ == "__main__":

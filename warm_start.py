@@ -87,7 +87,7 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
         rg.export_plain_folder(model, tok, str(tmp))
         (tmp / "warmstart.json").write_text(json.dumps(info))
     except Exception as e:
-        full = rg.disk_full(e, cache.parent)
+        full = rg.run_folder.disk_full(e, cache.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if not full:
             raise
