@@ -1160,7 +1160,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     def torch_load(path: Path):
         return torch.load(path, weights_only=False)
     state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load)
-    if rank == 0:
+    if rank == 0 and "optimizer" not in state:  # older checkpoints kept it in trainer_state.pt
         state["optimizer"] = run_folder.read_checkpoint_file(ckpt, "optimizer.pt", torch_load)
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
         raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
