@@ -365,15 +365,21 @@ def _hold_the_lock_and_hang(box, inside):
     time.sleep(3600)
 
 
-def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer():
+def mailbox_with_a_reader(target):
+    """A mailbox at version 1 and a spawned generator process running target(box, inside), once it set inside."""
     import multiprocessing as mp
-    import threading
     ctx = mp.get_context("spawn")
     model, _ = rg.build_tiny_model(0)
     box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
-    child = ctx.Process(target=_hold_the_lock_and_hang, args=(box, inside))
+    child = ctx.Process(target=target, args=(box, inside))
     child.start()
-    assert inside.wait(120), "the child never entered the critical section"
+    assert inside.wait(120), "the child never reached the mailbox"
+    return model, box, child
+
+
+def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer():
+    import threading
+    model, box, child = mailbox_with_a_reader(_hold_the_lock_and_hang)
     os.kill(child.pid, signal.SIGKILL)
     child.join(10)
     result = {}
@@ -384,6 +390,34 @@ def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer()
     publisher.join(30)
     assert not publisher.is_alive(), "publish hung on the dead generator's lock"
     assert result["ok"] is False and time.time() - t0 < 10 and box.version.value == 1
+
+
+class SlowLoader:
+    """A generator whose weight load takes 5 s."""
+    policy_version = -1
+
+    def __init__(self, inside):
+        self.inside = inside
+
+    def load_weights(self, state_dict, version):
+        self.inside.set()
+        time.sleep(5)
+        self.policy_version = version
+
+
+def _pull_slowly(box, inside):
+    box.pull(SlowLoader(inside))
+
+
+def test_a_publish_returns_while_a_generator_is_inside_a_slow_load():
+    model, box, child = mailbox_with_a_reader(_pull_slowly)
+    try:
+        t0 = time.perf_counter()
+        assert box.publish(model.state_dict(), 2, alive=child.is_alive)
+        assert time.perf_counter() - t0 < 1.0 and child.is_alive()  # the load (5 s) is still running
+        assert box.version.value == 2
+    finally:
+        child.join(30)
 
 
 def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
