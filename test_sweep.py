@@ -258,3 +258,30 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     assert "| N16-R4-grpo | target | 32 [32, 32] | +75% [+75%, +75%] |" in table
     assert "- N16-R4-grpo: tokens met, compute at paper mu met: **met**" in table
     assert "| N32-R4-grpo | target | never [never, never] |" in table
+
+
+# --- seed_table.py: a preset on many seeds, as a new user runs it --------------------------------
+
+def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
+    import seed_table
+    tiny = ["--extra", "--sft-warmup-steps", "20", "--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8",
+            "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2", "--total-steps", "2",
+            "--eval-every", "0"]
+    argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *tiny]
+    rows = seed_table.main(argv)
+    for row in rows:
+        recs = records(tmp_path / str(row["seed"]) / "run")
+        assert recs[0]["warmstart_steps"] == row["warmstart_steps"] == 20
+        assert (row["start"], row["end"]) == (recs[0]["eval/greedy_acc"], recs[-1]["eval/greedy_acc"])
+        assert row["gain"] == round(100 * (row["end"] - row["start"]), 1) and row["seconds"] > 0
+        assert json.loads((tmp_path / str(row["seed"]) / "run" / "config.json").read_text())["seed"] == row["seed"]
+    table = (tmp_path / "t.md").read_text()
+    assert [l.split("|")[1].strip() for l in table.splitlines()[2:4]] == ["3", "4"] and "2 seeds: gain min" in table
+    # a finished seed is not run again; one whose run lost its final record is run again from nothing
+    times = json.loads((tmp_path / "seed_table.json").read_text())
+    metrics = tmp_path / "4" / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines()[0] + "\n")
+    again = seed_table.main(argv)
+    after = json.loads((tmp_path / "seed_table.json").read_text())
+    assert after["3"] == times["3"] and after["4"] != times["4"]
+    assert again[1]["end"] == rows[1]["end"] and len(records(tmp_path / "4" / "run")) == len(records(tmp_path / "3" / "run"))
