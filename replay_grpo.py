@@ -86,6 +86,7 @@ class Args:
     sft_patience: int = 1  # checks in a row at --sft-target that stop the warm start (> 1: one lucky check cannot)
     sft_check_prompts: int = 50  # held-out prompts of each warm-start check of pass@k (more: less noise)
     sft_lr: float = 1e-3  # learning rate of the supervised warm start
+    sft_lr_decay: bool = False  # decay --sft-lr linearly to 0 over --sft-warmup-steps (the warm start settles)
     # --- the run ---
     seed: int = 0  # seed for model init, data order, buffer sampling and generation
     total_steps: int = 200  # optimizer steps to run

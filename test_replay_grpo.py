@@ -699,6 +699,23 @@ def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
     assert "below --sft-target 0.9" in capsys.readouterr().out
 
 
+def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_path, monkeypatch):
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        if self.param_groups[0]["lr"] >= 1e-3 / 5 - 1e-12:  # the warm start's steps (sft_lr 1e-3), not RL's
+            seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    args = small_args(tmp_path, "--sft-warmup-steps", "5", "--sft-lr", "1e-3", "--total-steps", "1")
+    run_main([*args, "--run-name", "decay", "--sft-lr-decay"])
+    assert seen == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4, 2e-4])  # sft_lr x (1 - done / steps)
+    seen.clear()
+    run_main([*args, "--run-name", "constant"])  # another warm start (the flag is in its cache key)
+    assert seen == pytest.approx([1e-3] * 5)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
     (["--lr", "-1"], "--lr -1.0: must be a positive number"),

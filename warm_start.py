@@ -4,7 +4,9 @@ A model built in code knows nothing, and RL from it earns no reward. Teacher for
 gives it the skill; with a demonstrator that is wrong by one in --arith-demo-error of the solutions, it
 also gets a systematic error that RL has to unlearn, as an LLM before RL has (greedy accuracy low,
 pass@k high). The warm start stops once held-out pass@k reaches --sft-target (checked every CHECK_EVERY
-steps), so every seed starts RL with the skill; at most --sft-warmup-steps steps. Its result is cached in
+steps), so every seed starts RL with the skill; at most --sft-warmup-steps steps. Or, with --sft-lr-decay and
+no target, it takes all its steps with the learning rate decaying linearly to 0, so that every seed settles on
+what it imitates (a run of noisy pass@k checks stops each seed at another point). Its result is cached in
 <out-dir>/.warmstart/<key>, the key hashing every flag that can change it, and shared by every run
 (configuration, learning rate) of the same seed.
 """
@@ -41,9 +43,13 @@ def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
 
 
 def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
-    """Teacher forcing on gold solutions until held-out pass@k reaches --sft-target; returns what it reached."""
+    """Teacher forcing on gold solutions (at --sft-lr, decaying with --sft-lr-decay) until held-out pass@k reaches
+    --sft-target, if set; returns what it reached."""
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    schedule = None
+    if cfg.sft_lr_decay:  # linearly, to sft_lr / steps at the last step
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: 1 - done / cfg.sft_warmup_steps)
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
     checker = rg.HFGenerator(model, tok) if cfg.sft_target else None  # gets the weights at each check
     streak = 0  # checks in a row at the target
@@ -56,6 +62,8 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
         info["steps"] = step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
