@@ -32,7 +32,7 @@ import random
 import signal
 import time
 import traceback
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import replay_grpo as rg
+import run_folder
 from replay_grpo import PipelineError, UserError
 
 
@@ -59,8 +60,8 @@ class LogprobPolicy(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, ids, mask, targets, temperature, backend, entropy):
-        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, backend, entropy)
+    def forward(self, ids, mask, targets, temperature, entropy):
+        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
 
@@ -164,16 +165,15 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
         del model  # the generator holds its own copy (HF) or the engine's (vLLM)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
         rng = generator_streams(cfg.seed, index, first_group_id)
-        counters, idle, request = defaultdict(int), 0.0, 0
+        idle, request = 0.0, 0
         while not stop.is_set() and parent.is_alive():
             mailbox.pull(generator)
             t0 = time.perf_counter()
             group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
-            rollouts = rg.make_rollouts(generator, tok, task, task.sample(rng, cfg.prompts_per_step), cfg,
-                                        generator.policy_version, group_id, counters)
-            msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counters), "idle_seconds": idle,
+            examples = task.sample(rng, cfg.prompts_per_step)
+            rollouts, counts = rg.make_rollouts(generator, tok, task, examples, cfg, group_id)
+            msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counts), "idle_seconds": idle,
                                 "busy_seconds": time.perf_counter() - t0})  # bytes: no shared-memory fd per tensor
-            counters.clear()
             request += 1
             t0 = time.perf_counter()
             while not stop.is_set() and parent.is_alive():  # blocks while the channel is full
@@ -310,19 +310,180 @@ def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.Repla
     osd = get_optimizer_state_dict(policy, optimizer,  # collective
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        rg.save_checkpoint(run_dir, model_copy, tok, state, optimizer_state=osd, weights=weights, swap=False)
+        run_folder.save_checkpoint(run_dir, model_copy, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
     torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
-        rg.swap_in_checkpoint(run_dir)
+        run_folder.swap_in_checkpoint(run_dir)
 
 
-def mu_gamma(c: dict, T: int, W: int) -> tuple[float, float]:
-    """mu the paper's way, (rollouts trained on / T) / (unique rollouts generated / W), and the speed-up
-    gamma = (1 + W/T) / (1 + mu) of the W/T split over alternating generation and training."""
-    mu = (c["trained_rollouts"] / T) / (c["generated_rollouts"] / W)
+def throughput_mu_gamma(totals: dict, T: int, W: int) -> tuple[float, float]:
+    """The paper's way (its App. D.4): mu as the throughput ratio (rollouts trained on / T) / (unique rollouts
+    generated / W), exact when neither side idles, and the speed-up gamma = (1 + W/T) / (1 + mu) of the W/T split
+    over alternating generation and training."""
+    mu = (totals["trained_rollouts"] / T) / (totals["generated_rollouts"] / W)
     return mu, (1 + W / T) / (1 + mu)
+
+
+class Dealer:
+    """Rank 0: takes the generators' finished requests off the channel, adds their counts to the run totals and
+    deals their rollouts round-robin to the T ranks' shards (its state is checkpointed)."""
+
+    def __init__(self, T: int, B: int, state: dict | None = None):
+        self.T, self.per_rank = T, B // T
+        self.next_group_id, self.next_rank, self.dealt = 0, 0, [0] * T
+        self.empty_requests = 0  # requests in a row whose groups were all dropped
+        if state is not None:
+            self.next_group_id, self.next_rank, self.dealt = state["next_group_id"], state["next_rank"], state["dealt"]
+
+    def state_dict(self) -> dict:
+        return {"next_group_id": self.next_group_id, "next_rank": self.next_rank, "dealt": list(self.dealt)}
+
+    def ready(self) -> bool:
+        """Every shard holds a batch of B/T: min(N/T, rollouts dealt to it) >= B/T."""
+        return min(self.dealt) >= self.per_rank
+
+    def take(self, pool: GeneratorPool, totals: dict, step: int) -> tuple[list[dict], list, int]:
+        """Each rank's message (its rollouts, whether every shard holds a batch, why the run must stop or None),
+        the new rollouts and the tokens generated; waits up to a second for a request while a shard lacks a batch."""
+        failure = pool.failure()
+        msgs = [] if failure else pool.receive(wait=0 if self.ready() else 1.0)
+        parts, fresh, stop = self.deal(msgs, totals, step)
+        tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
+        out = [{"rollouts": p, "ready": self.ready(), "failure": failure or stop} for p in parts]
+        return out, fresh, tokens
+
+    def deal(self, msgs: list[dict], totals: dict, step: int) -> tuple[list[list], list, str | None]:
+        """The rollouts of `msgs` for each rank, all of them in order, and why the run must stop (or None)."""
+        parts, fresh, failure = [[] for _ in range(self.T)], [], None
+        for m in msgs:
+            totals["gen_busy_seconds"] += m["busy_seconds"]
+            totals["gen_idle_seconds"] += m["idle_seconds"]
+            rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
+            self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
+            if self.empty_requests >= rg.MAX_EMPTY_REQUESTS:
+                failure = rg.all_dropped_message(self.empty_requests, step)
+            for r in m["rollouts"]:
+                parts[self.next_rank].append(r)
+                self.dealt[self.next_rank] += 1
+                self.next_rank = (self.next_rank + 1) % self.T
+                self.next_group_id = max(self.next_group_id, r.group_id + 1)
+                fresh.append(r)
+        return parts, fresh, failure
+
+
+def merge_sums(per_rank: list[dict]) -> dict:
+    """The ranks' rg.batch_sums as the whole batch's."""
+    merged = {"reward": 0, "length": 0, "truncated": 0, "staleness": []}
+    for sums in per_rank:
+        for key, value in sums.items():
+            merged[key] += value
+    return merged
+
+
+def async_record(step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int,
+                 **extra) -> dict:
+    """One step's record from the ranks' reports: rg.step_record, and what the pipeline adds."""
+    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
+    return rg.step_record(
+        step=step,
+        stats=merge_stats([r["stats"] for r in reports]),
+        fresh=fresh,
+        sums=merge_sums([r["sums"] for r in reports]),
+        since_last=[s for r in reports for s in r["since_last"]],
+        buffer_size=sum(r["buffer_size"] for r in reports),
+        evicted_uses=sum((r["evicted_uses"] for r in reports), Counter()),
+        batch_size=batch_size,
+        totals=totals,
+        fresh_rollouts=len(fresh),
+        fresh_versions=sorted({r.policy_version for r in fresh}),
+        **extra,
+        **{k: totals[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
+        # busy seconds per rollout, generators over trainers (each trainer step trains B/T a rank): mu as the
+        # synchronous loop measures it
+        mu=rg.measured_mu(totals["gen_busy_seconds"], totals["generated_rollouts"], totals["train_seconds"] * T,
+                          totals["trained_rollouts"]),
+        mu_throughput=mu_throughput,
+        gamma=gamma,
+        num_generators=W,
+        num_trainers=T,
+    )
+
+
+def print_summary(totals: dict, T: int, W: int) -> None:
+    """The run's mu both ways, gamma and the idle seconds of each side."""
+    if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
+        return
+    mu = rg.measured_mu(totals["gen_busy_seconds"], totals["generated_rollouts"], totals["train_seconds"] * T,
+                        totals["trained_rollouts"])
+    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
+    print(f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
+          f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
+          f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
+          f"(of {totals['gen_busy_seconds']:.1f} busy)")
+
+
+def init_process_group(cfg: rg.Args) -> bool:
+    """The trainers' process group: torchrun's (it sets RANK, WORLD_SIZE, MASTER_ADDR), or a world of one under plain
+    python. True when this call created it (and must destroy it)."""
+    if dist.is_initialized():
+        return False
+    # a rank waits in a collective while rank 0 evaluates or saves: NCCL's 10-minute default is too short
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(minutes=cfg.dist_timeout)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def check_sharding(cfg: rg.Args, T: int) -> None:
+    """Refuse a batch, buffer or positive bias that T trainer ranks cannot share."""
+    B, N = cfg.batch_size, cfg.buffer_size
+    if B % T or N % T:
+        raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
+                        "(torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+    if N // T - round(cfg.positive_bias * (N // T)) < 1:
+        raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
+                        f"{N // T} rollouts would keep no slot for the freshest ones")
+
+
+def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
+    """This rank's device, and its torch threads among the processes sharing this machine's cores: its trainer
+    ranks, and the W generators on rank 0's machine (returned: their number)."""
+    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
+    set_cpu_threads(f"trainer rank {rank}", processes)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, processes
+
+
+def resume_async(state: dict, ckpt: Path, rank: int, policy, optimizer, shard: rg.ReplayBuffer,
+                 totals: dict) -> tuple[int, dict]:
+    """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
+    returns the step and the dealing state."""
+    load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
+    own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
+    shard.load_state_dict(own["buffer"])
+    rg.set_rng_state(own["rng"])
+    state = split_old_counters(state)
+    totals.update(state["totals"])
+    return state["step"], state["dealing"]
+
+
+def split_old_counters(state: dict) -> dict:
+    """A checkpoint's trainer state with totals and dealing state apart (older checkpoints held both in one
+    "counters", with a replay histogram that the buffer shards now hold)."""
+    if "totals" not in state:
+        totals = dict(state["counters"])
+        state["dealing"] = {k: totals.pop(k) for k in ("next_group_id", "next_rank", "dealt")}
+        totals.pop("replay_hist", None)
+        state["totals"] = totals
+    return state
 
 
 def barrier() -> None:
@@ -337,36 +498,18 @@ def _interrupt(signum, frame):
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
     from tqdm import tqdm
-    use_cuda = torch.cuda.is_available()
-    owns_group = not dist.is_initialized()
-    if owns_group:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR; plain `python` is a world of 1
-        # a rank waits in a collective while rank 0 evaluates or saves: NCCL's 10-minute default is too short
-        kw = dict(backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=cfg.dist_timeout))
-        if "RANK" in os.environ:
-            dist.init_process_group(**kw)
-        else:
-            dist.init_process_group(**kw, store=dist.HashStore(), rank=0, world_size=1)
+    owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
-    # the processes sharing this machine's cores: its trainer ranks, and the W generators on rank 0's machine
-    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
-    set_cpu_threads(f"trainer rank {rank}", processes)
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    device, processes = place_trainer(rank, W)
     B, N = cfg.batch_size, cfg.buffer_size
     pool, runlog, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
     try:
-        if B % T or N % T:
-            raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
-                            "(torchrun --nproc_per_node): each rank holds N/T, samples B/T")
-        if N // T - round(cfg.positive_bias * (N // T)) < 1:
-            raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
-                            f"{N // T} rollouts would keep no slot for the freshest ones")
+        # 0. setup: the run folder (rank 0 creates it), the policy sharded over the T ranks, a buffer shard each
+        check_sharding(cfg, T)
         rg.seed_everything(cfg.seed)
         if rank == 0:
             rg.report_precision(device)
-        box = [rg.open_run(cfg) if rank == 0 else None]  # rank 0 checks and creates the run folder
+        box = [run_folder.open_run(cfg) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         run_name, run_dir, ckpt = box[0]
         if rank == 0:  # first: it may write the warm-start cache that the others then read
@@ -374,72 +517,44 @@ def train_async(cfg: rg.Args) -> dict:
         barrier()
         if rank != 0:
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
-        # full copy before sharding: rank 0's evaluates and is what save_pretrained writes
-        model_copy = rg.HFGenerator(model, tok) if rank == 0 else None
+        # rank 0's full copy, made before sharding: it evaluates, and save_pretrained writes the weights through it
+        evaluator = rg.HFGenerator(model, tok) if rank == 0 else None
         policy = shard_policy(model, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         shard = rg.ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
-        c = dict.fromkeys(rg.COUNTED, 0) | {  # rank 0's run totals (checkpointed)
-            "generated_tokens": 0, "trained_tokens": 0, "gen_busy_seconds": 0.0, "gen_idle_seconds": 0.0,
-            "trainer_idle_seconds": 0.0, "train_seconds": 0.0, "sync_seconds": 0.0, "next_group_id": 0,
-            "next_rank": 0, "dealt": [0] * T, "replay_hist": Counter()}
-        step = 0
+        # rank 0's run totals and dealing state (checkpointed)
+        totals = rg.new_totals(gen_busy_seconds=0.0, gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
+        step, dealing = 0, None
         if state is not None:
-            load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
-            own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
-            shard.load_state_dict(own["buffer"])
-            rg.set_rng_state(own["rng"])
-            c.update(state["counters"])
-            step = state["step"]
-        evicted_sent, nonfinite_streak, last_eval, fresh = len(shard.evicted_uses), 0, {}, []
-        step_tokens, empty_requests = 0, 0  # rank 0: tokens generated since the last record; requests with no rollout
+            step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard,
+                                         totals=totals)
+        dealer = Dealer(T, B, dealing)
+        nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         weights = full_weights(policy)
         if rank == 0:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
             mailbox = WeightMailbox(ctx, weights, step, rg.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
-            pool = GeneratorPool(cfg, ctx, mailbox, c["next_group_id"], T, processes)
-            runlog = rg.RunLog(cfg, run_name, run_dir, step)
+            pool = GeneratorPool(cfg, ctx, mailbox, dealer.next_group_id, T, processes)
+            runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
                   f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
                   f"channel {pool.capacity} requests, publish every {cfg.publish_every}")
             if step == 0:  # while the generators start
-                samples = []
-                last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed, samples=samples)
-                runlog.log({"step": 0, **last_eval, **rg.warm_start_record(warm)}, samples)
-                rg.print_eval(print, 0, last_eval, samples)
+                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog, warm)
             bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
 
-        ready = lambda: min(c["dealt"]) >= B // T  # a shard holds min(N/T, rollouts dealt to it) >= B/T
         while step < cfg.total_steps:
             # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
             #    trainers idle) only while a shard lacks a batch of B/T
             t0 = time.perf_counter()
             if rank == 0:
-                failure = pool.failure()
-                msgs = [] if failure else pool.receive(wait=0 if ready() else 1.0)
-                parts = [[] for _ in range(T)]
-                for m in msgs:
-                    c["gen_busy_seconds"] += m["busy_seconds"]
-                    c["gen_idle_seconds"] += m["idle_seconds"]
-                    for k, v in m["counters"].items():  # generated rollouts and tokens, verifier failures...
-                        c[k] += v
-                    step_tokens += m["counters"].get("generated_tokens", 0)
-                    empty_requests = 0 if m["rollouts"] else empty_requests + 1
-                    if empty_requests >= rg.MAX_EMPTY_REQUESTS:
-                        failure = rg.all_dropped_message(empty_requests, step)
-                    for r in m["rollouts"]:
-                        parts[c["next_rank"]].append(r)
-                        c["dealt"][c["next_rank"]] += 1
-                        c["next_rank"] = (c["next_rank"] + 1) % T
-                        c["next_group_id"] = max(c["next_group_id"], r.group_id + 1)
-                        fresh.append(r)
-                out = [{"rollouts": p, "ready": ready(), "failure": failure} for p in parts]
+                out, new, tokens = dealer.take(pool, totals, step)
+                fresh += new
+                step_tokens += tokens
             box = [None]
             dist.scatter_object_list(box, out if rank == 0 else None, src=0)
             mine = box[0]
-            for r in mine["rollouts"]:
-                r.birth_step = step
             shard.push(mine["rollouts"])
             if mine["failure"]:  # every rank stops here, none is left waiting in a collective
                 if rank == 0:
@@ -449,84 +564,77 @@ def train_async(cfg: rg.Args) -> dict:
                                     f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
             if not mine["ready"]:
                 if rank == 0:
-                    c["trainer_idle_seconds"] += time.perf_counter() - t0
+                    totals["trainer_idle_seconds"] += time.perf_counter() - t0
                 continue
             wait_seconds = time.perf_counter() - t0
 
             # 2. one optimizer step on B/T rollouts per rank (their uses are counted); FSDP averages the gradients
-            batch = shard.sample(B // T, step)
+            batch, since_last_use = shard.sample(B // T, step)
             t0 = time.perf_counter()
             policy.train()
             stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
             report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
-                      "since_last": shard.since_last_use, "buffer_size": len(shard),
-                      "evicted_uses": shard.evicted_uses[evicted_sent:],
-                      "samples": rg.sample_rows(tok, batch, step)  # rank 0's are logged
-                      if rank == 0 and cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []}
-            evicted_sent = len(shard.evicted_uses)
+                      "since_last": since_last_use, "buffer_size": len(shard), "evicted_uses": shard.evicted_uses,
+                      "samples": rg.sample_rows(tok, batch, step) if rank == 0 else []}  # rank 0's are logged
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
-            step += 1
+            step += 1  # the policy version of the updated weights
             nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
             if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
                 raise rg.nonfinite_stop(nonfinite_streak, step, ckpt)
 
-            # 3. publish weights every k steps (version = optimizer steps); evaluate and checkpoint
-            done = step == cfg.total_steps
-            evaluating = done or (cfg.eval_every and step % cfg.eval_every == 0)
+            # 3. publish weights every k steps; rank 0's copy gets them to evaluate
+            evaluating = step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
             if rank == 0 and step % cfg.publish_every == 0:  # generators pick it up before their next request
                 mailbox.publish(weights, step, alive=lambda: all(p.is_alive() for p in pool.procs))
             if rank == 0 and evaluating:
-                model_copy.load_weights(weights, step)
+                evaluator.load_weights(weights, step)
             sync_seconds = time.perf_counter() - t0
 
+            # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
             if rank == 0:
-                stats = merge_stats([r["stats"] for r in reports])
-                c["replay_hist"].update(u for r in reports for u in r["evicted_uses"])
-                c["trained_rollouts"] += B
-                c["trained_tokens"] += stats["trained_tokens"]
-                train_seconds = max(r["train_seconds"] for r in reports)  # the slowest rank sets the pace
-                c["train_seconds"] += train_seconds
-                c["sync_seconds"] += sync_seconds
-                c["nonfinite_steps"] += stats["nonfinite"]
-                mu, gamma = mu_gamma(c, T, W)
-                sums = {k: sum((r["sums"][k] for r in reports), [] if k == "staleness" else 0) for k in reports[0]["sums"]}
-                record = rg.step_record(
-                    step, stats, fresh, sums, [s for r in reports for s in r["since_last"]],
-                    sum(r["buffer_size"] for r in reports), B, c,
-                    # uses per rollout, over the rollouts evicted so far (their final replay ratio)
-                    replay_hist={str(u): n for u, n in sorted(c["replay_hist"].items())},
-                    fresh_rollouts=len(fresh), fresh_versions=sorted({r.policy_version for r in fresh}),
-                    generated_tokens=step_tokens, queue_depth=pool.depth(), rollouts_per_rank=list(c["dealt"]),
-                    wait_seconds=wait_seconds, train_seconds=train_seconds,
+                totals["trained_rollouts"] += B
+                totals["trained_tokens"] += sum(r["stats"]["trained_tokens"] for r in reports)
+                totals["train_seconds"] += max(r["train_seconds"] for r in reports)  # the slowest rank sets the pace
+                totals["sync_seconds"] += sync_seconds
+                totals["nonfinite_steps"] += stats["nonfinite"]
+                record = async_record(
+                    step=step,
+                    reports=reports,
+                    totals=totals,
+                    fresh=fresh,
+                    batch_size=B,
+                    T=T,
+                    W=W,
+                    generated_tokens=step_tokens,
+                    queue_depth=pool.depth(),
+                    rollouts_per_rank=list(dealer.dealt),
+                    wait_seconds=wait_seconds,
+                    train_seconds=max(r["train_seconds"] for r in reports),
                     sync_seconds=sync_seconds,
-                    **{k: c[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
-                    mu=mu, gamma=gamma, num_generators=W, num_trainers=T,
-                    # the same ratio from busy seconds only (mu is exact only when neither side idles)
-                    mu_busy=(c["gen_busy_seconds"] / c["generated_rollouts"])
-                    / (c["train_seconds"] * T / c["trained_rollouts"]))
-                fresh, step_tokens, samples = [], 0, reports[0]["samples"]
+                )
+                samples = reports[0]["samples"] if cfg.sample_every and step % cfg.sample_every == 0 else []
+                fresh, step_tokens = [], 0
                 if evaluating:
-                    last_eval = rg.evaluate(model_copy, tok, task, cfg, seed=cfg.seed + step, samples=samples)
+                    last_eval, eval_samples = rg.evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
                     record.update(last_eval)
-                    rg.print_eval(bar.write, step, last_eval, samples[-rg.SAMPLES:])
+                    samples = samples + eval_samples
+                    rg.print_eval(bar.write, step, last_eval, eval_samples)
                 runlog.log(record, samples)
                 bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}", mu=f"{mu:.2f}",
-                                queue=record["queue_depth"])
+                bar.set_postfix(loss=f"{record['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}",
+                                mu=f"{record['mu']:.2f}", queue=record["queue_depth"])
             if evaluating:
-                save_async_checkpoint(run_dir, rank, policy, optimizer, shard, model_copy.model if rank == 0 else None,
-                                      weights, tok, {"step": step, "counters": c, "mode": "async", "trainers": T})
+                trainer_state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async",
+                                 "trainers": T}
+                save_async_checkpoint(run_dir, rank, policy, optimizer, shard, evaluator.model if rank == 0 else None,
+                                      weights, tok, trainer_state)
         if rank == 0:
             bar.close()
-            if c["generated_rollouts"]:
-                mu, gamma = mu_gamma(c, T, W)
-                print(f"measured mu = {mu:.2f} ((trained/T) / (generated/W)), gamma = (1 + W/T)/(1 + mu) = "
-                      f"{gamma:.2f}; idle seconds: trainers {c['trainer_idle_seconds']:.1f}, "
-                      f"generators {c['gen_idle_seconds']:.1f} (of {c['gen_busy_seconds']:.1f} busy)")
+            print_summary(totals, T, W)
         return {**last_eval, "run_dir": str(run_dir)}
     finally:
         if pool is not None:

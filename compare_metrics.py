@@ -6,6 +6,7 @@ from them. Exit code 0 when every record matches.
 
     python compare_metrics.py REV                 # the two default commands below
     python compare_metrics.py REV --keep /tmp/cmp # keep both run folders
+    python compare_metrics.py REV --added KEY     # KEY is new in the working tree's records
 """
 
 import argparse
@@ -16,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import replay_grpo
+
 ROOT = Path(__file__).resolve().parent
 COMMANDS = [  # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses
     ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3"],
@@ -25,7 +28,7 @@ COMMANDS = [  # seeded CPU runs of the cpu preset: warm start, replay (N > B > R
 
 
 def timing(key: str) -> bool:
-    return key.endswith("_seconds") or key in ("mu", "mu_busy", "gamma")
+    return replay_grpo.measured_on_this_machine(key)
 
 
 def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
@@ -43,6 +46,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision to compare the working tree with")
     ap.add_argument("--keep", help="folder for both versions' run folders (default: a temporary one)")
+    ap.add_argument("--added", nargs="*", default=[], help="record keys that only the working tree logs (new on "
+                    "purpose): their values are not compared, every other key must match")
     args = ap.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="compare_metrics_"))
     before_code = work / "code"
@@ -61,7 +66,7 @@ def main() -> int:
             differences += 1
         for a, b in zip(old, new):
             for key in sorted(set(a) | set(b)):
-                if timing(key):
+                if timing(key) or (key in args.added and key not in a):
                     continue
                 compared += 1
                 if a.get(key, "<missing>") != b.get(key, "<missing>"):

@@ -76,8 +76,9 @@ def check_kernels(dev: str, smoke: bool) -> None:
 
 
 def training_records(run_dir: Path) -> list[dict]:
-    skip = lambda k: k.startswith("eval/") or k.endswith("_seconds") or k in ("mu", "peak_memory_gib")
-    return [{k: v for k, v in r.items() if not skip(k)} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+            for r in records]
 
 
 def check_trainer(out: Path, smoke: bool) -> None:
@@ -163,7 +164,7 @@ def check_precision(dev: str, smoke: bool) -> None:
     import copy
     device = torch.device(dev)
     batch = [rg.Rollout([1 + i, 2, 3], [40 + i, 50, 60 + i % 3], torch.zeros(3), reward=float(i % 2), advantage=0.0,
-                        group_mean=0.5, correct=bool(i % 2), policy_version=0, birth_step=0, group_id=i)
+                        group_mean=0.5, policy_version=0, group_id=i)
              for i in range(16)]
     for lr in (1e-6, 6e-8):
         cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", str(lr), "--micro-batch-size", "8"])

@@ -123,7 +123,6 @@ MAX_PASS_K = 256  # largest --pass-k (its samples are generated at every evaluat
 MAX_EVAL_SIZE = 100_000  # largest --eval-size
 MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the model's own, if smaller; vLLM's cap)
 SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
-ARITH_OPS = "+"  # operators of the synthetic task
 
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 PRESETS: dict[str, Args] = {
@@ -159,7 +158,8 @@ def validate(cfg: Args) -> None:
     def need(ok, message):
         if not ok:
             raise UserError(message)
-    flag = lambda name: f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+    def flag(name):
+        return f"--{name.replace('_', '-')} {getattr(cfg, name)}"
     for names, test, valid in (
             (("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps", "max_new_tokens", "pass_k",
               "micro_batch_size", "publish_every", "num_generators", "eval_size", "arith_terms", "sft_patience",
@@ -233,15 +233,16 @@ def make_arith_task(cfg: Args) -> Task:
 
     def draw(rng: random.Random) -> tuple[str, int, str]:
         terms = [rng.randint(0, cfg.arith_max_operand) for _ in range(cfg.arith_terms)]
-        ops = [rng.choice(ARITH_OPS) for _ in range(cfg.arith_terms - 1)]
+        for _ in terms[1:]:
+            rng.choice("+")  # an operator draw per term (always +): the problem streams the recorded runs used
         text, value, steps = str(terms[0]), terms[0], []
-        for op, t in zip(ops, terms[1:]):
-            new = value + t if op == "+" else value - t if op == "-" else value * t
-            steps.append(f"{value}{op}{t}={new}")
-            text, value = f"{text}{op}{t}", new
+        for t in terms[1:]:
+            steps.append(f"{value}+{t}={value + t}")
+            text, value = f"{text}+{t}", value + t
         return text + "=", value, ", ".join(steps) if len(steps) > 1 else str(value)
 
-    is_eval = lambda text: zlib.crc32(text.encode()) % 10 == 0
+    def is_eval(text: str) -> bool:
+        return zlib.crc32(text.encode()) % 10 == 0
 
     def sampler(rng: random.Random) -> Example:
         text, value, worked = draw(rng)
@@ -358,19 +359,26 @@ def make_task(cfg: Args) -> Task:
         test = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path, columns)]
         verifier = "numeric"
     else:
-        example = lambda row: Example(row["problem"] + MATH_INSTRUCTION,
-                                      row.get("answer") or last_boxed(row["solution"]) or "", row["solution"])
+        def example(row):
+            answer = row.get("answer") or last_boxed(row["solution"]) or ""
+            return Example(row["problem"] + MATH_INSTRUCTION, answer, row["solution"])
         columns = ("problem", "solution")
         rows = load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path, columns)
         train = [example(r) for r in rows]
         test = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path, columns)]
         verifier = "math"
-    return Task(cfg.task, lambda rng: train[rng.randrange(len(train))], test[: cfg.eval_size], verifier, train)
+
+    def draw(rng: random.Random) -> Example:
+        return train[rng.randrange(len(train))]
+    return Task(cfg.task, draw, test[: cfg.eval_size], verifier, train)
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in text, braces balanced."""
-    i, depth = text.rfind("\\boxed{") + len("\\boxed{"), 1
-    for j in range(i, len(text) if i >= len("\\boxed{") else 0):
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i:j]
@@ -494,8 +502,9 @@ def load_pretrained(name: str, dtype: torch.dtype):
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except (OSError, ValueError) as e:
-        offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)" \
-            * (os.environ.get("HF_HUB_OFFLINE") == "1")
+        offline = ""
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)"
         raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a .gguf "
                         f"file, or a hub id. ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
     if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
@@ -543,15 +552,23 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     return {k: v for k, v in skipped.items() if v}
 
+def load_base_policy(cfg: Args, device: torch.device):
+    """--model ('tiny', built in code, or pretrained) and its tokenizer, fp32 master weights on `device`."""
+    if cfg.model == "tiny":
+        model, tok = build_tiny_model(cfg.seed)
+    else:
+        model, tok = load_pretrained(cfg.model, torch.float32)
+    tok.padding_side = "left"
+    return model.to(device=device, dtype=torch.float32), tok
+
 def load_policy(cfg: Args, device: torch.device, task: Task):
-    """The policy ('tiny' or pretrained), its tokenizer, where its weights live (a folder, or --model) and the warm
-    start's record: with --sft-warmup-steps, the cached supervised warm start of warm_start.py, else None."""
+    """The policy, its tokenizer, where its weights live (a folder, or --model) and the warm start's record: with
+    --sft-warmup-steps, the cached supervised warm start of warm_start.py, else --model as it is and None."""
     if cfg.sft_warmup_steps > 0:
         import warm_start  # imported only when used
         return warm_start.load_or_train(cfg, device, task)
-    model, tok = build_tiny_model(cfg.seed) if cfg.model == "tiny" else load_pretrained(cfg.model, torch.float32)
-    tok.padding_side = "left"
-    return model.to(device=device, dtype=torch.float32), tok, cfg.model, None  # fp32 masters
+    model, tok = load_base_policy(cfg, device)
+    return model, tok, cfg.model, None
 
 def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
@@ -566,16 +583,16 @@ def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
         targets[i, len(p) - 1: len(p) - 1 + len(c)] = torch.tensor(c)
     return ids.to(device), mask.to(device), targets.to(device)
 
-def completion_logprobs(model, seqs, pad_id, temperature, backend="auto", entropy=False):
+def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
     """fp32 log-probs (and entropy) of every completion token, flattened in rollout order, through
     kernels.token_logprobs on the final hidden states and the LM head: never [tokens x vocab] logits.
     `model` is a causal LM, or a module computing them in its own forward (async_pipeline's FSDP2 root)."""
     ids, mask, targets = pack(seqs, pad_id, next(model.parameters()).device)
     if getattr(model, "computes_logprobs", False):
-        return model(ids, mask, targets, temperature, backend, entropy)
-    return packed_logprobs(model, ids, mask, targets, temperature, backend, entropy)
+        return model(ids, mask, targets, temperature, entropy)
+    return packed_logprobs(model, ids, mask, targets, temperature, entropy)
 
-def packed_logprobs(model, ids, mask, targets, temperature, backend="auto", entropy=False):
+def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     """completion_logprobs on packed ids / mask / targets (see pack)."""
     device = ids.device
     with autocast(device):
@@ -583,7 +600,7 @@ def packed_logprobs(model, ids, mask, targets, temperature, backend="auto", entr
     sel, head = targets != -100, model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
     dtype = compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # the head in the compute dtype
     return kernels.token_logprobs(hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature,
-                                  return_entropy=entropy, backend=backend)
+                                  return_entropy=entropy)
 
 
 # ===== Generation: HF generate, or a vLLM engine with weight sync =================================
@@ -603,11 +620,11 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok, logprob_backend: str = "auto"):
+    def __init__(self, model, tok):
         from transformers import GenerationConfig
         device = next(model.parameters()).device
         self.model = copy.deepcopy(model).to(compute_dtype(device)).eval().requires_grad_(False)  # a bf16 copy on GPUs
-        self.backend, self.policy_version = logprob_backend, 0
+        self.policy_version = 0
         self.pad_id, self.eos_ids = tok.pad_token_id, stop_token_ids(model, tok)
         # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
         # would otherwise change the sampled distribution behind the behaviour log-probs' back.
@@ -646,7 +663,7 @@ class HFGenerator:
             samples.append(Sample(row[:cut] if cut else row, None, cut is None))
         if logprobs:
             pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
-            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0, self.backend)
+            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0)
             for s, chunk in zip(samples, lp.split([len(s.completion_ids) for s in samples])):
                 s.logprobs = chunk.float().cpu()
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
@@ -786,10 +803,19 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
     dtype = str(compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
-    generator = VLLMGenerator(model, tok, model_dir, dtype, cfg.seed,
-                              context_length(model),
-                              cfg.vllm_gpu_memory_utilization,
-                              (2 if cfg.publish_every == 1 else 1) if colocated and torch.cuda.is_available() else 0)
+    sleep_level = 0  # a colocated engine sleeps during optimizer steps; level 2 drops the weights too
+    if colocated and torch.cuda.is_available():
+        sleep_level = 2 if cfg.publish_every == 1 else 1  # 2 when a weight load follows every wake-up
+    generator = VLLMGenerator(
+        model=model,
+        tok=tok,
+        model_dir=model_dir,
+        dtype=dtype,
+        seed=cfg.seed,
+        max_model_len=context_length(model),
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        sleep_level=sleep_level,
+    )
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
     return generator
 
@@ -806,23 +832,26 @@ class Rollout:
     reward: float
     advantage: float  # GRPO z-score within its group, frozen
     group_mean: float  # V-hat for AsymRE, frozen
-    correct: bool
     policy_version: int  # optimizer steps in the weights that generated it
-    birth_step: int  # trainer step at which it entered the buffer
     group_id: int
     truncated: bool = False
     uses: int = 0
     last_use_step: int = -1
     answer: str = ""  # the gold answer, for the samples a run writes
 
+    @property
+    def correct(self) -> bool:
+        return self.reward > 0
+
 def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
     """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
     r = torch.tensor(rewards, dtype=torch.float64)
     return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
 
-def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args, step: int, next_group_id: int,
-                  counters: dict) -> list[Rollout]:
-    """G completions per prompt, scored, group statistics frozen; counts every rollout and token generated."""
+def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args,
+                  next_group_id: int) -> tuple[list[Rollout], Counter]:
+    """G completions per prompt, scored, group statistics frozen; and the counts of what was generated (rollouts,
+    tokens, verifier failures, zero-variance groups)."""
     verifier = VERIFIERS[task.verifier]
     prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
     groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
@@ -839,11 +868,20 @@ def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args
             if cfg.zero_variance_groups == "drop":
                 continue
         for s, r, a in zip(samples, rewards, adv):
-            rollouts.append(Rollout(pids, s.completion_ids, s.logprobs, r, a, mean, r > 0, generator.policy_version,
-                                    step, next_group_id + g, s.truncated, answer=ex.answer))
-    for k, v in counts.items():
-        counters[k] = counters.get(k, 0) + v
-    return rollouts
+            rollout = Rollout(
+                prompt_ids=pids,
+                completion_ids=s.completion_ids,
+                behaviour_logprobs=s.logprobs,
+                reward=r,
+                advantage=a,
+                group_mean=mean,
+                policy_version=generator.policy_version,
+                group_id=next_group_id + g,
+                truncated=s.truncated,
+                answer=ex.answer,
+            )
+            rollouts.append(rollout)
+    return rollouts, counts
 
 def all_dropped_message(requests: int, step: int) -> str:
     return (f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
@@ -861,8 +899,7 @@ class ReplayBuffer:
             raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none left for fresh rollouts")
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
-        self.evicted_uses: list[int] = []  # use counts of evicted rollouts (replay-ratio stats)
-        self.since_last_use: list[int] = []  # last sample: steps since each reused rollout's previous use
+        self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -883,29 +920,32 @@ class ReplayBuffer:
                 protected.add(i)
                 kept += 1
         victim = next(i for i in range(len(self.items)) if i not in protected)
-        self.evicted_uses.append(self.items[victim].uses)
+        self.evicted_uses[self.items[victim].uses] += 1
         del self.items[victim]
 
-    def sample(self, batch_size: int, step: int) -> list[Rollout]:
+    def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
+        """B distinct rollouts, and the steps since each reused one's previous use."""
         if batch_size > len(self.items):
             raise ValueError(f"buffer holds {len(self.items)} rollouts, a batch needs {batch_size}")
         batch = [self.items[i] for i in self.rng.sample(range(len(self.items)), batch_size)]
-        self.since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
+        since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
         for r in batch:
             r.uses += 1
             r.last_use_step = step
-        return batch
+        return batch, since_last_use
 
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "n_protected": self.n_protected,
                 "items": [dataclasses.asdict(r) for r in self.items],
-                "rng": self.rng.getstate(), "evicted_uses": list(self.evicted_uses)}
+                "rng": self.rng.getstate(), "evicted_uses": dict(self.evicted_uses)}
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity, self.n_protected = state["capacity"], state["n_protected"]
-        self.items = deque(Rollout(**r) for r in state["items"])
+        known = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints also stored correct, birth_step
+        self.items = deque(Rollout(**{k: v for k, v in r.items() if k in known}) for r in state["items"])
         self.rng.setstate(state["rng"])
-        self.evicted_uses = list(state["evicted_uses"])
+        old = state["evicted_uses"]  # older checkpoints: a list of use counts
+        self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
 
 
 # ===== Losses and the train step ==================================================================
@@ -930,6 +970,10 @@ def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int
         return torch.full((sum(lengths),), 1.0 / total_tokens)
     return torch.cat([torch.full((n,), 1.0 / (n * n_seqs)) for n in lengths])
 
+def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
+    """One value per rollout, repeated over its completion tokens."""
+    return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
+
 def all_ranks(flag: torch.Tensor) -> bool:
     """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -937,8 +981,7 @@ def all_ranks(flag: torch.Tensor) -> bool:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag)
 
-def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int,
-               backend: str = "auto") -> dict:
+def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int) -> dict:
     """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
     device = next(model.parameters()).device
     lengths = [len(r.completion_ids) for r in batch]
@@ -955,14 +998,21 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     for start in range(0, len(batch), cfg.micro_batch_size):
         mb = batch[start:start + cfg.micro_batch_size]
         mb_len = lengths[start:start + cfg.micro_batch_size]
-        logp, ent = completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in mb], pad_id,
-                                        cfg.temperature, backend, entropy=True)
+        pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
+        logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
         repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
-        per_tok = lambda values: torch.tensor([float(v) for v in values], device=device).repeat_interleave(repeats)
         behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
         tok_loss, ratio, clipped = token_loss(
-            cfg.loss, logp, behaviour, per_tok(r.advantage for r in mb), per_tok(r.reward for r in mb),
-            per_tok(r.group_mean for r in mb), cfg.clip_low, cfg.clip_high, cfg.asymre_delta_v)
+            loss=cfg.loss,
+            logp=logp,
+            behaviour=behaviour,
+            advantage=per_token([r.advantage for r in mb], repeats),
+            reward=per_token([r.reward for r in mb], repeats),
+            group_mean=per_token([r.group_mean for r in mb], repeats),
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            delta_v=cfg.asymre_delta_v,
+        )
         loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
         if not all_ranks(torch.isfinite(loss)):
             nonfinite = True
@@ -1024,9 +1074,10 @@ def forked_rng(seed: int):
 
 @torch.no_grad()
 def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False,
-             samples: list | None = None, pass_k_prompts: int = PASS_K_PROMPTS) -> dict:
+             pass_k_prompts: int = PASS_K_PROMPTS) -> tuple[dict, list[dict]]:
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), pass@k with k samples at
-    temperature 1 / top-p 0.95. On forked random streams: evaluating (or not) never changes training."""
+    temperature 1 / top-p 0.95; and SAMPLES greedy completions as rows for samples.jsonl. On forked random
+    streams: evaluating (or not) never changes training."""
     with forked_rng(seed):
         verifier = VERIFIERS[task.verifier]
         prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
@@ -1035,14 +1086,14 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
             return [[score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True), ex.answer)[0]
                      for s in g] for g, ex in zip(groups, examples)]
 
-        out = {}
+        out, samples = {}, []
         if not pass_k_only:
             groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
             greedy = accuracy(groups, task.eval)
-            for ex, g, acc in list(zip(task.eval, groups, greedy))[:SAMPLES if samples is not None else 0]:
+            for ex, g, acc in zip(task.eval[:SAMPLES], groups, greedy):
+                completion = tok.decode(g[0].completion_ids, skip_special_tokens=True)
                 samples.append({"source": "eval (greedy)", "prompt": ex.prompt, "gold": ex.answer, "reward": acc[0],
-                                "completion": tok.decode(g[0].completion_ids, skip_special_tokens=True),
-                                "truncated": g[0].truncated})
+                                "completion": completion, "truncated": g[0].truncated})
             pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, logprobs=False), task.eval)
             out = {"eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
                    "eval/pass@1": sum(g[0] for g in pass1) / len(pass1)}
@@ -1051,7 +1102,7 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
                          task.eval[sub])
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
-        return out
+        return out, samples
 
 def seed_everything(seed: int) -> None:
     """torch (CPU and CUDA), numpy and `random`: every stream a run or an engine in it draws from."""
@@ -1071,82 +1122,37 @@ def set_rng_state(state: dict) -> None:
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-def swap_in_checkpoint(run_dir: Path) -> None:
-    """checkpoint.tmp becomes checkpoint by renames: a kill at any point leaves a whole checkpoint (open_run
-    renames a lone checkpoint.old back)."""
-    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
-    shutil.rmtree(old, ignore_errors=True)  # a stale one, when a kill came before its deletion below
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_state: dict, weights: dict | None = None,
-                    swap: bool = True) -> None:
-    """The model (save_pretrained of the fp32 master weights: `weights`, or the model's own), optimizer.pt (fp32
-    Adam state, read by rank 0 alone on resume) and trainer_state.pt (buffer, RNG, counters) into checkpoint.tmp,
-    swapped in by rename (swap=False: the caller swaps, once more files are in)."""
-    tmp = run_dir / "checkpoint.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp, state_dict=weights)
-        tok.save_pretrained(tmp)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-    except Exception as e:
-        full = run_folder.disk_full(e, run_dir)
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would only fill the disk further
-        if not full:
-            raise
-        ckpt, kept = run_dir / "checkpoint", "no earlier checkpoint exists"
-        if ckpt.exists():
-            kept_step = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True)["step"]
-            kept = f"the checkpoint of step {kept_step} in {ckpt} is kept"
-        raise UserError(f"disk full: the checkpoint of step {trainer_state['step']} could not be written to {run_dir} "
-                        f"({shutil.disk_usage(run_dir).free / 2**20:.0f} MiB free there now); {kept}: free some "
-                        "space, then --resume") from None
-    if swap:
-        swap_in_checkpoint(run_dir)
-
 # ===== The run: folder, setup, resume, metrics (both loops) ======================================
 
 COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonfinite_steps", "generated_rollouts",
            "trained_rollouts")
 
-def warm_start_record(warm: dict | None) -> dict:
-    """The warm start's record (steps, pass@k reached, target reached), logged at step 0."""
-    return {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
+def new_totals(**extra) -> dict:
+    """A run's totals (checkpointed): the counts of COUNTED, tokens and seconds, and `extra`."""
+    return dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "train_seconds": 0.0} | extra
 
-def open_run(cfg: Args) -> tuple[str, Path, Path]:
-    """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
-    run, resumes one without --resume, resumes it with other settings, or appends to a killed run's records."""
-    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.out_dir) / run_name
-    ckpt = run_dir / "checkpoint"
-    if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
-        raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run_folder.lock_run(run_dir)
-    except OSError as e:
-        raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
-    if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
-        (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
-    if ckpt.exists() and not cfg.resume:
-        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another --run-name")
-    metrics = run_dir / "metrics.jsonl"
-    if not cfg.resume and metrics.exists() and metrics.stat().st_size > 0:
-        raise UserError(f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
-                        f"folder (rm -r {run_dir}) to start again, or choose another --run-name")
-    if cfg.resume:
-        run_folder.check_resume_config(cfg, run_dir)
-        return run_name, run_dir, ckpt
-    try:
-        run_folder.write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    except OSError as e:
-        raise UserError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} ({e.strerror or e})") from None
-    return run_name, run_dir, ckpt
+def add_counts(totals: dict, counts: dict) -> None:
+    for key, value in counts.items():
+        totals[key] = totals.get(key, 0) + value
+
+def measured_mu(gen_seconds: float, generated: int, train_seconds: float, trained: int) -> float:
+    """mu, the planner's input: seconds to generate one rollout / seconds to train on one, on this machine."""
+    return (gen_seconds / generated) / (train_seconds / trained)
+
+# Record keys measured on the clock or the device: they differ between two runs of the same seed.
+def measured_on_this_machine(key: str) -> bool:
+    return key.endswith("_seconds") or key in ("mu", "mu_throughput", "gamma", "peak_memory_gib")
+
+def cpu_copy(state_dict: dict) -> dict:
+    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
+def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict | None) -> dict:
+    """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
+    metrics, samples = evaluate(generator, tok, task, cfg, seed=cfg.seed)
+    warm_start = {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
+    runlog.log({"step": 0, **metrics, **warm_start}, samples)
+    print_eval(print, 0, metrics, samples)
+    return metrics
 
 def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0):
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
@@ -1178,51 +1184,6 @@ def report_skipped(skipped: dict, rank: int = 0) -> None:
         print("prompts longer than the model's context less --max-new-tokens are skipped: " +
               ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items()))
 
-class RunLog:
-    """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
-
-    def __init__(self, cfg: Args, run_name: str, run_dir: Path, start_step: int):
-        for name in ("metrics", "samples"):  # drop what a killed run wrote after its checkpoint
-            path = run_dir / f"{name}.jsonl"
-            if cfg.resume and path.exists():
-                kept, unreadable = run_folder.cut_records(path, start_step)
-                run_folder.write_atomic(path, "".join(line + "\n" for line in kept))
-                if unreadable:
-                    print(f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk "
-                          "leaves)")
-        self.metrics, self.samples = (run_dir / "metrics.jsonl").open("a"), (run_dir / "samples.jsonl").open("a")
-        self.wandb = None
-        if cfg.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "replay-grpo"), name=run_name,
-                                    config=dataclasses.asdict(cfg), resume="allow" if cfg.resume else None)
-
-    def log(self, record: dict, samples: list[dict] = ()) -> None:
-        """One step's metrics, and the completions sampled at it (also a wandb table)."""
-        for f, rows in ((self.samples, [{"step": record["step"], **row} for row in samples]), (self.metrics, [record])):
-            try:
-                f.write("".join(json.dumps(row) + "\n" for row in rows))
-                f.flush()
-            except OSError as e:
-                if not run_folder.disk_full(e, Path(f.name).parent):
-                    raise
-                raise UserError(f"disk full: could not write {f.name} at step {record['step']}; the last checkpoint "
-                                "is kept: free some space, then --resume (a cut last line is dropped)") from None
-        if self.wandb is not None:
-            import wandb
-            table = {"samples": wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])} \
-                if samples else {}
-            self.wandb.log({**record, **table}, step=record["step"])
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.samples.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
 def sample_rows(tok, batch: list[Rollout], step: int) -> list[dict]:
     """A few trained rollouts as text, with what the loss saw of them."""
     return [{"source": "train", "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True), "gold": r.answer,
@@ -1236,20 +1197,27 @@ def batch_sums(batch: list[Rollout], step: int) -> dict:
             "truncated": sum(r.truncated for r in batch), "staleness": [step - r.policy_version for r in batch]}
 
 def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_last: list[int], buffer_size: int,
-                B: int, counters: dict, **extra) -> dict:
+                evicted_uses: Counter, batch_size: int, totals: dict, **extra) -> dict:
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
-    stale = sums["staleness"]
-    return {"step": step, **stats,
-            "reward": sum(r.reward for r in fresh) / len(fresh) if fresh else None,
-            "accuracy": sum(r.correct for r in fresh) / len(fresh) if fresh else None,
-            "reward_batch": sums["reward"] / B, "response_length": sums["length"] / B,
-            "truncated_frac": sums["truncated"] / B, "buffer_size": buffer_size,
-            "staleness_mean": sum(stale) / B, "staleness_max": max(stale),
-            "staleness_hist": {str(s): stale.count(s) for s in sorted(set(stale))},
-            "steps_since_last_use": sum(since_last) / len(since_last) if since_last else None,
-            "replay_ratio": counters["trained_rollouts"] / counters["generated_rollouts"], **extra,
-            **{k: counters.get(k, 0) for k in COUNTED}, "total_generated_tokens": counters["generated_tokens"],
-            "total_trained_tokens": counters["trained_tokens"]}
+    stale, B = sums["staleness"], batch_size
+    record = {"step": step, **stats}
+    record["reward"] = sum(r.reward for r in fresh) / len(fresh) if fresh else None
+    record["accuracy"] = sum(r.correct for r in fresh) / len(fresh) if fresh else None
+    record["reward_batch"] = sums["reward"] / B
+    record["response_length"] = sums["length"] / B
+    record["truncated_frac"] = sums["truncated"] / B
+    record["buffer_size"] = buffer_size
+    record["staleness_mean"] = sum(stale) / B
+    record["staleness_max"] = max(stale)
+    record["staleness_hist"] = {str(s): stale.count(s) for s in sorted(set(stale))}
+    record["steps_since_last_use"] = sum(since_last) / len(since_last) if since_last else None
+    record["replay_ratio"] = totals["trained_rollouts"] / totals["generated_rollouts"]
+    record["replay_hist"] = {str(u): n for u, n in sorted(evicted_uses.items())}  # uses of the evicted rollouts
+    record.update(extra)
+    record.update({k: totals.get(k, 0) for k in COUNTED})
+    record["total_generated_tokens"] = totals["generated_tokens"]
+    record["total_trained_tokens"] = totals["trained_tokens"]
+    return record
 
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
     write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
@@ -1264,34 +1232,21 @@ def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
 # ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
 
 def train(cfg: Args) -> dict:
-    """Run training; returns the last evaluation metrics (and the run folder)."""
-    validate(cfg)
-    if not cfg.verbose:  # vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
-    import transformers
-    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
-    if cfg.mode == "async":
-        from async_pipeline import train_async  # the W/T pipeline: imported only when used
-        return train_async(cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
+    """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
     from tqdm import tqdm
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seed_everything(cfg.seed)
     report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    run_name, run_dir, ckpt = open_run(cfg)
+    run_name, run_dir, ckpt = run_folder.open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = ReplayBuffer(N, cfg.positive_bias, seed=cfg.seed)
     generator = make_generator(cfg, model, tok, model_dir)
-    cpu_copy = lambda sd: {k: v.detach().to("cpu", copy=True) for k, v in sd.items()}
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
-    counters = dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "gen_seconds": 0.0,
-                                             "train_seconds": 0.0}
-    start_step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0
+    totals = new_totals(gen_seconds=0.0)  # run totals (checkpointed)
+    step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         buffer.load_state_dict(state["buffer"])
@@ -1299,35 +1254,31 @@ def train(cfg: Args) -> dict:
             published = state["generator_weights"]
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
-        counters.update(state["counters"])
-        start_step, next_group_id = state["step"], state["next_group_id"]
+        totals.update(state.get("totals", state.get("counters")))  # "counters" in older checkpoints
+        step, next_group_id = state["step"], state["next_group_id"]
         set_rng_state(state["rng"])
-    runlog = RunLog(cfg, run_name, run_dir, start_step)
+    runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
 
+    on_policy = "  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""
     print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
           f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
-          f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}"
-          + ("  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""))
-    last_eval = {}
-    if start_step == 0:
-        samples = []
-        last_eval = evaluate(generator, tok, task, cfg, seed=cfg.seed, samples=samples)
-        runlog.log({"step": 0, **last_eval, **warm_start_record(warm)}, samples)
-        print_eval(print, 0, last_eval, samples)
+          f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}")
+    last_eval = first_evaluation(generator, tok, task, cfg, runlog, warm) if step == 0 else {}
 
-    bar = tqdm(range(start_step, cfg.total_steps), initial=start_step, total=cfg.total_steps, dynamic_ncols=True,
-               disable=None)  # None: off when stderr is not a terminal
-    for step in bar:
+    start_step = step
+    bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
+    while step < cfg.total_steps:
         # 1. generate R fresh rollouts (more at the start, until the buffer holds a batch). With
         #    --zero-variance-groups drop, ask for the missing groups again until R survive, so that
         #    N = B = R stays exactly on-policy.
         t0 = time.perf_counter()
         fresh: list[Rollout] = []
-        tokens_before = counters["generated_tokens"]
+        tokens_before = totals["generated_tokens"]
         while len(fresh) < R or len(buffer) < B:
-            n = (R - len(fresh)) // cfg.group_size if len(fresh) < R else cfg.prompts_per_step
-            new = make_rollouts(generator, tok, task, task.sample(task_rng, n), cfg, step, next_group_id, counters)
-            next_group_id += n
+            prompts = (R - len(fresh)) // cfg.group_size if len(fresh) < R else cfg.prompts_per_step
+            new, counts = make_rollouts(generator, tok, task, task.sample(task_rng, prompts), cfg, next_group_id)
+            add_counts(totals, counts)
+            next_group_id += prompts
             fresh += new
             buffer.push(new)
             empty_requests = 0 if new else empty_requests + 1
@@ -1336,59 +1287,82 @@ def train(cfg: Args) -> dict:
         gen_seconds = time.perf_counter() - t0
 
         # 2. sample a batch (its uses are counted) and take one optimizer step
-        batch = buffer.sample(B, step)
+        batch, since_last_use = buffer.sample(B, step)
         t0 = time.perf_counter()
         model.train()
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
         train_seconds = time.perf_counter() - t0
+        sums, rows = batch_sums(batch, step), sample_rows(tok, batch, step)
+        step += 1  # the policy version of the updated weights
         nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
-        counters["nonfinite_steps"] += stats["nonfinite"]
+        totals["nonfinite_steps"] += stats["nonfinite"]
         if nonfinite_streak >= MAX_NONFINITE_STEPS:
             raise nonfinite_stop(nonfinite_streak, step, ckpt)
 
-        # 3. publish weights to the generator every k steps (policy version = optimizer steps)
-        if (step + 1) % cfg.publish_every == 0:
-            generator.load_weights(model.state_dict(), step + 1)
+        # 3. publish weights to the generator every k steps
+        if step % cfg.publish_every == 0:
+            generator.load_weights(model.state_dict(), step)
             published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None
 
         # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
-        counters["trained_rollouts"] += B
-        counters["trained_tokens"] += stats["trained_tokens"]
-        counters["gen_seconds"] += gen_seconds
-        counters["train_seconds"] += train_seconds
-        mu = (counters["gen_seconds"] / counters["generated_rollouts"]) \
-            / (counters["train_seconds"] / counters["trained_rollouts"])
-        record = step_record(  # mu: generation cost / training cost per rollout, measured on this machine
-            step + 1, stats, fresh, batch_sums(batch, step), buffer.since_last_use, len(buffer), B, counters,
-            generated_tokens=counters["generated_tokens"] - tokens_before, gen_seconds=gen_seconds,
-            train_seconds=train_seconds, mu=mu,
-            peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
-        done = step + 1 == cfg.total_steps
-        evaluating = done or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-        samples = sample_rows(tok, batch, step) if cfg.sample_every and (step + 1) % cfg.sample_every == 0 else []
+        totals["trained_rollouts"] += B
+        totals["trained_tokens"] += stats["trained_tokens"]
+        totals["gen_seconds"] += gen_seconds
+        totals["train_seconds"] += train_seconds
+        mu = measured_mu(totals["gen_seconds"], totals["generated_rollouts"], totals["train_seconds"],
+                         totals["trained_rollouts"])
+        peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        record = step_record(
+            step=step,
+            stats=stats,
+            fresh=fresh,
+            sums=sums,
+            since_last=since_last_use,
+            buffer_size=len(buffer),
+            evicted_uses=buffer.evicted_uses,
+            batch_size=B,
+            totals=totals,
+            generated_tokens=totals["generated_tokens"] - tokens_before,
+            gen_seconds=gen_seconds,
+            train_seconds=train_seconds,
+            mu=mu,
+            peak_memory_gib=peak_memory,
+        )
+        evaluating = step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        samples = rows if cfg.sample_every and step % cfg.sample_every == 0 else []
         if evaluating:
-            eval_gen = generator if generator.policy_version == step + 1 else HFGenerator(model, tok)  # trained weights
-            last_eval = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step + 1, samples=samples)
+            eval_gen = generator if generator.policy_version == step else HFGenerator(model, tok)  # trained weights
+            last_eval, eval_samples = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step)
             record.update(last_eval)
-            print_eval(bar.write, step + 1, last_eval, samples[-SAMPLES:])
+            samples += eval_samples
+            print_eval(bar.write, step, last_eval, eval_samples)
         if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
-            bar.write(f"warning: step {step + 1}: sampler and trainer log-probs differ by "
+            bar.write(f"warning: step {step}: sampler and trainer log-probs differ by "
                       f"{record['logprob_mismatch_abs']:.3g} per token on average (> {MISMATCH_WARN}); the "
                       "importance ratio is biased")
         runlog.log(record, samples)
+        bar.update(1)
         bar.set_postfix(reward=f"{record['reward']:.2f}", loss=f"{stats['loss']:.3f}", ent=f"{stats['entropy']:.2f}",
-                        stale=f"{record['staleness_mean']:.1f}", mu=f"{record['mu']:.2f}")
+                        stale=f"{record['staleness_mean']:.1f}", mu=f"{mu:.2f}")
         if evaluating:
-            save_checkpoint(run_dir, model, tok, {
-                "step": step + 1, "mode": "sync", "trainers": 1, "next_group_id": next_group_id,
-                "task_rng": task_rng.getstate(), "counters": counters,
-                "buffer": buffer.state_dict(), "rng": rng_state(), "generator_version": generator.policy_version,
-                "generator_weights": published if generator.policy_version != step + 1 else None},
-                optimizer_state=optimizer.state_dict())
+            lagging = generator.policy_version != step
+            trainer_state = {
+                "step": step,
+                "mode": "sync",
+                "trainers": 1,
+                "next_group_id": next_group_id,
+                "task_rng": task_rng.getstate(),
+                "totals": totals,
+                "buffer": buffer.state_dict(),
+                "rng": rng_state(),
+                "generator_version": generator.policy_version,
+                "generator_weights": published if lagging else None,
+            }
+            run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
     bar.close()
     runlog.close()
-    if start_step < cfg.total_steps:
+    if step > start_step:
         print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")
     return {**last_eval, "run_dir": str(run_dir)}
 
@@ -1429,8 +1403,13 @@ def optimal_replay(mu: float, alpha: float, rho: float, feasible: bool = False) 
     x = y * y / (2 * alpha * (mu + y))
     if not feasible or x >= max(y, 1.0):
         return x, y
-    best_x = lambda y: max((1 - 2 * alpha) * y / (2 * alpha * (1 + rho * y)), y, 1.0)
-    log_j = lambda t: math.log(replay_objective(best_x(math.exp(t)), math.exp(t), mu, alpha, rho))
+
+    def best_x(y: float) -> float:  # for fixed y, J's minimum over x, kept feasible
+        return max((1 - 2 * alpha) * y / (2 * alpha * (1 + rho * y)), y, 1.0)
+
+    def log_j(t: float) -> float:
+        return math.log(replay_objective(best_x(math.exp(t)), math.exp(t), mu, alpha, rho))
+
     lo, hi, g = -20.0, 20.0, (math.sqrt(5) - 1) / 2  # golden section on log y (J is unimodal in y)
     for _ in range(200):
         a, b = hi - g * (hi - lo), lo + g * (hi - lo)
@@ -1468,6 +1447,15 @@ def plan(args: PlanArgs) -> dict:
 
 # ===== Main =======================================================================================
 
+def quiet_libraries(verbose: bool) -> None:
+    """Keep vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts and transformers'
+    per-checkpoint progress bars off the console, unless --verbose."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     if threading.current_thread() is threading.main_thread():
@@ -1477,7 +1465,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:
         if argv[:1] == ["plan"]:
             return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
-        return train(parse_args(argv))
+        cfg = parse_args(argv)
+        validate(cfg)
+        quiet_libraries(cfg.verbose)
+        if cfg.mode == "async":
+            from async_pipeline import train_async  # the W/T pipeline: imported only when used
+            return train_async(cfg)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
+        return train(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

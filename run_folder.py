@@ -1,5 +1,6 @@
-"""run_folder.py: a run folder's safety, for replay_grpo.py: one process at a time, the saved configuration as the
-truth on resume, whole-or-nothing writes, and damaged files or a full disk said in one line (UserError)."""
+"""run_folder.py: a run folder for replay_grpo.py: creating it, its checkpoints and its records (metrics.jsonl,
+samples.jsonl, wandb), and its safety: one process at a time, the saved configuration as the truth on resume,
+whole-or-nothing writes, and damaged files or a full disk said in one line (UserError)."""
 
 import dataclasses
 import errno
@@ -109,3 +110,132 @@ def disk_full(e: BaseException, where: Path) -> bool:
         return shutil.disk_usage(where).free < 2**20
     except OSError:
         return False
+
+
+# ===== Creating a run folder, its checkpoints and its records =====================================
+
+def open_run(cfg) -> tuple[str, Path, Path]:
+    """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
+    run, resumes one without --resume, resumes it with other settings, or appends to a killed run's records."""
+    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{stamp}"
+    run_dir = Path(cfg.out_dir) / run_name
+    ckpt = run_dir / "checkpoint"
+    if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
+        raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
+    unwritable = f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run(run_dir)
+    except OSError as e:
+        raise UserError(f"{unwritable} ({e.strerror or e})") from None
+    if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
+        (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
+    if ckpt.exists() and not cfg.resume:
+        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another "
+                        "--run-name")
+    metrics = run_dir / "metrics.jsonl"
+    if not cfg.resume and metrics.exists() and metrics.stat().st_size > 0:
+        raise UserError(f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
+                        f"folder (rm -r {run_dir}) to start again, or choose another --run-name")
+    if cfg.resume:
+        check_resume_config(cfg, run_dir)
+        return run_name, run_dir, ckpt
+    try:
+        write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    except OSError as e:
+        raise UserError(f"{unwritable} ({e.strerror or e})") from None
+    return run_name, run_dir, ckpt
+
+
+def swap_in_checkpoint(run_dir: Path) -> None:
+    """checkpoint.tmp becomes checkpoint by renames: a kill at any point leaves a whole checkpoint (open_run
+    renames a lone checkpoint.old back)."""
+    tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)  # a stale one, when a kill came before its deletion below
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_state: dict,
+                    weights: dict | None = None, swap: bool = True) -> None:
+    """The model (save_pretrained of the fp32 master weights: `weights`, or the model's own), optimizer.pt (fp32
+    Adam state, read by rank 0 alone on resume) and trainer_state.pt (buffer, RNG, totals) into checkpoint.tmp,
+    swapped in by rename (swap=False: the caller swaps, once more files are in)."""
+    import torch
+    tmp = run_dir / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=weights)
+        tok.save_pretrained(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    except Exception as e:
+        full = disk_full(e, run_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint would only fill the disk further
+        if not full:
+            raise
+        ckpt, kept = run_dir / "checkpoint", "no earlier checkpoint exists"
+        if ckpt.exists():
+            kept_step = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+            kept = f"the checkpoint of step {kept_step} in {ckpt} is kept"
+        free = shutil.disk_usage(run_dir).free / 2**20
+        raise UserError(f"disk full: the checkpoint of step {trainer_state['step']} could not be written to "
+                        f"{run_dir} ({free:.0f} MiB free there now); {kept}: free some space, then --resume") from None
+    if swap:
+        swap_in_checkpoint(run_dir)
+
+
+class RunLog:
+    """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
+
+    def __init__(self, cfg, run_name: str, run_dir: Path, start_step: int):
+        for name in ("metrics", "samples"):  # drop what a killed run wrote after its checkpoint
+            path = run_dir / f"{name}.jsonl"
+            if cfg.resume and path.exists():
+                kept, unreadable = cut_records(path, start_step)
+                write_atomic(path, "".join(line + "\n" for line in kept))
+                if unreadable:
+                    print(f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk "
+                          "leaves)")
+        self.metrics = (run_dir / "metrics.jsonl").open("a")
+        self.samples = (run_dir / "samples.jsonl").open("a")
+        self.wandb = None
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "replay-grpo"), name=run_name,
+                                    config=dataclasses.asdict(cfg), resume="allow" if cfg.resume else None)
+
+    def log(self, record: dict, samples: list[dict] = ()) -> None:
+        """One step's metrics, and the completions sampled at it (also a wandb table)."""
+        self._write(self.samples, [{"step": record["step"], **row} for row in samples], record["step"])
+        self._write(self.metrics, [record], record["step"])
+        if self.wandb is not None:
+            import wandb
+            table = {}
+            if samples:
+                table["samples"] = wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
+            self.wandb.log({**record, **table}, step=record["step"])
+
+    @staticmethod
+    def _write(file, rows: list[dict], step: int) -> None:
+        try:
+            file.write("".join(json.dumps(row) + "\n" for row in rows))
+            file.flush()
+        except OSError as e:
+            if not disk_full(e, Path(file.name).parent):
+                raise
+            raise UserError(f"disk full: could not write {file.name} at step {step}; the last checkpoint is kept: "
+                            "free some space, then --resume (a cut last line is dropped)") from None
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb is not None:
+            self.wandb.finish()

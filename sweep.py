@@ -336,7 +336,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001),
-    seed, cfg, metric records and the use count of every rollout (evicted and resident)."""
+    seed, cfg and metric records."""
     runs = []
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
@@ -352,10 +352,8 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
         m = RUN_NAME.fullmatch(run_dir.name)
-        buf = state["buffer"]
         runs.append({"name": run_dir.name, "config": m["config"] if m else run_dir.name,
-                     "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records,
-                     "uses": list(buf["evicted_uses"]) + [it["uses"] for it in buf["items"]]})
+                     "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records})
     return runs
 
 
@@ -754,8 +752,8 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
           "staleness (optimizer steps)",
           lambda r: Counter([int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items()
                              for _ in range(v)]))
-    hists("replay_ratio_hist.png", "Replay ratio per rollout: times each rollout was trained on "
-          "(evicted + still in the buffer)", "uses", lambda r: Counter(r["uses"]))
+    hists("replay_ratio_hist.png", "Replay ratio per rollout: times each evicted rollout was trained on",
+          "uses", lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}))
     return written
 
 

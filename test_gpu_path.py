@@ -42,8 +42,7 @@ def metrics(run_dir):
 
 
 def training_records(run_dir):
-    timing = ("mu", "peak_memory_gib")
-    return [{k: v for k, v in r.items() if not (k.endswith("_seconds") or k.startswith("eval/") or k in timing)}
+    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
             for r in metrics(run_dir)]
 
 
@@ -54,7 +53,7 @@ def random_batch(n=16, seed=0):
         completion = torch.randint(0, 256, (3 + i % 4,), generator=g).tolist()
         prompt = torch.randint(0, 256, (4,), generator=g).tolist()
         batch.append(rg.Rollout(prompt, completion, torch.zeros(len(completion)), reward=float(i % 2), advantage=0.0,
-                                group_mean=0.5, correct=bool(i % 2), policy_version=0, birth_step=0, group_id=i))
+                                group_mean=0.5, policy_version=0, group_id=i))
     return batch
 
 

@@ -44,8 +44,7 @@ def user_error(capsys, args) -> str:
 
 def rollout(i, correct=False, version=0):
     return rg.Rollout(prompt_ids=[1, 2], completion_ids=[3, i % 200], behaviour_logprobs=torch.zeros(2),
-                      reward=float(correct), advantage=0.0, group_mean=0.0, correct=correct,
-                      policy_version=version, birth_step=0, group_id=i)
+                      reward=float(correct), advantage=0.0, group_mean=0.0, policy_version=version, group_id=i)
 
 
 def metrics(run_dir):
@@ -67,7 +66,7 @@ def test_buffer_sampling_is_uniform_without_replacement_and_removes_nothing():
     buf.push([rollout(i) for i in range(20)])
     counts, trials, batch = [0] * 20, 4000, 5
     for step in range(trials):
-        sample = buf.sample(batch, step)
+        sample, _ = buf.sample(batch, step)
         ids = [r.group_id for r in sample]
         assert len(set(ids)) == batch  # no duplicates inside a batch
         for i in ids:
@@ -108,7 +107,17 @@ def test_buffer_state_dict_round_trip():
     other = rg.ReplayBuffer(capacity=1)
     other.load_state_dict(buf.state_dict())
     assert [r.group_id for r in other.items] == [r.group_id for r in buf.items]
-    assert [r.group_id for r in other.sample(4, 1)] == [r.group_id for r in buf.sample(4, 1)]
+    assert [r.group_id for r in other.sample(4, 1)[0]] == [r.group_id for r in buf.sample(4, 1)[0]]
+
+
+def test_buffer_sample_says_how_long_each_reused_rollout_rested():
+    buf = rg.ReplayBuffer(capacity=4, seed=0)
+    buf.push([rollout(i) for i in range(4)])
+    assert buf.sample(4, 0)[1] == []  # none was used before
+    batch, since = buf.sample(4, 3)
+    assert since == [3, 3, 3, 3] and all(r.uses == 2 and r.last_use_step == 3 for r in batch)
+    buf.push([rollout(4)])  # evicts rollout 0: the newest has never been used
+    assert sorted(buf.sample(4, 5)[1]) == [2, 2, 2]
 
 
 # --- advantages and losses ------------------------------------------------------------------------
@@ -181,8 +190,7 @@ def make_batch(tiny, n_prompts=3, G=4, seed=0):
     task = rg.make_arith_task(cfg)
     gen = rg.HFGenerator(model, tok)
     torch.manual_seed(seed)
-    counters = {"verifier_errors": 0, "verifier_timeouts": 0, "zero_variance_groups": 0}
-    rollouts = rg.make_rollouts(gen, tok, task, task.sample(random.Random(seed), n_prompts), cfg, 0, 0, counters)
+    rollouts, _ = rg.make_rollouts(gen, tok, task, task.sample(random.Random(seed), n_prompts), cfg, 0)
     return cfg, rollouts
 
 
@@ -234,10 +242,12 @@ def test_advantages_and_behaviour_logprobs_stay_frozen_while_training(tiny):
 def test_on_policy_setting_uses_every_rollout_exactly_once(tmp_path):
     run_main(small_args(tmp_path, "--run-name", "onpol", "--total-steps", "4"))
     state = torch.load(tmp_path / "onpol" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    uses = [r["uses"] for r in state["buffer"]["items"]] + state["buffer"]["evicted_uses"]
+    evicted = state["buffer"]["evicted_uses"]
+    uses = [r["uses"] for r in state["buffer"]["items"]] + [u for u, n in evicted.items() for _ in range(n)]
     assert len(uses) == 4 * 8 and set(uses) == {1}
     recs = metrics(tmp_path / "onpol")[1:]
     assert all(r["staleness_max"] == 0 and r["replay_ratio"] == 1.0 for r in recs)
+    assert recs[-1]["replay_hist"] == {"1": 3 * 8}  # the buffer's count, logged: 3 batches evicted after one use
 
 
 def test_replay_reuses_rollouts_and_measures_staleness(tmp_path):
@@ -566,12 +576,9 @@ def test_gpu_presets_count_the_batch_in_rollouts():
     assert rg.PlanArgs().batch == 60
 
 
-TRAINING_KEYS_VARY = {"gen_seconds", "train_seconds", "mu", "peak_memory_gib"}
-
-
 def training_records(run_dir):
-    """Every metrics record's training fields (not evaluation, not wall-clock seconds)."""
-    return [{k: v for k, v in r.items() if not k.startswith("eval/") and k not in TRAINING_KEYS_VARY}
+    """Every metrics record's training fields (not evaluation, not what the clock measured)."""
+    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
             for r in metrics(run_dir)]
 
 
@@ -597,7 +604,8 @@ def test_dropping_zero_variance_groups_keeps_on_policy_exactly_on_policy(tmp_pat
                         "--loss", "asymre"))
     assert "(on-policy GRPO)" in capsys.readouterr().out
     state = torch.load(tmp_path / "drop" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    uses = [r["uses"] for r in state["buffer"]["items"]] + state["buffer"]["evicted_uses"]
+    evicted = state["buffer"]["evicted_uses"]
+    uses = [r["uses"] for r in state["buffer"]["items"]] + [u for u, n in evicted.items() for _ in range(n)]
     recs = metrics(tmp_path / "drop")[1:]
     assert recs[-1]["zero_variance_groups"] > 0  # groups were dropped, and made up for
     assert set(uses) == {1} and len(uses) == 5 * 8  # every surviving rollout trained on exactly once

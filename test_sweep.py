@@ -152,8 +152,7 @@ def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
 
 # --- the report's numbers on hand-made runs -----------------------------------------------------
 
-def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ckpt_step=None, uses=(1, 2),
-             evicted=(2, 2, 3)):
+def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ckpt_step=None):
     """A finished run: B = 8, G = 4, R = 4P, evals at steps 0, 2, 4 with greedy accuracies accs;
     each step generates 4P rollouts of 4 tokens and trains on 8. ckpt_step < total: interrupted."""
     run_dir = out / name
@@ -167,15 +166,14 @@ def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ck
         if step:
             rec.update(entropy=1.0 / step, staleness_hist=stale or {"0": 8}, replay_ratio=8 / R,
                        generated_rollouts=R * step, trained_rollouts=8 * step, total_generated_tokens=4 * R * step,
-                       mu=mu)
+                       mu=mu, replay_hist={"2": 2, "3": 1})
         if step % 2 == 0:
             acc = accs[step // 2]
             rec.update({"eval/greedy_acc": acc, "eval/pass@1": acc / 2, "eval/pass@2": min(1, 2 * acc),
                         "eval/acc_t1": acc / 3})
         recs.append(rec)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    buffer = {"items": [{"uses": u} for u in uses], "evicted_uses": list(evicted)}
-    torch.save({"step": total if ckpt_step is None else ckpt_step, "buffer": buffer},
+    torch.save({"step": total if ckpt_step is None else ckpt_step},
                run_dir / "checkpoint" / "trainer_state.pt")
 
 

@@ -67,8 +67,8 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         info["steps"] = step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
-            check = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True,
-                                pass_k_prompts=cfg.sft_check_prompts)
+            check, _ = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True,
+                                   pass_k_prompts=cfg.sft_check_prompts)
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
             streak = streak + 1 if info["pass@k"] >= cfg.sft_target else 0
@@ -87,7 +87,7 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
     if (cache / "config.json").exists() and (cache / "warmstart.json").exists():
         model, tok = rg.load_pretrained(str(cache), torch.float32)  # fp32 masters
         return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
-    model, tok, _, _ = rg.load_policy(dataclasses.replace(cfg, sft_warmup_steps=0), device, task)
+    model, tok = rg.load_base_policy(cfg, device)
     t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
     info["seconds"] = round(time.time() - t0, 1)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
