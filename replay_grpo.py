@@ -127,11 +127,11 @@ SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (an
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 PRESETS: dict[str, Args] = {
     # Offline, 2 CPU cores: the tiny model warm-started on a+b (0..99) from a demonstrator that answers
-    # a+b+1 three times in four, until held-out pass@8 reaches 0.8: it has the skill and a systematic
-    # error (greedy accuracy low, pass@8 high), as an LLM before RL. Then on-policy GRPO at lr 3e-5 (at 1e-4
-    # one seed in five ended 18 points up after peaking at 27).
-    "cpu": Args(preset="cpu", generator="hf", arith_demo_error=0.75, sft_warmup_steps=3000, sft_target=0.8,
-                max_new_tokens=6, prompts_per_step=8, batch_size=128, buffer_size=128, lr=3e-5, total_steps=200),
+    # a+b+1 three times in four, for 2000 steps with --sft-lr decaying to 0, so that every seed settles on
+    # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then
+    # on-policy GRPO at lr 3e-6 (3e-5 and 1e-5 rose as fast, then fell back on some seeds).
+    "cpu": Args(preset="cpu", generator="hf", arith_demo_error=0.75, sft_warmup_steps=2000, sft_lr_decay=True,
+                max_new_tokens=6, prompts_per_step=8, batch_size=128, buffer_size=128, lr=3e-6, total_steps=200),
     # The replay study: sums of 5 one-digit numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26',
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
     # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16).
