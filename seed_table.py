@@ -36,7 +36,8 @@ class Args:
     out_dir: str = "runs/seeds"
     """folder of the per-seed folders (each holds its run and its warm-start cache) and seed_table.json."""
     table: str | None = None
-    """also write the markdown table here (it is always printed)."""
+    """also write the markdown table here (it is always printed): between the lines <!-- seed_table --> and
+    <!-- /seed_table --> when the file has them, else as the whole file."""
     extra: list[str] = field(default_factory=list)
     """trainer flags for every seed, e.g. --extra --total-steps 50 --lr 1e-4. Must come last: everything after
     it is passed to replay_grpo.py as it is."""
@@ -104,8 +105,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     text = table(rows)
     print(text, end="")
     if args.table:
-        Path(args.table).write_text(text)
+        write_table(Path(args.table), text)
     return rows
+
+
+def write_table(path: Path, text: str) -> None:
+    """The table into its place in `path` (between the markers), or as the whole file."""
+    start, end = "<!-- seed_table -->\n", "<!-- /seed_table -->"
+    old = path.read_text() if path.exists() else ""
+    if start in old and end in old:
+        text = old[:old.index(start) + len(start)] + text + old[old.index(end):]
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,10 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
         assert json.loads((tmp_path / str(row["seed"]) / "run" / "config.json").read_text())["seed"] == row["seed"]
     table = (tmp_path / "t.md").read_text()
     assert [l.split("|")[1].strip() for l in table.splitlines()[2:4]] == ["3", "4"] and "2 seeds: gain min" in table
+    doc = tmp_path / "doc.md"  # a document with the markers gets the table in place, its prose kept
+    doc.write_text("prose\n<!-- seed_table -->\nold table\n<!-- /seed_table -->\nmore prose\n")
+    seed_table.write_table(doc, table)
+    assert doc.read_text() == f"prose\n<!-- seed_table -->\n{table}<!-- /seed_table -->\nmore prose\n"
     # a finished seed is not run again; one whose run lost its final record is run again from nothing
     times = json.loads((tmp_path / "seed_table.json").read_text())
     metrics = tmp_path / "4" / "run" / "metrics.jsonl"
