@@ -61,7 +61,7 @@ class LogprobPolicy(torch.nn.Module):
         self.policy = policy
 
     def forward(self, ids, mask, targets, temperature, entropy):
-        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy)
+        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
 
@@ -171,7 +171,7 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
             t0 = time.perf_counter()
             group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
             examples = task.sample(rng, cfg.prompts_per_step)
-            rollouts, counts = rg.make_rollouts(generator, tok, task, examples, cfg, group_id)
+            rollouts, counts = rg.make_rollouts(generator, tok, task, examples, cfg, next_group_id=group_id)
             msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counts), "idle_seconds": idle,
                                 "busy_seconds": time.perf_counter() - t0})  # bytes: no shared-memory fd per tensor
             request += 1
@@ -303,16 +303,17 @@ def merge_stats(per_rank: list[dict]) -> dict:
     return out
 
 
-def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model_copy, weights: dict,
+def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model, weights: dict,
                           tok, state: dict) -> None:
     """The model (save_pretrained through rank 0's copy, of the gathered fp32 `weights`) and the full optimizer
     state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
     osd = get_optimizer_state_dict(policy, optimizer,  # collective
                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        run_folder.save_checkpoint(run_dir, model_copy, tok, state, optimizer_state=osd, weights=weights, swap=False)
+        run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
-    torch.save({"buffer": shard.state_dict(), "rng": rg.rng_state()}, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
+    own = {"buffer": shard.state_dict(), "rng": rg.rng_state()}
+    torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
         run_folder.swap_in_checkpoint(run_dir)
@@ -535,13 +536,14 @@ def train_async(cfg: rg.Args) -> dict:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
             mailbox = WeightMailbox(ctx, weights, step, rg.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
-            pool = GeneratorPool(cfg, ctx, mailbox, dealer.next_group_id, T, processes)
+            pool = GeneratorPool(cfg, ctx, mailbox, first_group_id=dealer.next_group_id, n_trainers=T,
+                                 processes=processes)
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
                   f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
                   f"channel {pool.capacity} requests, publish every {cfg.publish_every}")
             if step == 0:  # while the generators start
-                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog, warm)
+                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
             bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
 
         while step < cfg.total_steps:
@@ -630,8 +632,17 @@ def train_async(cfg: rg.Args) -> dict:
             if evaluating:
                 trainer_state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async",
                                  "trainers": T}
-                save_async_checkpoint(run_dir, rank, policy, optimizer, shard, evaluator.model if rank == 0 else None,
-                                      weights, tok, trainer_state)
+                save_async_checkpoint(
+                    run_dir=run_dir,
+                    rank=rank,
+                    policy=policy,
+                    optimizer=optimizer,
+                    shard=shard,
+                    model=evaluator.model if rank == 0 else None,
+                    weights=weights,
+                    tok=tok,
+                    state=trainer_state,
+                )
         if rank == 0:
             bar.close()
             print_summary(totals, T, W)

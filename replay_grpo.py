@@ -56,14 +56,14 @@ PresetName = Literal["cpu", "cpu-study", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b"
 class Args:
     """GRPO / AsymRE with an experience-replay buffer. --preset picks every flag's default; later flags override it."""
 
-    preset: PresetName = "cpu"  # named defaults: cpu (offline, minutes on 2 cores), cpu-study (the replay study), GPU models
+    preset: PresetName = "cpu"  # every flag's defaults: cpu (offline, minutes on 2 cores), cpu-study, GPU models
     # --- the method (the paper's symbols) ---
     group_size: int = 16  # G: completions per prompt; the GRPO advantage is the reward's z-score within its group
     prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step (async: a request)
     batch_size: int = 128  # B: rollouts sampled from the buffer for each optimizer step (the paper: 60)
     buffer_size: int = 128  # N: FIFO replay buffer capacity in rollouts; N = B = R with k = 1 is on-policy GRPO
     publish_every: int = 1  # k: copy the trainer's weights to the generator(s) every k optimizer steps
-    loss: Literal["grpo", "asymre"] = "grpo"  # grpo: clipped ratio to behaviour log-probs x A; asymre: (r-V-delta_V) log pi
+    loss: Literal["grpo", "asymre"] = "grpo"  # grpo: clipped ratio to behaviour x A; asymre: (r-V-delta_V) log pi
     clip_low: float = 0.2  # GRPO epsilon_low: ratios below 1 - clip_low are clipped
     clip_high: float = 0.2  # GRPO epsilon_high: ratios above 1 + clip_high are clipped
     asymre_delta_v: float = -0.05  # AsymRE delta_V (the paper's -0.1 for +-1 rewards; these rewards are {0, 1})
@@ -101,11 +101,11 @@ class Args:
     # --- engine and infrastructure ---
     mode: Literal["sync", "async"] = "sync"  # async: W generator processes stream to T trainers (torchrun, FSDP2)
     num_generators: int = 1  # W (--mode async): generator processes (on GPUs: one per GPU the trainers do not use)
-    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers; auto: vllm if any
-    vllm_gpu_memory_utilization: float = 0.3  # vLLM: share of the GPU for its weights and KV cache (the trainer: the rest)
+    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers
+    vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
-    dist_timeout: int = 120  # minutes a trainer rank may wait in a collective (rank 0 evaluating, saving) under torchrun
+    dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -466,24 +466,34 @@ def byte_tokenizer():
     chars = bs[:] + [256 + n for n in range(256 - len(bs))]
     bs += [b for b in range(256) if b not in bs]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE(vocab={chr(c): b for b, c in zip(bs, chars)} | {s: 256 + i for i, s in enumerate(specials)},
-                               merges=[]))
+    vocab = {chr(c): b for b, c in zip(bs, chars)} | {s: 256 + i for i, s in enumerate(specials)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt '12+7=' as it is
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")  # '12+7=' as is
+                                   chat_template=template)
 
 def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
     """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64, vLLM-compatible
     shapes) on the byte tokenizer's 259 tokens; vocab_size pads the vocabulary (e.g. 151936, Qwen's)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = byte_tokenizer()
-    config = Qwen2Config(vocab_size=max(vocab_size, len(tok)), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                         num_hidden_layers=layers, num_attention_heads=hidden_size // 64,
-                         num_key_value_heads=hidden_size // 64, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=max(vocab_size, len(tok)),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = tok.eos_token_id
@@ -505,8 +515,9 @@ def load_pretrained(name: str, dtype: torch.dtype):
         offline = ""
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)"
-        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a .gguf "
-                        f"file, or a hub id. ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+        first_line = (str(e).splitlines() or [""])[0]
+        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a "
+                        f".gguf file, or a hub id. ({type(e).__name__}: {first_line})") from None
     if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
         config = copy.deepcopy(model.config)
         for attr in ("quantization_config", "gguf_file"):
@@ -590,7 +601,7 @@ def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
     ids, mask, targets = pack(seqs, pad_id, next(model.parameters()).device)
     if getattr(model, "computes_logprobs", False):
         return model(ids, mask, targets, temperature, entropy)
-    return packed_logprobs(model, ids, mask, targets, temperature, entropy)
+    return packed_logprobs(model, ids, mask, targets, temperature, entropy=entropy)
 
 def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     """completion_logprobs on packed ids / mask / targets (see pack)."""
@@ -642,7 +653,8 @@ class HFGenerator:
                  top_p: float = 1.0, logprobs: bool = True) -> list[list[Sample]]:
         out = []
         for start in range(0, len(prompts), GEN_BATCH_PROMPTS):
-            out += self._generate(prompts[start:start + GEN_BATCH_PROMPTS], n, max_new_tokens, temperature, top_p, logprobs)
+            chunk = prompts[start:start + GEN_BATCH_PROMPTS]
+            out += self._generate(chunk, n, max_new_tokens, temperature, top_p=top_p, logprobs=logprobs)
         return out
 
     def _generate(self, prompts, n, max_new_tokens, temperature, top_p, logprobs):
@@ -682,7 +694,8 @@ def _import_vllm():
         import vllm
         from vllm.platforms import current_platform
     except Exception as e:  # ImportError, or a broken torchvision beside CPU torch
-        raise VLLMUnavailable(f"--generator vllm needs vLLM ({type(e).__name__}: {e}). Install it: {VLLM_INSTALL}") from None
+        raise VLLMUnavailable(f"--generator vllm needs vLLM ({type(e).__name__}: {e}). Install it: "
+                              f"{VLLM_INSTALL}") from None
     if not VLLM_VERSIONS[0] <= tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) < VLLM_VERSIONS[1]:
         raise VLLMUnavailable(f"vLLM {vllm.__version__} is installed; the weight sync needs vllm>=0.16,<0.33 "
                               f"(reload_weights with weights_iterator). Install it: {VLLM_INSTALL}")
@@ -751,7 +764,8 @@ class VLLMGenerator:
         if self.tied and "lm_head.weight" not in weights:  # else the reload restores the old lm_head
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         # the worker lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): hand it the tensors
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, v.detach()) for k, v in weights.items())})
+        tensors = ((k, v.detach()) for k, v in weights.items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.wake_up(["kv_cache"])
         self.policy_version = version
@@ -784,7 +798,9 @@ class VLLMGenerator:
     @staticmethod
     def _sample(c, logprobs: bool) -> Sample:
         ids = list(c.token_ids)  # the stop token stays in token_ids, as in HFGenerator
-        lp = torch.tensor([pos[t].logprob for t, pos in zip(ids, c.logprobs)], dtype=torch.float32) if logprobs else None
+        lp = None
+        if logprobs:
+            lp = torch.tensor([pos[t].logprob for t, pos in zip(ids, c.logprobs)], dtype=torch.float32)
         return Sample(ids, lp, c.finish_reason == "length")
 
 
@@ -896,7 +912,8 @@ class ReplayBuffer:
     def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0):
         self.capacity, self.n_protected = capacity, int(round(positive_bias * capacity))
         if capacity - self.n_protected < 1:
-            raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none left for fresh rollouts")
+            raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh "
+                             "rollouts")
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
@@ -1043,10 +1060,16 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             raise UserError(f"the weights are not finite after the optimizer step at policy version {version} "
                             "(the loss and gradient were): lower --lr; the last checkpoint is kept")
     m = sums.pop("mismatch_tokens")
-    stats = {"loss": sums["loss"], "entropy": sums["entropy"] / total_tokens, "clip_frac": sums["clipped"] / total_tokens,
-             "ratio_mean": sums["ratio"] / total_tokens, "ratio_max": ratio_max,
-             "grad_norm": float(grad_norm) if not nonfinite else float("nan"), "nonfinite": int(nonfinite),
-             "trained_tokens": total_tokens}
+    stats = {
+        "loss": sums["loss"],
+        "entropy": sums["entropy"] / total_tokens,
+        "clip_frac": sums["clipped"] / total_tokens,
+        "ratio_mean": sums["ratio"] / total_tokens,
+        "ratio_max": ratio_max,
+        "grad_norm": float("nan") if nonfinite else float(grad_norm),
+        "nonfinite": int(nonfinite),
+        "trained_tokens": total_tokens,
+    }
     if m:
         stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
         stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
@@ -1222,7 +1245,8 @@ def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
     write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     for x in samples[:1]:  # one example, shortened
-        write(f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, reward {x['reward']:g})")
+        write(f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
+              f"reward {x['reward']:g})")
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
     return UserError(f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
@@ -1263,7 +1287,7 @@ def train(cfg: Args) -> dict:
     print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
           f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
           f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}")
-    last_eval = first_evaluation(generator, tok, task, cfg, runlog, warm) if step == 0 else {}
+    last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm) if step == 0 else {}
 
     start_step = step
     bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
@@ -1276,7 +1300,8 @@ def train(cfg: Args) -> dict:
         tokens_before = totals["generated_tokens"]
         while len(fresh) < R or len(buffer) < B:
             prompts = (R - len(fresh)) // cfg.group_size if len(fresh) < R else cfg.prompts_per_step
-            new, counts = make_rollouts(generator, tok, task, task.sample(task_rng, prompts), cfg, next_group_id)
+            examples = task.sample(task_rng, prompts)
+            new, counts = make_rollouts(generator, tok, task, examples, cfg, next_group_id=next_group_id)
             add_counts(totals, counts)
             next_group_id += prompts
             fresh += new
@@ -1434,9 +1459,11 @@ def plan(args: PlanArgs) -> dict:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1 (rollouts)")
     x, y = optimal_replay(args.mu, args.alpha, args.rho)
     s = suggest_schedule(args.mu, args.alpha, args.rho, args.batch, args.group_size)
+    bounded = ""
+    if x < max(y, 1.0):
+        bounded = f" (N < max(B, R): with B <= N and R <= N the optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"
     print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
-          f"replay ratio B/R = {y:.3g}" + ("" if x >= max(y, 1.0) else f" (N < max(B, R): with B <= N and R <= N the "
-                                                                      f"optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"))
+          f"replay ratio B/R = {y:.3g}{bounded}")
     if s["on_policy"]:
         print(f"replay does not pay at this mu (replay ratio <= 1): the optimum is on-policy, N = B = R in whole "
               f"groups of G = {args.group_size}:")

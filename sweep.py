@@ -297,7 +297,8 @@ def run(args: Args) -> None:
 # report: load, group over seeds, pick the lr, table, figures
 # ----------------------------------------------------------------------------------------------
 
-RUN_NAME = re.compile(r"(?P<config>.+?)(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)-s(?P<seed>\d+)")
+VARIANT = r"(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)"  # -lr0.0001, -dv-0.1, both or none
+RUN_NAME = re.compile(r"(?P<config>.+?)" + VARIANT + r"-s(?P<seed>\d+)")
 
 
 class Damaged(Exception):
@@ -504,12 +505,15 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         by = [{r["step"]: r for r in evals(run)} for run in rs]
         k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
         arrays[c] = {"acc": np.array([[b[t][key] for t in steps] for b in by], dtype=float),
-                     "passk": np.array([[b[t].get(k, np.nan) for t in steps] for b in by], dtype=float),
-                     **{axis: np.array([[x(b[t]) for t in steps] for b in by], dtype=float) for axis, x in axes.items()}}
+                     "passk": np.array([[b[t].get(k, np.nan) for t in steps] for b in by], dtype=float)}
+        for axis, x in axes.items():
+            arrays[c][axis] = np.array([[x(b[t]) for t in steps] for b in by], dtype=float)
     fracs = {"target": 1.0, "90% of target": 0.9}
-    samples = {c: {f"{axis}|{f}": [] for axis in axes for f in fracs} | {f"saving {axis}|{f}": [] for axis in axes for f in fracs}
-               | {f"acc at equal {axis}": [] for axis in axes if axis != "tokens"}
-               | {f"pass@k at equal {axis}": [] for axis in axes if axis != "tokens"} for c in configs}
+    samples = {}  # per configuration, each bootstrap quantity's values over the replicates
+    for c in configs:
+        samples[c] = {f"{axis}|{f}": [] for axis in axes for f in fracs}
+        samples[c] |= {f"saving {axis}|{f}": [] for axis in axes for f in fracs}
+        samples[c] |= {f"{what} at equal {axis}": [] for what in ("acc", "pass@k") for axis in axes if axis != "tokens"}
 
     def reach(a: dict, idx, med, axis: str, level: float) -> float:
         """Median x over the resampled seeds at the first evaluation where their median accuracy `med` reaches level."""
@@ -524,21 +528,29 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         cost = {}  # every configuration's cost to each level, the reference's first
         for c in [reference] + [c for c in arrays if c != reference]:
             a, med = arrays[c], np.median(arrays[c]["acc"][draw[c]], axis=0)
-            cost[c] = {(axis, f): reach(a, draw[c], med, axis, frac * level) for axis in axes for f, frac in fracs.items()}
+            cost[c] = {(axis, f): reach(a, draw[c], med, axis, frac * level)
+                       for axis in axes for f, frac in fracs.items()}
         for c, a in arrays.items():
             for axis in axes:
                 for f in fracs:
                     samples[c][f"{axis}|{f}"].append(cost[c][(axis, f)])
                     rc = cost[reference][(axis, f)]
-                    samples[c][f"saving {axis}|{f}"].append(100 * (1 - cost[c][(axis, f)] / rc) if 0 < rc < np.inf else np.nan)
+                    saving = 100 * (1 - cost[c][(axis, f)] / rc) if 0 < rc < np.inf else np.nan
+                    samples[c][f"saving {axis}|{f}"].append(saving)
                 if axis != "tokens":  # accuracy at the last evaluation within the reference's final compute
                     within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
                     j = within[-1] if len(within) else None
                     for what, arr in (("acc", a["acc"]), ("pass@k", a["passk"])):
-                        samples[c][f"{what} at equal {axis}"].append(np.nan if j is None else float(np.median(arr[draw[c]][:, j])))
-    intervals = {c: {name: [float(np.nanpercentile(v, p, method="nearest")) if not np.all(np.isnan(v)) else None for p in (5, 50, 95)]
-                     for name, v in ((name, np.asarray(v, dtype=float)) for name, v in d.items())}
-                 for c, d in samples.items()}
+                        value = np.nan if j is None else float(np.median(arr[draw[c]][:, j]))
+                        samples[c][f"{what} at equal {axis}"].append(value)
+
+    def interval(values) -> list:
+        """5th, 50th and 95th percentiles (None where no replicate has a value)."""
+        v = np.asarray(values, dtype=float)
+        if np.all(np.isnan(v)):
+            return [None, None, None]
+        return [float(np.nanpercentile(v, p, method="nearest")) for p in (5, 50, 95)]
+    intervals = {c: {name: interval(v) for name, v in d.items()} for c, d in samples.items()}
     decision = {}
     for c in configs:
         if c == reference:
@@ -551,7 +563,8 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         decision[c] = {"tokens": verdicts[0], "compute_paper_mu": verdicts[1],
                        "both": "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts
                        else "not resolvable"}
-    return {"bootstrap": {"replicates": n, "intervals": intervals}, "decision": decision, "saving_target": saving_target}
+    bootstrap = {"replicates": n, "intervals": intervals}
+    return {"bootstrap": bootstrap, "decision": decision, "saving_target": saving_target}
 
 
 def fmt(x) -> str:
@@ -613,7 +626,8 @@ def write_table(s: dict, path: Path) -> None:
                   f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
                   "configuration; the target recomputed from each resample of the reference). 'never': not reached "
                   "within the run. Saving = 1 − ours / reference's.", "",
-                  "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
+                  "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) "
+                  "| saving |",
                   "|" + "---|" * 8]
         for c in s["configs"]:
             for f in ("target", "90% of target"):
@@ -622,21 +636,25 @@ def write_table(s: dict, path: Path) -> None:
                     cells += [ci(iv[c][f"{axis}|{f}"]), "—" if c == ref else pct(iv[c][f"saving {axis}|{f}"])]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += ["", f"## Accuracy at equal compute (the compute {ref} used in its whole run)", "",
-                  "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.", "",
+                  "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% "
+                  "interval.", "",
                   "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
                   "|" + "---|" * 5]
         acc = lambda v: "—" if v[1] is None else f"{v[1]:.3f} [{v[0]:.3f}, {v[2]:.3f}]"
         for c in s["configs"]:
-            lines.append("| " + " | ".join([c] + [acc(iv[c][f"{w} at equal {a}"]) for a in ("compute_measured_mu", "compute_paper_mu")
-                                                  for w in ("acc", "pass@k")]) + " |")
-        lines += ["", f"## Decision: >= {s['saving_target']:g}% fewer generated tokens and >= {s['saving_target']:g}% less "
+            cells = [acc(iv[c][f"{w} at equal {a}"]) for a in ("compute_measured_mu", "compute_paper_mu")
+                     for w in ("acc", "pass@k")]
+            lines.append("| " + " | ".join([c] + cells) + " |")
+        target_pct = f"{s['saving_target']:g}%"
+        lines += ["", f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
                   f"compute at the paper's mu, to {ref}'s final median accuracy", "",
                   "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
                   "below it; not resolvable: the interval straddles it (or the target was not reached).", ""]
         for c, d in s["decision"].items():
             lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if s.get("per_seed"):
-        lines += ["", "## Seeds", "", "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
+        lines += ["", "## Seeds", "",
+                  "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
                   "|" + "---|" * 6]
         for c, rows in s["per_seed"].items():
             for r in rows:
@@ -646,8 +664,8 @@ def write_table(s: dict, path: Path) -> None:
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
         lines += ["", "## Learning rate (*)", "",
-                  "Configurations run with several learning rates (and delta_V) keep the one with the best median final "
-                  "greedy accuracy (ties: pass@1, then the smaller lr), chosen "
+                  "Configurations run with several learning rates (and delta_V) keep the one with the best median "
+                  "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
                   + (f"on seeds {', '.join(map(str, tuned))}, which are not reported:" if tuned else
                      "on the same seeds it is reported on:"), ""]
         for c in s["configs"]:
@@ -775,7 +793,9 @@ def report(args: Args) -> dict:
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --out-dir {out})")
     sweep_json = out / "sweep.json"  # the tune seeds that `run` used
-    tune_seeds = args.tune_seeds or (json.loads(sweep_json.read_text()).get("tune_seeds") if sweep_json.exists() else [])
+    tune_seeds = args.tune_seeds
+    if not tune_seeds and sweep_json.exists():
+        tune_seeds = json.loads(sweep_json.read_text()).get("tune_seeds")
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
@@ -818,14 +838,16 @@ def plot_run(run_dir: Path) -> list[Path]:
     k = cfg.get("pass_k", 8)
     R = cfg.get("prompts_per_step", 0) * cfg.get("group_size", 0)
     mu = steps[-1].get("mu")
-    title = (f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, B = {cfg.get('batch_size', '?')}, "
-             f"R = {R or '?'}, k = {cfg.get('publish_every', '?')}, lr {cfg.get('lr', '?')}"
+    title = (f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, "
+             f"B = {cfg.get('batch_size', '?')}, R = {R or '?'}, k = {cfg.get('publish_every', '?')}, "
+             f"lr {cfg.get('lr', '?')}"
              + (f"; measured mu = {mu:.2f}" if mu is not None else ""))
     panels = [("held-out accuracy", [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"),
                                      (f"eval/pass@{k}", f"pass@{k} (T 1)")]),
               ("reward", [("reward", "fresh rollouts"), ("reward_batch", "trained batch")]),
               ("entropy (nats/token)", [("entropy", "trained tokens")]),
-              ("response length (tokens)", [("response_length", "mean"), ("truncated_frac", "truncated fraction (right)")]),
+              ("response length (tokens)", [("response_length", "mean"),
+                                            ("truncated_frac", "truncated fraction (right)")]),
               ("staleness (steps)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
               ("replay ratio", [("replay_ratio", "trained / generated rollouts")])]
     written = []

@@ -26,7 +26,8 @@ import replay_grpo as rg  # noqa: E402
 TINY = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
         "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8",
         "--pass-k", "2", "--eval-every", "0",
-        "--mode", "async", "--num-generators", "1", "--loss", "asymre", "--lr", "1e-3"]  # asymre: nonzero grads at reward 0
+        "--mode", "async", "--num-generators", "1",
+        "--loss", "asymre", "--lr", "1e-3"]  # asymre: nonzero gradients at reward 0
 
 
 def free_port() -> int:
@@ -385,8 +386,10 @@ def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer()
     os.kill(child.pid, signal.SIGKILL)
     child.join(10)
     result = {}
-    publisher = threading.Thread(target=lambda: result.update(ok=box.publish(model.state_dict(), 2, alive=child.is_alive)),
-                                 daemon=True)
+
+    def publish():
+        result.update(ok=box.publish(model.state_dict(), 2, alive=child.is_alive))
+    publisher = threading.Thread(target=publish, daemon=True)
     t0 = time.time()
     publisher.start()
     publisher.join(30)

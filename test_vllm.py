@@ -131,6 +131,14 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
     assert not gen.llm.llm_engine.is_sleeping()
 
 
+def recording(real, name, calls):
+    """`real`, also appending (name, level, tags) of each call to `calls`."""
+    def call(*args, **kwargs):
+        calls.append((name, kwargs.get("level"), kwargs.get("tags")))
+        return real(*args, **kwargs)
+    return call
+
+
 @needs_vllm
 def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wakes_the_kv_cache(tiny, monkeypatch):
     """The colocated order on the engine's own calls: sleep(level=2) before the optimizer step; on publish,
@@ -138,8 +146,7 @@ def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wa
     model, tok, gen, prompts = tiny
     calls = []
     for name in ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache"):
-        real = getattr(gen.llm, name)
-        monkeypatch.setattr(gen.llm, name, lambda *a, _real=real, _name=name, **kw: (calls.append((_name, kw.get("level"), kw.get("tags"))), _real(*a, **kw))[1])
+        monkeypatch.setattr(gen.llm, name, recording(getattr(gen.llm, name), name, calls))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU as far as the cache handling goes
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None, None)))
     monkeypatch.setattr(gen, "sleep_level", 2)

@@ -56,8 +56,10 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     model.train()
     for step in range(1, cfg.sft_warmup_steps + 1):
         examples = task.sample(rng, BATCH_SIZE)
-        seqs = [(rg.render_prompt(tok, ex.prompt), tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-                for ex in examples]
+        seqs = []
+        for ex in examples:
+            solution = tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            seqs.append((rg.render_prompt(tok, ex.prompt), solution))
         loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
