@@ -374,6 +374,18 @@ class Dealer:
         return parts, fresh, failure
 
 
+def add_step_totals(totals: dict, reports: list[dict], batch_size: int, sync_seconds: float) -> float:
+    """Rank 0: one step's trained rollouts and tokens, seconds and skipped-step count into the run totals; returns
+    the step's training seconds (the slowest rank's: it sets the pace)."""
+    train_seconds = max(r["train_seconds"] for r in reports)
+    totals["trained_rollouts"] += batch_size
+    totals["trained_tokens"] += sum(r["stats"]["trained_tokens"] for r in reports)
+    totals["train_seconds"] += train_seconds
+    totals["sync_seconds"] += sync_seconds
+    totals["nonfinite_steps"] += max(r["stats"]["nonfinite"] for r in reports)  # the ranks agree on skipping
+    return train_seconds
+
+
 def merge_sums(per_rank: list[dict]) -> dict:
     """The ranks' rg.batch_sums as the whole batch's."""
     merged = {"reward": 0, "length": 0, "truncated": 0, "staleness": []}
@@ -598,26 +610,11 @@ def train_async(cfg: rg.Args) -> dict:
 
             # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
             if rank == 0:
-                totals["trained_rollouts"] += B
-                totals["trained_tokens"] += sum(r["stats"]["trained_tokens"] for r in reports)
-                totals["train_seconds"] += max(r["train_seconds"] for r in reports)  # the slowest rank sets the pace
-                totals["sync_seconds"] += sync_seconds
-                totals["nonfinite_steps"] += stats["nonfinite"]
-                record = async_record(
-                    step=step,
-                    reports=reports,
-                    totals=totals,
-                    fresh=fresh,
-                    batch_size=B,
-                    T=T,
-                    W=W,
-                    generated_tokens=step_tokens,
-                    queue_depth=pool.depth(),
-                    rollouts_per_rank=list(dealer.dealt),
-                    wait_seconds=wait_seconds,
-                    train_seconds=max(r["train_seconds"] for r in reports),
-                    sync_seconds=sync_seconds,
-                )
+                train_seconds = add_step_totals(totals, reports, batch_size=B, sync_seconds=sync_seconds)
+                record = async_record(step=step, reports=reports, totals=totals, fresh=fresh, batch_size=B, T=T, W=W,
+                                      generated_tokens=step_tokens, queue_depth=pool.depth(),
+                                      rollouts_per_rank=list(dealer.dealt), wait_seconds=wait_seconds,
+                                      train_seconds=train_seconds, sync_seconds=sync_seconds)
                 samples = reports[0]["samples"] if cfg.sample_every and step % cfg.sample_every == 0 else []
                 fresh, step_tokens = [], 0
                 if evaluating:
@@ -630,19 +627,9 @@ def train_async(cfg: rg.Args) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}",
                                 mu=f"{record['mu']:.2f}", queue=record["queue_depth"])
             if evaluating:
-                trainer_state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async",
-                                 "trainers": T}
-                save_async_checkpoint(
-                    run_dir=run_dir,
-                    rank=rank,
-                    policy=policy,
-                    optimizer=optimizer,
-                    shard=shard,
-                    model=evaluator.model if rank == 0 else None,
-                    weights=weights,
-                    tok=tok,
-                    state=trainer_state,
-                )
+                state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
+                save_async_checkpoint(run_dir, rank, policy=policy, optimizer=optimizer, shard=shard, weights=weights,
+                                      model=evaluator.model if rank == 0 else None, tok=tok, state=state)
         if rank == 0:
             bar.close()
             print_summary(totals, T, W)

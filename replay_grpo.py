@@ -1,4 +1,4 @@
-"""replay_grpo.py: GRPO / AsymRE with an experience-replay buffer, in one file.
+"""replay_grpo.py: GRPO / AsymRE with an experience-replay buffer: the method in one file.
 
 Implements "Efficient RL Training for LLMs with Experience Replay" (Arnal et al., arXiv 2604.08706):
 rollouts go into a FIFO buffer of capacity N and each is reused in several gradient steps, so far
@@ -1145,7 +1145,7 @@ def set_rng_state(state: dict) -> None:
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# ===== The run: folder, setup, resume, metrics (both loops) ======================================
+# ===== The run: loading, resuming, records (both loops) ===========================================
 
 COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonfinite_steps", "generated_rollouts",
            "trained_rollouts")

@@ -4,7 +4,7 @@
 - numpy's random stream: vLLM's GPU runner seeds each request from it, simulated by a generator that does so;
 - device placement under an inherited CUDA_VISIBLE_DEVICES, the optimizer state broadcast from rank 0, the
   warm-start cache key, the benchmark's precision and the log-prob matmul path.
-The weight hand-off to a slow generator is tested with the other mailbox tests, in test_async.py.
+The weight hand-off to a slow generator is tested with the other mailbox tests, in test_async_pipeline.py.
 """
 
 import json
