@@ -276,57 +276,58 @@ def test_weight_publish_reaches_a_generator_process():
             child.kill()
 
 
-FSDP_CHECK = r'''
-import copy, sys, torch, torch.distributed as dist
-import async_pipeline as ap, replay_grpo as rg
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", sys.argv[1], "--micro-batch-size", "2", "--lr", "1e-2"])
-model, tok = rg.build_tiny_model(0)  # tied embeddings: the head is the embedding
-g = torch.Generator().manual_seed(0)
-batch = []
-for i in range(8):
-    comp = torch.randint(0, 256, (2 + i % 3,), generator=g).tolist()
-    batch.append(rg.Rollout(torch.randint(0, 256, (3 + i % 4,), generator=g).tolist(), comp,
-                            torch.zeros(len(comp)), float(i % 2), 0.0, 0.5, bool(i % 2), 0, 0, i))
-ref = copy.deepcopy(model)
-model_init = copy.deepcopy(model.state_dict())
-ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
-policy = ap.LogprobPolicy(model)
-for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(policy)
-stats = rg.train_step(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), batch[4 * rank: 4 * rank + 4],
-                      cfg, tok.pad_token_id, 0)
-grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
-losses = [None, None]
-dist.all_gather_object(losses, stats["loss"])
-weights = ap.full_weights(policy)
-if rank == 0:
-    worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
-    assert worst < 1e-6, worst
-    assert abs(stats["grad_norm"] - ref_stats["grad_norm"]) < 1e-5 * ref_stats["grad_norm"], (stats, ref_stats)
-    assert abs(sum(losses) / 2 - ref_stats["loss"]) < 1e-6, (losses, ref_stats)
-    # Adam's first step is ~lr * sign(g): rounding in near-zero gradients moves weights by << lr
-    assert max((weights[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
-    assert max((weights[k] - v).abs().max().item() for k, v in model_init.items()) > 5e-3  # it moved
-    print("FSDP-OK", worst, stats["grad_norm"])
-dist.barrier()  # tear down together: a rank leaving while the other still works aborts in gloo
-dist.destroy_process_group()
-'''
+def fsdp_check(agg: str) -> None:
+    """Run on 2 ranks by the test below (torchrun this_file.py AGG): train_step through LogprobPolicy + fully_shard
+    on B/T rollouts per rank against plain train_step on all B, in one process per rank."""
+    import copy
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", agg, "--micro-batch-size", "2", "--lr", "1e-2"])
+    model, tok = rg.build_tiny_model(0)  # tied embeddings: the head is the embedding
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for i in range(8):
+        completion = torch.randint(0, 256, (2 + i % 3,), generator=g).tolist()
+        prompt = torch.randint(0, 256, (3 + i % 4,), generator=g).tolist()
+        batch.append(rg.Rollout(prompt_ids=prompt, completion_ids=completion,
+                                behaviour_logprobs=torch.zeros(len(completion)), reward=float(i % 2), advantage=0.0,
+                                group_mean=0.5, policy_version=0, group_id=i))
+    ref = copy.deepcopy(model)
+    model_init = copy.deepcopy(model.state_dict())
+    ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
+    policy = ap.LogprobPolicy(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    stats = rg.train_step(policy, optimizer, batch[4 * rank: 4 * rank + 4], cfg, tok.pad_token_id, 0)
+    grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
+    losses = [None, None]
+    dist.all_gather_object(losses, stats["loss"])
+    weights = ap.full_weights(policy)
+    if rank == 0:
+        worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+        assert worst < 1e-6, worst
+        assert abs(stats["grad_norm"] - ref_stats["grad_norm"]) < 1e-5 * ref_stats["grad_norm"], (stats, ref_stats)
+        assert abs(sum(losses) / 2 - ref_stats["loss"]) < 1e-6, (losses, ref_stats)
+        # Adam's first step is ~lr * sign(g): rounding in near-zero gradients moves weights by << lr
+        assert max((weights[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-4
+        assert max((weights[k] - v).abs().max().item() for k, v in model_init.items()) > 5e-3  # it moved
+        print("FSDP-OK", worst, stats["grad_norm"])
+    dist.barrier()  # tear down together: a rank leaving while the other still works aborts in gloo
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
-def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(tmp_path, agg):
+def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(agg):
     """train_step through LogprobPolicy + fully_shard, B/T rollouts per rank (the ranks hold 11 and
     12 completion tokens: token-mean must normalise by the batch's, not the rank's), against plain
     train_step on all B: same gradients (the tied head/embedding included), grad norm, loss and
     updated weights."""
-    script = tmp_path / "fsdp_check.py"
-    script.write_text(FSDP_CHECK)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master-port", str(free_port()), str(script), agg]
+           "--master-port", str(free_port()), __file__, agg]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and "FSDP-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
@@ -456,3 +457,7 @@ def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
     for role in ("trainer rank 0", "generator 0"):
         n = int(omp) if omp else share
         assert f"threads: {role} uses {n} torch thread{'s' * (n > 1)} {why}" in res.stdout, res.stdout[-3000:]
+
+
+if __name__ == "__main__":  # torchrun's workers of test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch
+    fsdp_check(sys.argv[1])
