@@ -51,7 +51,7 @@ def metrics(run_dir):
     return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-# --- the replay buffer ---------------------------------------------------------------------------
+# --- the replay buffer ----------------------------------------------------------------------------
 
 def test_buffer_evicts_oldest_first():
     buf = rg.ReplayBuffer(capacity=5)
@@ -176,7 +176,7 @@ def test_token_weights_sum_to_one_over_the_batch():
     assert w_seq[:3].tolist() == pytest.approx([1 / 12] * 3) and w_seq[3].item() == pytest.approx(1 / 4)
 
 
-# --- the real trainer path -------------------------------------------------------------------------
+# --- the real trainer path ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -345,6 +345,89 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert [r["step"] for r in recs] == list(range(0, stop + 1))
 
 
+def training_records(run_dir):
+    """Every metrics record's training fields (not evaluation, not what the clock measured)."""
+    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+            for r in metrics(run_dir)]
+
+
+def test_evaluating_never_changes_training(tmp_path):
+    """Evaluation samples on its own random streams: --eval-every 1 and 0 train identically."""
+    common = ("--total-steps", "4", "--prompts-per-step", "1", "--buffer-size", "16", "--loss", "asymre")
+    run_main(small_args(tmp_path, "--run-name", "often", "--eval-every", "1", *common))
+    run_main(small_args(tmp_path, "--run-name", "never", "--eval-every", "0", *common))
+    often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
+    assert len(often) == len(never) == 5 and often == never
+    assert sum("eval/greedy_acc" in r for r in metrics(tmp_path / "often")) == 5
+
+
+def coin_verifier(text, gold):
+    """A reward of 1 for a third of the completions, decided by their text (reproducible)."""
+    import zlib
+    return zlib.crc32(text.encode()) % 3 == 0
+
+
+def test_dropping_zero_variance_groups_keeps_on_policy_exactly_on_policy(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", coin_verifier)
+    run_main(small_args(tmp_path, "--run-name", "drop", "--total-steps", "5", "--zero-variance-groups", "drop",
+                        "--loss", "asymre"))
+    assert "(on-policy GRPO)" in capsys.readouterr().out
+    state = torch.load(tmp_path / "drop" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    evicted = state["buffer"]["evicted_uses"]
+    uses = [r["uses"] for r in state["buffer"]["items"]] + [u for u, n in evicted.items() for _ in range(n)]
+    recs = metrics(tmp_path / "drop")[1:]
+    assert recs[-1]["zero_variance_groups"] > 0  # groups were dropped, and made up for
+    assert set(uses) == {1} and len(uses) == 5 * 8  # every surviving rollout trained on exactly once
+    assert all(r["staleness_max"] == 0 for r in recs)
+    assert recs[-1]["generated_rollouts"] > recs[-1]["trained_rollouts"]  # dropped ones are counted
+
+
+def test_dropping_every_group_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
+    err = user_error(capsys, small_args(tmp_path, "--zero-variance-groups", "drop"))
+    assert "--zero-variance-groups drop: the last 50 generation requests" in err and "keep" in err
+
+
+def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
+    """--publish-every 3 with a checkpoint at step 2: the generator still holds the initial weights
+    (version 0); a resumed run must generate with those, as the uninterrupted run does."""
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "3",
+              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "4", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", "--resume", *common))
+    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
+    for a, b in zip(full, cut):
+        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["generator_version"] == 3
+
+
+def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_checkpoint(tmp_path):
+    """--publish-every 2: the checkpoint at step 2 is taken right after a publish (the generator holds the
+    trained weights); resumed, the run's next checkpoint (step 3, between publishes) must still carry the
+    generator's step-2 weights, so that a second resume generates with them as the uninterrupted run does."""
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "2",
+              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "5", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "3", "--resume", *common))
+    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 3 and state["generator_version"] == 2 and state["generator_weights"] is not None
+    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "5", "--resume", *common))
+    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4, 5]
+    for a, b in zip(full, cut):
+        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+
+
+# --- the warm start -------------------------------------------------------------------------------
+
 def test_warm_start_is_cached(tmp_path, capsys):
     args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
     run_main([*args, "--run-name", "a"])
@@ -353,7 +436,74 @@ def test_warm_start_is_cached(tmp_path, capsys):
     assert "warm start" not in capsys.readouterr().out  # loaded from <out-dir>/.warmstart
 
 
-# --- tasks, rewards, tokenizer -------------------------------------------------------------------
+def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys):
+    """Changing --eval-size changes a JSONL task's training split, so the warm start is rebuilt;
+    changing an RL knob (--lr) reuses it."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--sft-warmup-steps", "2",
+                      "--total-steps", "1")
+    run_main([*args, "--run-name", "a", "--eval-size", "4"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out
+    run_main([*args, "--run-name", "b", "--eval-size", "4", "--lr", "3e-4"])
+    assert "warm start" not in capsys.readouterr().out  # same warm start, another RL setting
+    run_main([*args, "--run-name", "c", "--eval-size", "3"])
+    assert "warm start: 2 supervised steps" in capsys.readouterr().out  # another training split
+    cfg = rg.parse_args(["--eval-size", "3"])
+    for f in dataclasses_fields():
+        if f not in warm_start.NOT_WARM_START:  # by exclusion: every other field is in the key
+            other = rg.dataclasses.replace(cfg, **{f: flipped(getattr(cfg, f))})
+            cpu = torch.device("cpu")
+            assert warm_start.warm_start_key(other, cpu) != warm_start.warm_start_key(cfg, cpu), f
+
+
+def dataclasses_fields():
+    return [f.name for f in rg.dataclasses.fields(rg.Args)]
+
+
+def flipped(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return f"{value}-other"
+
+
+def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(warm_start, "CHECK_EVERY", 2)
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)  # every sample is right
+    args = small_args(tmp_path, "--sft-warmup-steps", "50", "--sft-target", "0.9", "--total-steps", "1")
+    run_main([*args, "--run-name", "hit"])
+    first = metrics(tmp_path / "hit")[0]
+    assert first["warmstart_steps"] == 2 and first["warmstart_pass@k"] == 1.0 and first["warmstart_reached"]
+    run_main([*args, "--run-name", "twice", "--sft-patience", "2"])  # one check at the target is not enough
+    first = metrics(tmp_path / "twice")[0]
+    assert first["warmstart_steps"] == 4 and first["warmstart_reached"]
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
+    run_main([*args, "--run-name", "miss", "--sft-warmup-steps", "5"])
+    first = metrics(tmp_path / "miss")[0]
+    assert first["warmstart_steps"] == 5 and first["warmstart_pass@k"] == 0.0 and not first["warmstart_reached"]
+    assert "below --sft-target 0.9" in capsys.readouterr().out
+
+
+def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_path, monkeypatch):
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        if self.param_groups[0]["lr"] >= 1e-3 / 5 - 1e-12:  # the warm start's steps (sft_lr 1e-3), not RL's
+            seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    args = small_args(tmp_path, "--sft-warmup-steps", "5", "--sft-lr", "1e-3", "--total-steps", "1")
+    run_main([*args, "--run-name", "decay", "--sft-lr-decay"])
+    assert seen == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4, 2e-4])  # sft_lr x (1 - done / steps)
+    seen.clear()
+    run_main([*args, "--run-name", "constant", "--no-sft-lr-decay"])  # another warm start (the flag is in its key)
+    assert seen == pytest.approx([1e-3] * 5)
+
+
+# --- tasks, rewards, tokenizer --------------------------------------------------------------------
 
 def test_arith_task_is_seeded_and_splits_are_disjoint():
     cfg = rg.Args(eval_size=50)
@@ -424,7 +574,7 @@ def test_jsonl_task_trains_end_to_end(tmp_path):
     assert metrics(tmp_path / "j")[-1]["step"] == 2
 
 
-# --- bad input -----------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 def test_help_lists_every_flag_with_help():
     out = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), "--help"], capture_output=True,
@@ -507,7 +657,20 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
     assert state["step"] == recs[-1]["step"]  # checkpoints up to the stop survive
 
 
-# --- the planner -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,needle", [
+    (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
+    (["--lr", "-1"], "--lr -1.0: must be a positive number"),
+    (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
+    (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
+    (["--group-size", "0"], "--group-size 0: must be >= 1"),
+    (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
+])
+def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):
+    err = user_error(capsys, small_args(tmp_path, *extra))
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- the planner ----------------------------------------------------------------------------------
 
 def brute_force_optimum(mu, alpha, rho, feasible=lambda x, y: True):
     """Dense log grid over (x, y) with repeated 10x zooms, independent of the closed form."""
@@ -569,7 +732,7 @@ def test_planner_grows_with_mu_and_rejects_bad_input(capsys):
         assert "error: --" in user_error(capsys, ["plan", *bad])
 
 
-# --- fidelity and reliability details ------------------------------------------------------------
+# --- the presets ----------------------------------------------------------------------------------
 
 def test_gpu_presets_count_the_batch_in_rollouts():
     """The paper's B = 60 is rollouts, not prompts; on-policy needs B = R in whole groups: 64."""
@@ -581,186 +744,7 @@ def test_gpu_presets_count_the_batch_in_rollouts():
     assert rg.PlanArgs().batch == 60
 
 
-def training_records(run_dir):
-    """Every metrics record's training fields (not evaluation, not what the clock measured)."""
-    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
-            for r in metrics(run_dir)]
-
-
-def test_evaluating_never_changes_training(tmp_path):
-    """Evaluation samples on its own random streams: --eval-every 1 and 0 train identically."""
-    common = ("--total-steps", "4", "--prompts-per-step", "1", "--buffer-size", "16", "--loss", "asymre")
-    run_main(small_args(tmp_path, "--run-name", "often", "--eval-every", "1", *common))
-    run_main(small_args(tmp_path, "--run-name", "never", "--eval-every", "0", *common))
-    often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
-    assert len(often) == len(never) == 5 and often == never
-    assert sum("eval/greedy_acc" in r for r in metrics(tmp_path / "often")) == 5
-
-
-def coin_verifier(text, gold):
-    """A reward of 1 for a third of the completions, decided by their text (reproducible)."""
-    import zlib
-    return zlib.crc32(text.encode()) % 3 == 0
-
-
-def test_dropping_zero_variance_groups_keeps_on_policy_exactly_on_policy(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(rg.VERIFIERS, "numeric", coin_verifier)
-    run_main(small_args(tmp_path, "--run-name", "drop", "--total-steps", "5", "--zero-variance-groups", "drop",
-                        "--loss", "asymre"))
-    assert "(on-policy GRPO)" in capsys.readouterr().out
-    state = torch.load(tmp_path / "drop" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    evicted = state["buffer"]["evicted_uses"]
-    uses = [r["uses"] for r in state["buffer"]["items"]] + [u for u, n in evicted.items() for _ in range(n)]
-    recs = metrics(tmp_path / "drop")[1:]
-    assert recs[-1]["zero_variance_groups"] > 0  # groups were dropped, and made up for
-    assert set(uses) == {1} and len(uses) == 5 * 8  # every surviving rollout trained on exactly once
-    assert all(r["staleness_max"] == 0 for r in recs)
-    assert recs[-1]["generated_rollouts"] > recs[-1]["trained_rollouts"]  # dropped ones are counted
-
-
-def test_dropping_every_group_stops_with_a_clear_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
-    err = user_error(capsys, small_args(tmp_path, "--zero-variance-groups", "drop"))
-    assert "--zero-variance-groups drop: the last 50 generation requests" in err and "keep" in err
-
-
-def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
-    """--publish-every 3 with a checkpoint at step 2: the generator still holds the initial weights
-    (version 0); a resumed run must generate with those, as the uninterrupted run does."""
-    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "3",
-              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
-    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "4", *common))
-    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
-    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", "--resume", *common))
-    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
-    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
-    for a, b in zip(full, cut):
-        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
-            if k in a:
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    assert state["generator_version"] == 3
-
-
-def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_checkpoint(tmp_path):
-    """--publish-every 2: the checkpoint at step 2 is taken right after a publish (the generator holds the
-    trained weights); resumed, the run's next checkpoint (step 3, between publishes) must still carry the
-    generator's step-2 weights, so that a second resume generates with them as the uninterrupted run does."""
-    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "2",
-              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
-    run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "5", *common))
-    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
-    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "3", "--resume", *common))
-    state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 3 and state["generator_version"] == 2 and state["generator_weights"] is not None
-    run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "5", "--resume", *common))
-    full, cut = training_records(tmp_path / "full"), training_records(tmp_path / "cut")
-    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4, 5]
-    for a, b in zip(full, cut):
-        for k in ("loss", "reward", "grad_norm", "response_length", "generated_tokens"):
-            if k in a:
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-
-
-def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys):
-    """Changing --eval-size changes a JSONL task's training split, so the warm start is rebuilt;
-    changing an RL knob (--lr) reuses it."""
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--sft-warmup-steps", "2",
-                      "--total-steps", "1")
-    run_main([*args, "--run-name", "a", "--eval-size", "4"])
-    assert "warm start: 2 supervised steps" in capsys.readouterr().out
-    run_main([*args, "--run-name", "b", "--eval-size", "4", "--lr", "3e-4"])
-    assert "warm start" not in capsys.readouterr().out  # same warm start, another RL setting
-    run_main([*args, "--run-name", "c", "--eval-size", "3"])
-    assert "warm start: 2 supervised steps" in capsys.readouterr().out  # another training split
-    cfg = rg.parse_args(["--eval-size", "3"])
-    for f in dataclasses_fields():
-        if f not in warm_start.NOT_WARM_START:  # by exclusion: every other field is in the key
-            other = rg.dataclasses.replace(cfg, **{f: flipped(getattr(cfg, f))})
-            cpu = torch.device("cpu")
-            assert warm_start.warm_start_key(other, cpu) != warm_start.warm_start_key(cfg, cpu), f
-
-
-def dataclasses_fields():
-    return [f.name for f in rg.dataclasses.fields(rg.Args)]
-
-
-def flipped(value):
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, (int, float)):
-        return value + 1
-    return f"{value}-other"
-
-
-def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(warm_start, "CHECK_EVERY", 2)
-    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)  # every sample is right
-    args = small_args(tmp_path, "--sft-warmup-steps", "50", "--sft-target", "0.9", "--total-steps", "1")
-    run_main([*args, "--run-name", "hit"])
-    first = metrics(tmp_path / "hit")[0]
-    assert first["warmstart_steps"] == 2 and first["warmstart_pass@k"] == 1.0 and first["warmstart_reached"]
-    run_main([*args, "--run-name", "twice", "--sft-patience", "2"])  # one check at the target is not enough
-    first = metrics(tmp_path / "twice")[0]
-    assert first["warmstart_steps"] == 4 and first["warmstart_reached"]
-    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: False)
-    run_main([*args, "--run-name", "miss", "--sft-warmup-steps", "5"])
-    first = metrics(tmp_path / "miss")[0]
-    assert first["warmstart_steps"] == 5 and first["warmstart_pass@k"] == 0.0 and not first["warmstart_reached"]
-    assert "below --sft-target 0.9" in capsys.readouterr().out
-
-
-def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_path, monkeypatch):
-    seen = []
-    step = torch.optim.AdamW.step
-
-    def recording_step(self, *args, **kwargs):
-        if self.param_groups[0]["lr"] >= 1e-3 / 5 - 1e-12:  # the warm start's steps (sft_lr 1e-3), not RL's
-            seen.append(self.param_groups[0]["lr"])
-        return step(self, *args, **kwargs)
-    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
-    args = small_args(tmp_path, "--sft-warmup-steps", "5", "--sft-lr", "1e-3", "--total-steps", "1")
-    run_main([*args, "--run-name", "decay", "--sft-lr-decay"])
-    assert seen == pytest.approx([1e-3, 8e-4, 6e-4, 4e-4, 2e-4])  # sft_lr x (1 - done / steps)
-    seen.clear()
-    run_main([*args, "--run-name", "constant", "--no-sft-lr-decay"])  # another warm start (the flag is in its key)
-    assert seen == pytest.approx([1e-3] * 5)
-
-
-@pytest.mark.parametrize("extra,needle", [
-    (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
-    (["--lr", "-1"], "--lr -1.0: must be a positive number"),
-    (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
-    (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
-    (["--group-size", "0"], "--group-size 0: must be >= 1"),
-    (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
-])
-def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):
-    err = user_error(capsys, small_args(tmp_path, *extra))
-    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-
-
-def test_the_source_check_names_each_kind_of_violation():
-    """.ci/check_source.py (CI runs it before the tests): long lines, calls with six positional arguments in a source
-    file, citations of files outside the repository and of issue numbers."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
-    found = check.violations(Path("source.py"), code, set())
-    assert found == ["source.py:2: 126 columns (at most 120)",
-                     "source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)"]
-    assert check.violations(Path("test_x.py"), "f(1, 2, 3, 4, 5, 6)\n", set()) == []  # tests may
-    other, issue = "OTHER" + ".md", "issue" + " #12"  # split, or the check would find them in this file
-    found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})
-    assert found == [f"README.md:1: cites {other}, not in the repository", f"README.md:1: cites '{issue}'"]
-    assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
-
-
-# --- what a run shows: samples, console ----------------------------------------------------------
+# --- what a run shows: samples, console -----------------------------------------------------------
 
 def test_samples_are_written_at_evaluations_and_every_sample_every_steps(tmp_path, capsys):
     run_main(small_args(tmp_path, "--run-name", "s", "--total-steps", "4", "--eval-every", "2", "--sample-every", "3",
@@ -793,3 +777,23 @@ def test_a_run_logged_to_a_file_has_no_progress_bar(tmp_path):
     assert res.returncode == 0, text
     assert "\r" not in text and "it/s" not in text and "%|" not in text, text
     assert "step 5 eval:" in text  # the evaluations still show
+
+
+# --- the source rules CI checks -------------------------------------------------------------------
+
+def test_the_source_check_names_each_kind_of_violation():
+    """.ci/check_source.py (CI runs it before the tests): long lines, calls with six positional arguments in a source
+    file, citations of files outside the repository and of issue numbers."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
+    found = check.violations(Path("source.py"), code, set())
+    assert found == ["source.py:2: 126 columns (at most 120)",
+                     "source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)"]
+    assert check.violations(Path("test_x.py"), "f(1, 2, 3, 4, 5, 6)\n", set()) == []  # tests may
+    other, issue = "OTHER" + ".md", "issue" + " #12"  # split, or the check would find them in this file
+    found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})
+    assert found == [f"README.md:1: cites {other}, not in the repository", f"README.md:1: cites '{issue}'"]
+    assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
