@@ -195,7 +195,8 @@ def plan_runs(args: Args, seeds: list[int] | None = None, picks: dict | None = N
                                  f"{config + tag!r}: give one a 'name'")
             for seed in seeds:
                 name = f"{config}{tag}-s{seed}"
-                runs.append({"name": name, "total_steps": cfg.total_steps,
+                runs.append({"name": name, "config": config, "variant": tag, "seed": seed,
+                             "total_steps": cfg.total_steps,
                              "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
     return runs
 
@@ -240,6 +241,9 @@ def execute(args: Args, runs: list[dict]) -> list[str]:
             argv = argv + ["--resume"]
         if status == "broken":
             shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)  # what the report groups it by, written when it is planned
+        planned = {"config": r["config"], "variant": r["variant"], "seed": r["seed"]}
+        (run_dir / PLANNED).write_text(json.dumps(planned))
         if args.subprocess:
             code = subprocess.run([sys.executable, str(TRAINER), *argv]).returncode
         else:
@@ -297,6 +301,7 @@ def run(args: Args) -> None:
 # report: load, group over seeds, pick the lr, table, figures
 # ----------------------------------------------------------------------------------------------
 
+PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and seed, as `run` planned them
 VARIANT = r"(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)"  # -lr0.0001, -dv-0.1, both or none
 RUN_NAME = re.compile(r"(?P<config>.+?)" + VARIANT + r"-s(?P<seed>\d+)")
 
@@ -352,9 +357,13 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
             if not quiet:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
-        m = RUN_NAME.fullmatch(run_dir.name)
-        runs.append({"name": run_dir.name, "config": m["config"] if m else run_dir.name,
-                     "variant": m["variant"] if m else "", "seed": cfg["seed"], "cfg": cfg, "records": records})
+        if (run_dir / PLANNED).exists():
+            planned = read_json(run_dir / PLANNED)
+        else:  # a folder from before sweep_run.json: its name says it
+            m = RUN_NAME.fullmatch(run_dir.name)
+            planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
+        runs.append({"name": run_dir.name, "config": planned["config"], "variant": planned["variant"],
+                     "seed": cfg["seed"], "cfg": cfg, "records": records})
     return runs
 
 

@@ -69,6 +69,14 @@ def test_smoke_grid_names_and_all_runs_finished(study):
     assert got == (16, 1, 8, 3e-3, 1)
 
 
+def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(study, tmp_path):
+    planned = json.loads((study["out"] / "N16-R4-grpo-lr0.003-s1" / sweep.PLANNED).read_text())
+    assert planned == {"config": "N16-R4-grpo", "variant": "-lr0.003", "seed": 1}
+    shutil.copytree(study["out"] / "N16-R4-grpo-lr0.003-s1", tmp_path / "renamed")  # a name no regex can parse
+    (run,) = sweep.load_runs(tmp_path)
+    assert (run["config"], run["variant"], run["seed"]) == ("N16-R4-grpo", "-lr0.003", 1)
+
+
 def test_interrupted_run_is_resumed_not_restarted(study):
     lines = (study["out"] / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
     assert lines[:3] == study["interrupted"]  # steps 0-2 kept byte for byte (timings would differ)
