@@ -46,10 +46,14 @@ TRAINER = Path(__file__).resolve().parent / "replay_grpo.py"
 
 @dataclass
 class Args:
-    """Run a grid of replay-GRPO configurations x seeds (`run`), or tabulate and plot it (`report`)."""
+    """Run a grid of replay-GRPO configurations x seeds (`run`), tabulate and plot it (`report`), or plot one run
+    (`plot RUN_FOLDER`)."""
 
-    mode: tyro.conf.Positional[Literal["run", "report"]]
-    """run: train every (configuration, lr, seed) not finished yet; report: table and figures."""
+    mode: tyro.conf.Positional[Literal["run", "report", "plot"]]
+    """run: train every (configuration, lr, seed) not finished yet; report: table and figures; plot: one run's
+    curves, into its folder."""
+    run_folder: tyro.conf.Positional[str | None] = None
+    """plot: the run folder (runs/NAME)."""
     out_dir: str = "runs/study"
     """folder holding the run folders; the report's table.md, summary.json and PNGs go here too."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -893,16 +897,18 @@ def plot_run(run_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plot"]:  # python sweep.py plot runs/NAME
-        if len(argv) != 2:
-            raise SystemExit("usage: python sweep.py plot RUN_FOLDER")
-        return plot_run(Path(argv[1]))
     extra = []
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1:]
     args = tyro.cli(Args, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0])
     args.extra = extra
+    if args.mode == "plot":
+        if args.run_folder is None:
+            raise SystemExit("usage: python sweep.py plot RUN_FOLDER")
+        return plot_run(Path(args.run_folder))
+    if args.run_folder is not None:
+        raise SystemExit(f"error: sweep.py {args.mode} takes no run folder ({args.run_folder}); did you mean plot?")
     return run(args) if args.mode == "run" else report(args)
 
 
