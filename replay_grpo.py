@@ -49,14 +49,11 @@ class PipelineError(RuntimeError):
 
 # ===== Config =====================================================================================
 
-PresetName = Literal["cpu", "cpu-study", "gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b",
-                     "math-qwen2.5-7b"]
-
 @dataclass
 class Args:
     """GRPO / AsymRE with an experience-replay buffer. --preset picks every flag's default; later flags override it."""
 
-    preset: PresetName = "cpu"  # every flag's defaults: cpu (offline, minutes on 2 cores), cpu-study, GPU models
+    preset: PresetName = "cpu"  # a named set of every flag's defaults (PRESETS below); later flags override it
     # --- the method (the paper's symbols) ---
     group_size: int = 16  # G: completions per prompt; the GRPO advantage is the reward's z-score within its group
     prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step (async: a request)
@@ -151,6 +148,7 @@ PRESETS: dict[str, Args] = {
     "math-qwen2.5-7b": Args(preset="math-qwen2.5-7b", model="Qwen/Qwen2.5-7B", task="math", max_new_tokens=1024,
                             lr=6e-8, micro_batch_size=4, **GPU),
 }
+PresetName = Literal[tuple(PRESETS)]  # the --preset choices (Args reads its annotation when a command line is parsed)
 
 
 def validate(cfg: Args) -> None:
