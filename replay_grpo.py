@@ -22,8 +22,21 @@ the synchronous loop alternates generation and training, the paper's W/T split i
 
 from __future__ import annotations
 
-import contextlib, copy, dataclasses, itertools, json, logging, math, os, random, re, shutil, signal, sys
-import tempfile, threading, time
+import contextlib
+import copy
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
