@@ -115,7 +115,7 @@ def test_a_kill_inside_the_rewrite_of_the_records_loses_nothing(tmp_path, monkey
 def test_a_fresh_start_never_appends_to_a_killed_runs_records(tmp_path, capsys, monkeypatch):
     def killed(*args, **kwargs):  # killed before its first checkpoint
         raise KeyboardInterrupt
-    monkeypatch.setattr(rg, "save_checkpoint", killed)
+    monkeypatch.setattr(rg.run_folder, "save_checkpoint", killed)
     with pytest.raises(SystemExit):
         rg.main(small_args(tmp_path, "--run-name", "k"))
     monkeypatch.undo()
