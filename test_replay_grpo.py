@@ -639,8 +639,8 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
 
     def poisoned(self, *a, **kw):
         groups = real(self, *a, **kw)
-        calls["n"] += a[-1]  # generation for training (with behaviour log-probs), not eval
-        if a[-1] and calls["n"] > 2:
+        calls["n"] += kw["logprobs"]  # generation for training (with behaviour log-probs), not eval
+        if kw["logprobs"] and calls["n"] > 2:
             for g in groups:
                 for s in g:
                     if s.logprobs is not None:
