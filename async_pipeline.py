@@ -588,8 +588,7 @@ def train_async(cfg: rg.Args) -> dict:
             policy.train()
             stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
             report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
-                      "since_last": since_last_use, "buffer_size": len(shard), "evicted_uses": shard.evicted_uses,
-                      "samples": rg.sample_rows(tok, batch, step) if rank == 0 else []}  # rank 0's are logged
+                      "since_last": since_last_use, "buffer_size": len(shard), "evicted_uses": shard.evicted_uses}
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
             step += 1  # the policy version of the updated weights
@@ -615,7 +614,7 @@ def train_async(cfg: rg.Args) -> dict:
                                       generated_tokens=step_tokens, queue_depth=pool.depth(),
                                       rollouts_per_rank=list(dealer.dealt), wait_seconds=wait_seconds,
                                       train_seconds=train_seconds, sync_seconds=sync_seconds)
-                samples = reports[0]["samples"] if cfg.sample_every and step % cfg.sample_every == 0 else []
+                samples = rg.sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
                 fresh, step_tokens = [], 0
                 if evaluating:
                     last_eval, eval_samples = rg.evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)

@@ -473,7 +473,8 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     # GPT-2's reversible byte -> printable character map, what ByteLevel pre-tokenizers use
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
     chars = bs[:] + [256 + n for n in range(256 - len(bs))]
     bs += [b for b in range(256) if b not in bs]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -1218,11 +1219,13 @@ def report_skipped(skipped: dict, rank: int = 0) -> None:
         print("prompts longer than the model's context less --max-new-tokens are skipped: " +
               ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items()))
 
-def sample_rows(tok, batch: list[Rollout], step: int) -> list[dict]:
-    """A few trained rollouts as text, with what the loss saw of them."""
+def sample_rows(tok, batch: list[Rollout]) -> list[dict]:
+    """A few rollouts of the batch just trained on, as text, with what the loss saw of them (staleness: the step
+    that used them, last_use_step, less the version that generated them)."""
     return [{"source": "train", "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True), "gold": r.answer,
              "completion": tok.decode(r.completion_ids, skip_special_tokens=True), "reward": r.reward,
-             "advantage": r.advantage, "staleness": step - r.policy_version, "truncated": r.truncated}
+             "advantage": r.advantage, "staleness": r.last_use_step - r.policy_version,
+             "truncated": r.truncated}
             for r in batch[:SAMPLES]]
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
@@ -1329,7 +1332,7 @@ def train(cfg: Args) -> dict:
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
         train_seconds = time.perf_counter() - t0
-        sums, rows = batch_sums(batch, step), sample_rows(tok, batch, step)
+        sums = batch_sums(batch, step)
         step += 1  # the policy version of the updated weights
         nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
         totals["nonfinite_steps"] += stats["nonfinite"]
@@ -1366,7 +1369,7 @@ def train(cfg: Args) -> dict:
             peak_memory_gib=peak_memory,
         )
         evaluating = step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)
-        samples = rows if cfg.sample_every and step % cfg.sample_every == 0 else []
+        samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
         if evaluating:
             eval_gen = generator if generator.policy_version == step else HFGenerator(model, tok)  # trained weights
             last_eval, eval_samples = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step)

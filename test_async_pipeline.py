@@ -120,11 +120,19 @@ def metrics(run_dir: Path) -> list[dict]:
 def two_rank_run(tmp_path_factory):
     """T = 2 trainer ranks (torchrun, FSDP2), W = 1 generator, 6 steps, publish every step."""
     out = tmp_path_factory.mktemp("async")
-    run = Run(torchrun(2, "--total-steps", "6", "--out-dir", str(out), "--run-name", "t2"))
+    run = Run(torchrun(2, "--total-steps", "6", "--sample-every", "3", "--out-dir", str(out), "--run-name", "t2"))
     rc, log = run.finish(timeout=240)
     assert rc == 0, log[-4000:]
     assert len(run.seen) >= 4, run.seen  # 2 ranks + a generator at least (+ mp's resource tracker)
     return out / "t2", log
+
+
+def test_two_ranks_write_rank_0s_trained_samples_every_sample_every_steps(two_rank_run):
+    run_dir, _ = two_rank_run
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["source"] == "train"]
+    assert sorted({r["step"] for r in train}) == [3, 6] and len(train) == 2 * rg.SAMPLES
+    assert all(r["staleness"] >= 0 and r["gold"] and "advantage" in r for r in train)
 
 
 def test_two_ranks_train_on_evenly_dealt_stale_rollouts(two_rank_run):
