@@ -43,6 +43,27 @@ def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
     return records
 
 
+def compare(before: list[list[dict]], after: list[list[dict]], added: set[str]) -> int:
+    """Print every value that differs between the two versions' records (skipping the clock's keys, and the keys
+    in `added` where only the new records have them); return how many differ."""
+    differences = 0
+    for command, old, new in zip(COMMANDS, before, after):
+        compared = 0
+        if len(old) != len(new):
+            print(f"{' '.join(command)}: {len(old)} records before, {len(new)} after")
+            differences += 1
+        for a, b in zip(old, new):
+            for key in sorted(set(a) | set(b)):
+                if timing(key) or (key in added and key not in a):
+                    continue
+                compared += 1
+                if a.get(key, "<missing>") != b.get(key, "<missing>"):
+                    differences += 1
+                    print(f"step {a.get('step')}: {key}: {a.get(key, '<missing>')!r} -> {b.get(key, '<missing>')!r}")
+        print(f"{' '.join(command)}: {len(new)} records, {compared} values compared")
+    return differences
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision to compare the working tree with")
@@ -59,21 +80,7 @@ def main() -> int:
         before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after")
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=ROOT, capture_output=True)
-    differences = 0
-    for args, old, new in zip(COMMANDS, before, after):
-        compared = 0
-        if len(old) != len(new):
-            print(f"{' '.join(args)}: {len(old)} records before, {len(new)} after")
-            differences += 1
-        for a, b in zip(old, new):
-            for key in sorted(set(a) | set(b)):
-                if timing(key) or (key in args.added and key not in a):
-                    continue
-                compared += 1
-                if a.get(key, "<missing>") != b.get(key, "<missing>"):
-                    differences += 1
-                    print(f"step {a.get('step')}: {key}: {a.get(key, '<missing>')!r} -> {b.get(key, '<missing>')!r}")
-        print(f"{' '.join(args)}: {len(new)} records, {compared} values compared")
+    differences = compare(before, after, added=set(args.added))
     print("identical" if differences == 0 else f"{differences} differences")
     return 0 if differences == 0 else 1
 

@@ -296,3 +296,16 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
     assert after["3"] == times["3"] and after["4"] != times["4"]
     assert again[1]["end"] == rows[1]["end"]
     assert len(records(tmp_path / "4" / "run")) == len(records(tmp_path / "3" / "run"))
+
+
+# --- compare_metrics.py: the comparison of two versions' records ---------------------------------
+
+def test_compare_metrics_counts_differences_skipping_the_clock_and_the_keys_new_on_purpose(capsys):
+    import compare_metrics
+    old = [[{"step": 1, "loss": 0.5, "train_seconds": 1.0}]] * len(compare_metrics.COMMANDS)
+    new = [[{"step": 1, "loss": 0.5, "train_seconds": 2.0, "replay_hist": {"1": 8}}]] * len(compare_metrics.COMMANDS)
+    assert compare_metrics.compare(old, new, added={"replay_hist"}) == 0  # seconds and the new key are not compared
+    assert compare_metrics.compare(old, new, added=set()) == len(compare_metrics.COMMANDS)  # a key appeared
+    changed = [[{"step": 1, "loss": 0.25, "train_seconds": 1.0}]] * len(compare_metrics.COMMANDS)
+    assert compare_metrics.compare(old, changed, added={"replay_hist"}) == len(compare_metrics.COMMANDS)
+    assert "step 1: loss: 0.5 -> 0.25" in capsys.readouterr().out
