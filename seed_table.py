@@ -61,7 +61,9 @@ def run_seed(args: Args, seed: int) -> float:
                "--out-dir", str(folder), "--run-name", "run", *args.extra]
     print(f"seed {seed}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+    if code:  # the trainer printed why on stderr
+        raise SystemExit(f"error: seed {seed}: replay_grpo.py exited with code {code}")
     return time.perf_counter() - start
 
 
