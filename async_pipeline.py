@@ -312,7 +312,7 @@ def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.Repla
     if rank == 0:
         run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
-    own = {"buffer": shard.state_dict(), "rng": rg.rng_state()}
+    own = {"buffer": shard.state_dict(), "rng": rg.run_folder.rng_state()}
     torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -482,7 +482,7 @@ def resume_async(state: dict, ckpt: Path, rank: int, policy, optimizer, shard: r
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
     own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
     shard.load_state_dict(own["buffer"])
-    rg.set_rng_state(own["rng"])
+    rg.run_folder.set_rng_state(own["rng"])
     state = split_old_counters(state)
     totals.update(state["totals"])
     return state["step"], state["dealing"]

@@ -51,6 +51,7 @@ import tyro
 
 import kernels
 import run_folder
+import task_data
 from run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
 
 
@@ -295,93 +296,50 @@ def count_arith_problems(cfg: Args, is_eval) -> None:
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
-def read_jsonl(path: str) -> list[Example]:
-    """{"prompt": str, "answer": str or number, "solution": optional str} per line; one line names a bad one."""
-    if not Path(path).is_file():
-        raise UserError(f"--data-path {path}: no such file")
-    out = []
-    for lineno, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
-            raise UserError(f'{path}:{lineno}: each line needs "prompt" and "answer" keys, '
-                            f"got {sorted(row) if isinstance(row, dict) else type(row).__name__}")
-        for key, kinds in (("prompt", (str,)), ("answer", (str, int, float)), ("solution", (str,))):
-            value = row.get(key, "")
-            if not isinstance(value, kinds) or isinstance(value, bool):
-                raise UserError(f'{path}:{lineno}: "{key}" must be {" or ".join(k.__name__ for k in kinds)}, got '
-                                f"{json.dumps(value)[:40]}")
-        out.append(Example(row["prompt"], str(row["answer"]), row.get("solution", str(row["answer"]))))
-    if not out:
-        raise UserError(f"{path}: the data set is empty")
-    return out
+def gsm8k_example(row: dict) -> Example:
+    """GSM8K's answer is a rationale, then '#### <number>'."""
+    rationale, _, final = row["answer"].rpartition("####")
+    final = final.strip()
+    solution = rationale.strip() + f"\nThe final answer is \\boxed{{{final}}}."
+    return Example(prompt=row["question"] + MATH_INSTRUCTION, answer=final.replace(",", ""), solution=solution)
 
-def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None, columns: tuple[str, ...]) -> list:
-    """Rows from the hub (users with a network) or a local copy (--data-path): a folder saved by
-    `datasets`, a folder of <split>.jsonl / .parquet files, or one such file. Every row must hold each of
-    `columns` as text."""
-    import datasets
-    datasets.disable_progress_bars()  # the console shows the run, not the loader
-    where = f"--data-path {local}" if local else f"hub data set {hub_id}"
-    try:
-        if local and (Path(local) / "dataset_dict.json").exists():
-            rows = list(datasets.load_from_disk(local)[split])
-        elif local and Path(local).is_file():
-            rows = list(datasets.load_dataset(Path(local).suffix.lstrip(".").replace("jsonl", "json"),
-                                              data_files={split: local}, split=split))
-        else:
-            rows = list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
-    except Exception as e:  # the hub, a missing file: one clear line either way
-        where += "" if local else " (needs a network)"
-        raise UserError(f"could not load split '{split}' from {where}: {type(e).__name__}: {e}") from None
-    for i, row in enumerate(rows):
-        bad = [c for c in columns if not isinstance(row.get(c), str)]
-        if bad:
-            raise UserError(f"{where}, split '{split}', row {i}: the task needs the text columns {', '.join(columns)}; "
-                            f"{', '.join(bad)} is missing or not text (columns: {', '.join(sorted(row))})")
-    return rows
+def math_example(row: dict) -> Example:
+    """MATH's answer is its own column (MATH-500) or the solution's last \\boxed{} (MATH-lighteval)."""
+    answer = row.get("answer") or last_boxed(row["solution"]) or ""
+    return Example(prompt=row["problem"] + MATH_INSTRUCTION, answer=answer, solution=row["solution"])
 
 def make_task(cfg: Args) -> Task:
+    """--task: arith draws its problems from a generator; the others draw rows of a data set (task_data.py)."""
     if cfg.task == "arith":
         return make_arith_task(cfg)
     if cfg.task == "jsonl":
-        rows = read_jsonl(cfg.data_path)
+        rows = [Example(**row) for row in task_data.read_jsonl(cfg.data_path)]
         if len(rows) < 2:
             raise UserError(f"{cfg.data_path}: needs at least 2 lines to hold one out")
-        idx = list(range(len(rows)))
-        random.Random(cfg.seed).shuffle(idx)
+        order = list(range(len(rows)))
+        random.Random(cfg.seed).shuffle(order)
         n_eval = min(cfg.eval_size, max(1, len(rows) // 10))
-        train, test, verifier = [rows[i] for i in idx[n_eval:]], [rows[i] for i in idx[:n_eval]], "math"
+        test = [rows[i] for i in order[:n_eval]]
+        train = [rows[i] for i in order[n_eval:]]
+        verifier = "math"
     elif cfg.task == "gsm8k":
-        def example(row):
-            rationale, _, final = row["answer"].rpartition("####")
-            return Example(row["question"] + MATH_INSTRUCTION, final.strip().replace(",", ""),
-                           rationale.strip() + f"\nThe final answer is \\boxed{{{final.strip()}}}.")
-        columns = ("question", "answer")
-        train = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "train", cfg.data_path, columns)]
-        test = [example(r) for r in load_hf_rows("openai/gsm8k", "main", "test", cfg.data_path, columns)]
+        gsm8k = dict(hub_id="openai/gsm8k", config="main", local=cfg.data_path, columns=("question", "answer"))
+        train = [gsm8k_example(row) for row in task_data.load_hf_rows(split="train", **gsm8k)]
+        test = [gsm8k_example(row) for row in task_data.load_hf_rows(split="test", **gsm8k)]
         verifier = "numeric"
     else:
-        def example(row):
-            answer = row.get("answer") or last_boxed(row["solution"]) or ""
-            return Example(row["problem"] + MATH_INSTRUCTION, answer, row["solution"])
         columns = ("problem", "solution")
-        rows = load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", cfg.data_path, columns)
-        train = [example(r) for r in rows]
-        test = [example(r) for r in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", cfg.data_path, columns)]
+        train_rows = task_data.load_hf_rows(hub_id="DigitalLearningGmbH/MATH-lighteval", config="default",
+                                            split="train", local=cfg.data_path, columns=columns)
+        test_rows = task_data.load_hf_rows(hub_id="HuggingFaceH4/MATH-500", config=None, split="test",
+                                           local=cfg.data_path, columns=columns)
+        train = [math_example(row) for row in train_rows]
+        test = [math_example(row) for row in test_rows]
         verifier = "math"
 
     def draw(rng: random.Random) -> Example:
         return train[rng.randrange(len(train))]
-    return Task(cfg.task, draw, test[: cfg.eval_size], verifier, train)
+    return Task(name=cfg.task, draw=draw, eval=test[: cfg.eval_size], verifier=verifier, train=train)
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in text, braces balanced."""
@@ -1029,17 +987,6 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if state.get("numpy") is not None:  # absent from checkpoints of older versions
-        np.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 # ===== The run: loading, resuming, records (both loops) ===========================================
 
@@ -1178,7 +1125,7 @@ def train(cfg: Args) -> dict:
         task_rng.setstate(state["task_rng"])
         totals.update(state.get("totals", state.get("counters")))  # "counters" in older checkpoints
         step, next_group_id = state["step"], state["next_group_id"]
-        set_rng_state(state["rng"])
+        run_folder.set_rng_state(state["rng"])
     runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
 
     on_policy = "  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""
@@ -1278,7 +1225,7 @@ def train(cfg: Args) -> dict:
                 "task_rng": task_rng.getstate(),
                 "totals": totals,
                 "buffer": buffer.state_dict(),
-                "rng": rng_state(),
+                "rng": run_folder.rng_state(),
                 "generator_version": generator.policy_version,
                 "generator_weights": published if lagging else None,
             }

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -188,6 +189,24 @@ def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_st
     if swap:
         swap_in_checkpoint(run_dir)
 
+
+def rng_state() -> dict:
+    """Every random stream a run draws from, for its checkpoint: torch's (CPU and CUDA), numpy's and `random`."""
+    import numpy as np
+    import torch
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if state.get("numpy") is not None:  # absent from checkpoints of older versions
+        np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 class RunLog:
     """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
