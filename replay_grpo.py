@@ -251,7 +251,8 @@ def make_arith_task(cfg: Args) -> Task:
         for t in terms[1:]:
             steps.append(f"{value}+{t}={value + t}")
             text, value = f"{text}+{t}", value + t
-        return text + "=", value, ", ".join(steps) if len(steps) > 1 else str(value)
+        worked = ", ".join(steps) if len(steps) > 1 else str(value)  # a sum of two: just the answer
+        return text + "=", value, worked
 
     def is_eval(text: str) -> bool:
         return zlib.crc32(text.encode()) % 10 == 0
@@ -416,9 +417,11 @@ def report_precision(device: torch.device, write=print) -> None:
     if dtype == torch.float32:
         return
     path, slow = kernels.matmul_path(device, dtype)
-    write(f"precision: fp32 master weights and Adam state, {str(dtype).removeprefix('torch.')} compute; log-prob "
-          f"tiles: {path}" + (" -- the slow path (about 10x): a torch with mm(..., out_dtype=float32) avoids it"
-                              if slow else ""))
+    line = f"precision: fp32 master weights and Adam state, {str(dtype).removeprefix('torch.')} compute; "
+    line += f"log-prob tiles: {path}"
+    if slow:
+        line += " -- the slow path (about 10x): a torch with mm(..., out_dtype=float32) avoids it"
+    write(line)
 
 def autocast(device: torch.device):
     """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
@@ -477,7 +480,8 @@ def load_pretrained(name: str, dtype: torch.dtype):
     if name.endswith(".gguf"):
         if not Path(name).is_file():
             raise UserError(f"--model {name}: no such .gguf file")
-        kwargs["gguf_file"], name = Path(name).name, str(Path(name).parent)
+        kwargs["gguf_file"] = Path(name).name
+        name = str(Path(name).parent)
     try:
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
@@ -494,8 +498,10 @@ def load_pretrained(name: str, dtype: torch.dtype):
             config.__dict__.pop(attr, None)
         plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
         plain.load_state_dict(model.state_dict())
-        plain.generation_config, model = model.generation_config, plain
-    tok.pad_token, tok.padding_side = tok.pad_token or tok.eos_token, "left"
+        plain.generation_config = model.generation_config
+        model = plain
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
     return model, tok
 
 def render_prompt(tok, text: str) -> list[int]:
@@ -578,7 +584,8 @@ def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     device = ids.device
     with autocast(device):
         hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    sel, head = targets != -100, model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
+    sel = targets != -100  # the completion tokens' positions
+    head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
     dtype = compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # the head in the compute dtype
     return kernels.token_logprobs(hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature,
                                   return_entropy=entropy)
@@ -595,7 +602,9 @@ class Sample:
 def stop_token_ids(model, tok) -> list[int]:
     """The tokenizer's eos plus any the model's generation config lists (Qwen: <|im_end|>, <|endoftext|>)."""
     ids = model.generation_config.eos_token_id
-    return sorted(set([] if ids is None else [ids] if isinstance(ids, int) else ids) | {tok.eos_token_id})
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted(set(ids or []) | {tok.eos_token_id})
 
 class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
@@ -606,7 +615,8 @@ class HFGenerator:
         device = next(model.parameters()).device
         self.model = copy.deepcopy(model).to(compute_dtype(device)).eval().requires_grad_(False)  # a bf16 copy on GPUs
         self.policy_version = 0
-        self.pad_id, self.eos_ids = tok.pad_token_id, stop_token_ids(model, tok)
+        self.pad_id = tok.pad_token_id
+        self.eos_ids = stop_token_ids(model, tok)
         # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
         # would otherwise change the sampled distribution behind the behaviour log-probs' back.
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
@@ -632,17 +642,26 @@ class HFGenerator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        sampling, device = temperature > 0, next(self.model.parameters()).device
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        if temperature > 0:  # top_k=0: no top-k cut, so the sampled distribution is the one the log-probs score
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        else:
+            sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        device = next(self.model.parameters()).device
         seqs = self.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            do_sample=sampling, temperature=temperature if sampling else None, top_p=top_p if sampling else None,
-            top_k=0 if sampling else None, num_return_sequences=n, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+            **sampling,
         )[:, width:].tolist()
         samples = []
         for row in seqs:  # keep the stop token (it was sampled and is trained on), drop the padding
             cut = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
-            samples.append(Sample(row[:cut] if cut else row, None, cut is None))
+            samples.append(Sample(completion_ids=row[:cut] if cut else row, logprobs=None, truncated=cut is None))
         if logprobs:
             pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
             lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0)
@@ -764,7 +783,8 @@ class ReplayBuffer:
     sample(B, step) draws B distinct rollouts uniformly, removes nothing, and counts each use."""
 
     def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0):
-        self.capacity, self.n_protected = capacity, int(round(positive_bias * capacity))
+        self.capacity = capacity
+        self.n_protected = int(round(positive_bias * capacity))
         if capacity - self.n_protected < 1:
             raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh "
                              "rollouts")
@@ -811,7 +831,8 @@ class ReplayBuffer:
                 "rng": self.rng.getstate(), "evicted_uses": dict(self.evicted_uses)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.capacity, self.n_protected = state["capacity"], state["n_protected"]
+        self.capacity = state["capacity"]
+        self.n_protected = state["n_protected"]
         known = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints also stored correct, birth_step
         self.items = deque(Rollout(**{k: v for k, v in r.items() if k in known}) for r in state["items"])
         self.rng.setstate(state["rng"])
@@ -1015,7 +1036,9 @@ def cpu_copy(state_dict: dict) -> dict:
 def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict | None) -> dict:
     """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
     metrics, samples = evaluate(generator, tok, task, cfg, seed=cfg.seed)
-    warm_start = {} if warm is None else {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
+    warm_start = {}
+    if warm is not None:
+        warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
     runlog.log({"step": 0, **metrics, **warm_start}, samples)
     print_eval(print, 0, metrics, samples)
     return metrics
@@ -1144,7 +1167,9 @@ def train(cfg: Args) -> dict:
         fresh: list[Rollout] = []
         tokens_before = totals["generated_tokens"]
         while len(fresh) < R or len(buffer) < B:
-            prompts = (R - len(fresh)) // cfg.group_size if len(fresh) < R else cfg.prompts_per_step
+            prompts = cfg.prompts_per_step  # the buffer still lacks a batch
+            if len(fresh) < R:
+                prompts = (R - len(fresh)) // cfg.group_size  # the groups still missing
             examples = task.sample(task_rng, prompts)
             new, counts = make_rollouts(generator, tok, task, examples, cfg, next_group_id=next_group_id)
             add_counts(totals, counts)

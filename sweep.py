@@ -45,48 +45,61 @@ TRAINER = Path(__file__).resolve().parent / "replay_grpo.py"
 
 
 @dataclass
-class Args:
-    """Run a grid of replay-GRPO configurations x seeds (`run`), tabulate and plot it (`report`), or plot one run
-    (`plot RUN_FOLDER`)."""
+class RunArgs:
+    """Train every (configuration, lr, seed) of a grid that is not finished yet (a finished run is skipped)."""
 
-    mode: tyro.conf.Positional[Literal["run", "report", "plot"]]
-    """run: train every (configuration, lr, seed) not finished yet; report: table and figures; plot: one run's
-    curves, into its folder."""
-    run_folder: tyro.conf.Positional[str | None] = None
-    """plot: the run folder (runs/NAME)."""
     out_dir: str = "runs/study"
-    """folder holding the run folders; the report's table.md, summary.json and PNGs go here too."""
+    """folder of the run folders."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """run: the reported seeds of every configuration (the paper reports median and IQR over >= 4)."""
+    """the reported seeds of every configuration (the paper reports median and IQR over >= 4)."""
     tune_seeds: list[int] = field(default_factory=list)
-    """run: seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried;
-    only the best one (median final greedy accuracy) is then run on --seeds, so the reported seeds
-    never choose their own learning rate. Empty: every variant runs on --seeds."""
+    """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
+    (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
+    learning rate. Empty: every variant runs on --seeds."""
     grid: Literal["study", "cpu", "smoke"] = "study"
-    """run: which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first
-    study, on --preset cpu; smoke: 2 tiny configs)."""
+    """which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first study, on
+    --preset cpu; smoke: 2 tiny configs)."""
     only: list[str] = field(default_factory=list)
-    """run: only configurations whose name contains one of these strings (none given: all)."""
+    """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
-    """run: start each run as `python replay_grpo.py ...` instead of calling it in this process
-    (frees all memory between runs; worth it on GPU)."""
-    reference: str | None = None
-    """report: configuration that savings are measured against (default: the on-policy GRPO one,
-    N = B = R published every step)."""
-    paper_mu: float = 5.28
-    """report: the paper's generation/training cost ratio, for the second compute axis."""
-    report_dir: str | None = None
-    """report: where table.md, summary.json and the figures go (default: --out-dir)."""
-    saving_target: float = 30.0
-    """report: the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu)
-    whose attainment the report decides with bootstrap 90% intervals."""
+    """start each run as `python replay_grpo.py ...` instead of calling it in this process (frees all memory
+    between runs; worth it on GPU)."""
     extra: list[str] = field(default_factory=list)
-    """run: trainer flags for every run, e.g. --extra --total-steps 50 --lr 1e-4. Must come last:
-    everything after --extra goes to replay_grpo.py verbatim. Flags set by a grid entry win."""
+    """trainer flags for every run, e.g. --extra --total-steps 50 --lr 1e-4. Must come last: everything after
+    --extra goes to replay_grpo.py verbatim. Flags set by a grid entry win."""
+
+
+@dataclass
+class ReportArgs:
+    """The table (table.md), summary.json and figures of the finished runs in --out-dir."""
+
+    out_dir: str = "runs/study"
+    """folder of the run folders."""
+    report_dir: str | None = None
+    """where table.md, summary.json and the figures go (default: --out-dir)."""
+    tune_seeds: list[int] = field(default_factory=list)
+    """seeds that chose a learning rate and are not reported (default: those `run` recorded in sweep.json)."""
+    reference: str | None = None
+    """configuration that savings are measured against (default: the on-policy GRPO one, N = B = R published
+    every step)."""
+    paper_mu: float = 5.28
+    """the paper's generation/training cost ratio, for the second compute axis."""
+    saving_target: float = 30.0
+    """the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu) whose
+    attainment the report decides with bootstrap 90% intervals."""
+
+
+@dataclass
+class PlotArgs:
+    """One run's curves against steps and generated tokens (curves_vs_steps.png, curves_vs_tokens.png), written
+    into its folder."""
+
+    run_folder: tyro.conf.Positional[str]
+    """the run folder (runs/NAME)."""
 
 
 # ----------------------------------------------------------------------------------------------
-# Grids: a list of configurations, each a dict of replay_grpo flags (Args field names). "lr" may
+# Grids: a list of configurations, each a dict of replay_grpo flags (replay_grpo Args field names). "lr" may
 # be a list: each lr is run and the report keeps the best per configuration. "name" overrides
 # the derived run name. A grid is (flags for every run, configurations).
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +187,7 @@ def variants(entry: dict):
         yield fixed, varied, tag
 
 
-def plan_runs(args: Args, seeds: list[int] | None = None, picks: dict | None = None) -> list[dict]:
+def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None = None) -> list[dict]:
     """Every (configuration, variant, seed) of the grid: its name, configuration, variant, trainer
     argv and total steps. seeds: default --tune-seeds, or --seeds without them. picks: only the
     picked variant of each configuration ({config: variant tag})."""
@@ -229,7 +242,7 @@ def run_status(run_dir: Path, total_steps: int) -> str:
     return "done" if state["step"] >= total_steps and (run_dir / "config.json").exists() else "partial"
 
 
-def execute(args: Args, runs: list[dict]) -> list[str]:
+def execute(args: RunArgs, runs: list[dict]) -> list[str]:
     """Train every run not finished yet (resuming interrupted ones); returns the failed names."""
     import replay_grpo
     failed = []
@@ -266,7 +279,7 @@ def execute(args: Args, runs: list[dict]) -> list[str]:
     return failed
 
 
-def record_sweep(out_dir: Path, args: Args) -> None:
+def record_sweep(out_dir: Path, args: RunArgs) -> None:
     """sweep.json: the grid, and every seed and tune seed run into this folder so far (the report leaves the
     tune seeds out). Several `run` processes share a folder (two at a time, say): seeds are merged, and the
     file is replaced whole."""
@@ -283,7 +296,7 @@ def record_sweep(out_dir: Path, args: Args) -> None:
     os.replace(tmp, path)
 
 
-def run(args: Args) -> None:
+def run(args: RunArgs) -> None:
     """Tune (every variant on --tune-seeds), pick per configuration, then the reported --seeds."""
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     record_sweep(Path(args.out_dir), args)
@@ -522,11 +535,14 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         for axis, x in axes.items():
             arrays[c][axis] = np.array([[x(b[t]) for t in steps] for b in by], dtype=float)
     fracs = {"target": 1.0, "90% of target": 0.9}
+    equal_axes = [axis for axis in axes if axis != "tokens"]  # equal compute: the compute axes only
     samples = {}  # per configuration, each bootstrap quantity's values over the replicates
     for c in configs:
-        samples[c] = {f"{axis}|{f}": [] for axis in axes for f in fracs}
-        samples[c] |= {f"saving {axis}|{f}": [] for axis in axes for f in fracs}
-        samples[c] |= {f"{what} at equal {axis}": [] for what in ("acc", "pass@k") for axis in axes if axis != "tokens"}
+        samples[c] = {
+            "cost": {axis: {f: [] for f in fracs} for axis in axes},  # x to reach the level
+            "saving": {axis: {f: [] for f in fracs} for axis in axes},  # percent, against the reference
+            "at_equal": {axis: {"acc": [], "pass@k": []} for axis in equal_axes},  # at the reference's budget
+        }
 
     def reach(a: dict, idx, med, axis: str, level: float) -> float:
         """Median x over the resampled seeds at the first evaluation where their median accuracy `med` reaches level."""
@@ -546,16 +562,19 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         for c, a in arrays.items():
             for axis in axes:
                 for f in fracs:
-                    samples[c][f"{axis}|{f}"].append(cost[c][(axis, f)])
+                    samples[c]["cost"][axis][f].append(cost[c][(axis, f)])
                     rc = cost[reference][(axis, f)]
-                    saving = 100 * (1 - cost[c][(axis, f)] / rc) if 0 < rc < np.inf else np.nan
-                    samples[c][f"saving {axis}|{f}"].append(saving)
-                if axis != "tokens":  # accuracy at the last evaluation within the reference's final compute
+                    saving = np.nan
+                    if 0 < rc < np.inf:
+                        saving = 100 * (1 - cost[c][(axis, f)] / rc)
+                    samples[c]["saving"][axis][f].append(saving)
+                if axis in equal_axes:  # accuracy at the last evaluation within the reference's final compute
                     within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
-                    j = within[-1] if len(within) else None
                     for what, arr in (("acc", a["acc"]), ("pass@k", a["passk"])):
-                        value = np.nan if j is None else float(np.median(arr[draw[c]][:, j]))
-                        samples[c][f"{what} at equal {axis}"].append(value)
+                        value = np.nan
+                        if len(within):
+                            value = float(np.median(arr[draw[c]][:, within[-1]]))
+                        samples[c]["at_equal"][axis][what].append(value)
 
     def interval(values) -> list:
         """5th, 50th and 95th percentiles (None where no replicate has a value)."""
@@ -563,14 +582,20 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         if np.all(np.isnan(v)):
             return [None, None, None]
         return [float(np.nanpercentile(v, p, method="nearest")) for p in (5, 50, 95)]
-    intervals = {c: {name: interval(v) for name, v in d.items()} for c, d in samples.items()}
+
+    def intervals_of(tree):
+        """The same nesting as `tree`, each list of replicate values replaced by its interval."""
+        if isinstance(tree, dict):
+            return {k: intervals_of(v) for k, v in tree.items()}
+        return interval(tree)
+    intervals = intervals_of(samples)
     decision = {}
     for c in configs:
         if c == reference:
             continue
         verdicts = []
         for axis in ("tokens", "compute_paper_mu"):
-            lo, _, hi = intervals[c][f"saving {axis}|target"]
+            lo, _, hi = intervals[c]["saving"][axis]["target"]
             verdicts.append("not resolvable" if lo is None else "met" if lo >= saving_target
                             else "not met" if hi < saving_target else "not resolvable")
         decision[c] = {"tokens": verdicts[0], "compute_paper_mu": verdicts[1],
@@ -597,6 +622,27 @@ def fmt_q(q) -> str:
 
 def fmt_pct(x) -> str:
     return "—" if x is None else f"{x:+.1f}%"
+
+
+def fmt_cost(x) -> str:
+    """A cost to a level: never reached is inf."""
+    return "never" if x == math.inf else fmt(x)
+
+
+def fmt_saving(x) -> str:
+    """A saving in percent: -inf when the configuration never reached the level."""
+    return "never" if x == -math.inf else f"{x:+.0f}%"
+
+
+def fmt_interval(q, one) -> str:
+    """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]', each formatted by `one`."""
+    if q[1] is None:
+        return "—"
+    return f"{one(q[1])} [{one(q[0])}, {one(q[2])}]"
+
+
+def fmt3(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
 
 
 def write_table(s: dict, path: Path) -> None:
@@ -631,10 +677,6 @@ def write_table(s: dict, path: Path) -> None:
                       "so the savings are undefined: train longer or with a weaker warm start."]
     if "bootstrap" in s:
         iv = s["bootstrap"]["intervals"]
-        cost = lambda x: "never" if x == math.inf else fmt(x)
-        ci = lambda v: "—" if v[1] is None else f"{cost(v[1])} [{cost(v[0])}, {cost(v[2])}]"
-        one = lambda x: "never" if x == -math.inf else f"{x:+.0f}%"  # -inf: the configuration never got there
-        pct = lambda v: "—" if v[1] is None else f"{one(v[1])} [{one(v[0])}, {one(v[2])}]"
         lines += ["", f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it", "",
                   f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
                   "configuration; the target recomputed from each resample of the reference). 'never': not reached "
@@ -646,16 +688,16 @@ def write_table(s: dict, path: Path) -> None:
             for f in ("target", "90% of target"):
                 cells = [c, f]
                 for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    cells += [ci(iv[c][f"{axis}|{f}"]), "—" if c == ref else pct(iv[c][f"saving {axis}|{f}"])]
+                    saving = "—" if c == ref else fmt_interval(iv[c]["saving"][axis][f], fmt_saving)
+                    cells += [fmt_interval(iv[c]["cost"][axis][f], fmt_cost), saving]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += ["", f"## Accuracy at equal compute (the compute {ref} used in its whole run)", "",
                   "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% "
                   "interval.", "",
                   "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
                   "|" + "---|" * 5]
-        acc = lambda v: "—" if v[1] is None else f"{v[1]:.3f} [{v[0]:.3f}, {v[2]:.3f}]"
         for c in s["configs"]:
-            cells = [acc(iv[c][f"{w} at equal {a}"]) for a in ("compute_measured_mu", "compute_paper_mu")
+            cells = [fmt_interval(iv[c]["at_equal"][a][w], fmt3) for a in ("compute_measured_mu", "compute_paper_mu")
                      for w in ("acc", "pass@k")]
             lines.append("| " + " | ".join([c] + cells) + " |")
         target_pct = f"{s['saving_target']:g}%"
@@ -671,7 +713,6 @@ def write_table(s: dict, path: Path) -> None:
                   "|" + "---|" * 6]
         for c, rows in s["per_seed"].items():
             for r in rows:
-                fmt3 = lambda v: "—" if v is None else f"{v:.3f}"
                 lines.append(f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
                              f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |")
     if s["lr_choice"]:
@@ -723,7 +764,8 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     def legend(ax):
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
 
-    step = lambda r: r["step"]
+    def step(r):
+        return r["step"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lines(a, "eval/greedy_acc", step, "gradient steps", "held-out greedy accuracy")
     lines(b, lambda c: f"eval/pass@{s['configs'][c]['k']}", step, "gradient steps",
@@ -800,7 +842,7 @@ def strict_json(x):
     return x
 
 
-def report(args: Args) -> dict:
+def report(args: ReportArgs) -> dict:
     out = Path(args.out_dir)
     runs = load_runs(out) if out.is_dir() else []
     if not runs:
@@ -901,15 +943,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1:]
-    args = tyro.cli(Args, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0])
-    args.extra = extra
-    if args.mode == "plot":
-        if args.run_folder is None:
-            raise SystemExit("usage: python sweep.py plot RUN_FOLDER")
+    commands = {"run": RunArgs, "report": ReportArgs, "plot": PlotArgs}
+    args = tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="sweep.py",
+                                                description=__doc__.split("\n\n")[0])
+    if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
-    if args.run_folder is not None:
-        raise SystemExit(f"error: sweep.py {args.mode} takes no run folder ({args.run_folder}); did you mean plot?")
-    return run(args) if args.mode == "run" else report(args)
+    if isinstance(args, ReportArgs):
+        if extra:
+            raise SystemExit("error: --extra is for sweep.py run (trainer flags), not report")
+        return report(args)
+    args.extra = extra
+    return run(args)
 
 
 if __name__ == "__main__":

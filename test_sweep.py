@@ -47,7 +47,7 @@ def study(tmp_path_factory):
     """A smoke study with 2 seeds, started over an interrupted run (checkpoint at step 2 of 3) and a
     run that died before its first checkpoint (a folder with no checkpoint)."""
     out = tmp_path_factory.mktemp("study")
-    planned = {r["name"]: r for r in sweep.plan_runs(sweep.Args(mode="run", out_dir=str(out), seeds=[0, 1],
+    planned = {r["name"]: r for r in sweep.plan_runs(sweep.RunArgs(out_dir=str(out), seeds=[0, 1],
                                                                  grid="smoke"))}
     replay_grpo.main(planned["onpolicy-s0"]["argv"] + ["--total-steps", "2"])  # "killed" after step 2
     interrupted = (out / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
@@ -126,7 +126,7 @@ def test_report_table_matches_metrics_and_figures_parse(study):
 # --- grid definition ----------------------------------------------------------------------------
 
 def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
-    runs = sweep.plan_runs(sweep.Args(mode="run", out_dir=str(tmp_path), seeds=[0, 1], grid="cpu",
+    runs = sweep.plan_runs(sweep.RunArgs(out_dir=str(tmp_path), seeds=[0, 1], grid="cpu",
                                       extra=["--total-steps", "7", "--buffer-size", "999"]))
     names = [r["name"] for r in runs]
     assert len(set(names)) == len(names)
@@ -139,7 +139,7 @@ def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
         assert r["total_steps"] == cfg.total_steps == 7  # --extra reaches the trainer
         assert cfg.buffer_size != 999 and cfg.batch_size == 128  # the grid's own flags win over --extra
         assert cfg.run_name == r["name"] and cfg.out_dir == str(tmp_path)
-    only = sweep.plan_runs(sweep.Args(mode="run", seeds=[0], grid="cpu", only=["asymre"]))
+    only = sweep.plan_runs(sweep.RunArgs(seeds=[0], grid="cpu", only=["asymre"]))
     assert [r["name"] for r in only] == ["N512-R32-asymre-s0"]
 
 
@@ -147,7 +147,7 @@ def test_duplicate_names_are_refused(monkeypatch):
     twins = [dict(buffer_size=16, prompts_per_step=1), dict(buffer_size=16, prompts_per_step=1, loss_agg="seq-mean")]
     monkeypatch.setitem(sweep.GRIDS, "smoke", (sweep.SMOKE_GRID[0], twins))
     with pytest.raises(SystemExit, match="both named"):
-        sweep.plan_runs(sweep.Args(mode="run", grid="smoke"))
+        sweep.plan_runs(sweep.RunArgs(grid="smoke"))
 
 
 def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
@@ -246,18 +246,20 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
         fake_run(tmp_path, f"N32-R4-grpo-s{s}", seed=s, lr=1e-4, N=32, P=1, accs=[0, .1, .2])  # never reaches 0.5
     s = sweep.main(["report", "--out-dir", str(tmp_path), "--report-dir", str(tmp_path / "docs")])
     iv = s["bootstrap"]["intervals"]
-    assert iv["onpolicy"]["tokens|target"] == [128.0] * 3 and iv["N16-R4-grpo"]["tokens|target"] == [32.0] * 3
-    assert iv["N16-R4-grpo"]["saving tokens|target"] == [75.0] * 3
+    assert iv["onpolicy"]["cost"]["tokens"]["target"] == [128.0] * 3
+    assert iv["N16-R4-grpo"]["cost"]["tokens"]["target"] == [32.0] * 3
+    assert iv["N16-R4-grpo"]["saving"]["tokens"]["target"] == [75.0] * 3
     paper = 100 * (1 - (16 + 5.28 * 8) / (32 + 5.28 * 32))
-    assert iv["N16-R4-grpo"]["saving compute_paper_mu|target"] == pytest.approx([paper] * 3)
-    assert iv["N32-R4-grpo"]["tokens|target"] == [math.inf] * 3
+    assert iv["N16-R4-grpo"]["saving"]["compute_paper_mu"]["target"] == pytest.approx([paper] * 3)
+    assert iv["N32-R4-grpo"]["cost"]["tokens"]["target"] == [math.inf] * 3
     strict = json.loads((tmp_path / "docs" / "summary.json").read_text(),
                         parse_constant=lambda c: pytest.fail(f"summary.json holds {c}, not JSON"))
-    assert strict["bootstrap"]["intervals"]["N32-R4-grpo"]["tokens|target"] == ["never"] * 3
+    never = strict["bootstrap"]["intervals"]["N32-R4-grpo"]["cost"]["tokens"]["target"]
+    assert never == ["never"] * 3
     assert s["decision"]["N16-R4-grpo"] == {"tokens": "met", "compute_paper_mu": "met", "both": "met"}
     assert s["decision"]["N32-R4-grpo"]["both"] == "not met"
     # equal compute: on-policy's whole run is 4 x (8 + 5.28 x 8) at the paper's mu; N16 fits all 4 steps
-    assert iv["N16-R4-grpo"]["acc at equal compute_paper_mu"] == pytest.approx([0.6] * 3)
+    assert iv["N16-R4-grpo"]["at_equal"]["compute_paper_mu"]["acc"] == pytest.approx([0.6] * 3)
     seeds = s["per_seed"]["N16-R4-grpo"]
     assert [r["seed"] for r in seeds] == [0, 1, 2] and all(r["tokens_to_target"] == 32 for r in seeds)
     table = (tmp_path / "docs" / "table.md").read_text()
