@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import kernels
 import replay_grpo as rg
 import run_folder
 from replay_grpo import PipelineError, UserError
@@ -202,12 +203,16 @@ class GeneratorPool:
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
 
-    def receive(self, wait: float) -> list[dict]:
-        """Every finished request in the channel, waiting up to `wait` seconds for the first."""
+    def receive(self, wait: float, limit: int | None = None) -> list[dict]:
+        """Every finished request in the channel (at most `limit`), waiting up to `wait` seconds for the first."""
         msgs = []
+        most = self.capacity + len(self.procs) + 1  # bounded: they keep producing
+        if limit is not None:
+            most = min(most, limit)
         try:
-            msgs.append(self.channel.get(timeout=wait) if wait > 0 else self.channel.get_nowait())
-            for _ in range(self.capacity + len(self.procs)):  # bounded: they keep producing
+            if most > 0:
+                msgs.append(self.channel.get(timeout=wait) if wait > 0 else self.channel.get_nowait())
+            while len(msgs) < most:
                 msgs.append(self.channel.get_nowait())
         except queue.Empty:
             pass
@@ -254,7 +259,7 @@ def shard_policy(model, device: torch.device) -> LogprobPolicy:
     head, final norm; the log-probs run in its forward). Parameters and Adam state stay fp32 (the masters); on GPUs
     the forward and backward run on the bf16 copies FSDP all-gathers, and gradients are reduce-scattered in fp32."""
     policy = LogprobPolicy(model)
-    precision = MixedPrecisionPolicy(param_dtype=rg.compute_dtype(device), reduce_dtype=torch.float32)
+    precision = MixedPrecisionPolicy(param_dtype=kernels.compute_dtype(device), reduce_dtype=torch.float32)
     for m in model.modules():
         if type(m).__name__ in (model._no_split_modules or ()):
             fully_shard(m, mp_policy=precision)
@@ -298,6 +303,11 @@ def merge_stats(per_rank: list[dict]) -> dict:
             out[k] = max(v for v, _ in vals)
         elif k in ("loss", "grad_norm"):
             out[k] = sum(v for v, _ in vals) / len(vals)
+        elif k == "staleness_sums":  # bucket -> summed counts and sums (rg.add_staleness_sums)
+            out[k] = {}
+            for v, _ in vals:
+                for bucket, row in v.items():
+                    out[k][bucket] = [x + y for x, y in zip(out[k].get(bucket, [0] * len(row)), row)]
         else:
             out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
     return out
@@ -329,30 +339,37 @@ def throughput_mu_gamma(totals: dict, T: int, W: int) -> tuple[float, float]:
 
 class Dealer:
     """Rank 0: takes the generators' finished requests off the channel, adds their counts to the run totals and
-    deals their rollouts round-robin to the T ranks' shards (its state is checkpointed)."""
+    deals their rollouts round-robin to the T ranks' shards (its state is checkpointed). With --sampling queue it
+    takes only requests that every shard has room for, so the channel fills and the generators wait."""
 
-    def __init__(self, T: int, B: int, state: dict | None = None):
-        self.T, self.per_rank = T, B // T
+    def __init__(self, cfg: rg.Args, T: int, state: dict | None = None):
+        self.T = T
         self.next_group_id, self.next_rank, self.dealt = 0, 0, [0] * T
         self.empty_requests = 0  # requests in a row whose groups were all dropped
+        self.held = [0] * T  # rollouts in each shard (--sampling queue): the last step's sizes, plus those dealt since
+        self.room = None  # rollouts a shard may hold: N/T for the queue, no limit otherwise
+        self.share = math.ceil(cfg.rollouts_per_step / T)  # the most rollouts a request deals to one shard
+        if cfg.sampling == "queue":
+            self.room = cfg.buffer_size // T
         if state is not None:
             self.next_group_id, self.next_rank, self.dealt = state["next_group_id"], state["next_rank"], state["dealt"]
+            self.held = state.get("held", self.held)
 
     def state_dict(self) -> dict:
-        return {"next_group_id": self.next_group_id, "next_rank": self.next_rank, "dealt": list(self.dealt)}
+        return {"next_group_id": self.next_group_id, "next_rank": self.next_rank, "dealt": list(self.dealt),
+                "held": list(self.held)}
 
-    def ready(self) -> bool:
-        """Every shard holds a batch of B/T: min(N/T, rollouts dealt to it) >= B/T."""
-        return min(self.dealt) >= self.per_rank
-
-    def take(self, pool: GeneratorPool, totals: dict, step: int) -> tuple[list[dict], list, int]:
-        """Each rank's message (its rollouts, whether every shard holds a batch, why the run must stop or None),
-        the new rollouts and the tokens generated; waits up to a second for a request while a shard lacks a batch."""
+    def take(self, pool: GeneratorPool, totals: dict, step: int, wait: bool) -> tuple[list[dict], list, int]:
+        """Each rank's message (its rollouts, and why the run must stop or None), the new rollouts and the tokens
+        generated; waits up to a second for a request if `wait` (a shard could not draw a batch)."""
         failure = pool.failure()
-        msgs = [] if failure else pool.receive(wait=0 if self.ready() else 1.0)
+        limit = None
+        if self.room is not None:  # backpressure: only whole requests that every shard has room for
+            limit = (self.room - max(self.held)) // self.share
+        msgs = [] if failure else pool.receive(wait=1.0 if wait else 0, limit=limit)
         parts, fresh, stop = self.deal(msgs, totals, step)
         tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
-        out = [{"rollouts": p, "ready": self.ready(), "failure": failure or stop} for p in parts]
+        out = [{"rollouts": p, "failure": failure or stop} for p in parts]
         return out, fresh, tokens
 
     def deal(self, msgs: list[dict], totals: dict, step: int) -> tuple[list[list], list, str | None]:
@@ -368,6 +385,7 @@ class Dealer:
             for r in m["rollouts"]:
                 parts[self.next_rank].append(r)
                 self.dealt[self.next_rank] += 1
+                self.held[self.next_rank] += 1
                 self.next_rank = (self.next_rank + 1) % self.T
                 self.next_group_id = max(self.next_group_id, r.group_id + 1)
                 fresh.append(r)
@@ -458,6 +476,9 @@ def check_sharding(cfg: rg.Args, T: int) -> None:
     if B % T or N % T:
         raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
                         "(torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+    if cfg.sampling == "queue" and cfg.rollouts_per_step % T:
+        raise UserError(f"--sampling queue: R = {cfg.rollouts_per_step} (--prompts-per-step x --group-size) must be "
+                        f"a multiple of the {T} trainer ranks, so that every shard gets the same share of a request")
     if N // T - round(cfg.positive_bias * (N // T)) < 1:
         raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
                         f"{N // T} rollouts would keep no slot for the freshest ones")
@@ -521,7 +542,7 @@ def train_async(cfg: rg.Args) -> dict:
         check_sharding(cfg, T)
         rg.seed_everything(cfg.seed)
         if rank == 0:
-            rg.report_precision(device)
+            kernels.report_precision(device)
         box = [run_folder.open_run(cfg) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         run_name, run_dir, ckpt = box[0]
@@ -534,19 +555,20 @@ def train_async(cfg: rg.Args) -> dict:
         evaluator = rg.HFGenerator(model, tok) if rank == 0 else None
         policy = shard_policy(model, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-        shard = rg.ReplayBuffer(N // T, cfg.positive_bias, seed=cfg.seed + 1_000_003 * rank)
+        shard = rg.make_buffer(cfg, capacity=N // T, seed=cfg.seed + 1_000_003 * rank)
         # rank 0's run totals and dealing state (checkpointed)
         totals = rg.new_totals(gen_busy_seconds=0.0, gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
         step, dealing = 0, None
         if state is not None:
             step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard,
                                          totals=totals)
-        dealer = Dealer(T, B, dealing)
+        dealer = Dealer(cfg, T, dealing)
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
+        ready = False  # every shard could draw a batch at the last look
         weights = full_weights(policy)
         if rank == 0:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
-            mailbox = WeightMailbox(ctx, weights, step, rg.compute_dtype(device))
+            mailbox = WeightMailbox(ctx, weights, step, kernels.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
             pool = GeneratorPool(cfg, ctx, mailbox, first_group_id=dealer.next_group_id, n_trainers=T,
                                  processes=processes)
@@ -563,7 +585,7 @@ def train_async(cfg: rg.Args) -> dict:
             #    trainers idle) only while a shard lacks a batch of B/T
             t0 = time.perf_counter()
             if rank == 0:
-                out, new, tokens = dealer.take(pool, totals, step)
+                out, new, tokens = dealer.take(pool, totals, step, wait=not ready)
                 fresh += new
                 step_tokens += tokens
             box = [None]
@@ -576,7 +598,8 @@ def train_async(cfg: rg.Args) -> dict:
                 barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
                 raise PipelineError(mine["failure"] if rank == 0 else
                                     f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
-            if not mine["ready"]:
+            ready = rg.all_ranks(torch.tensor(shard.ready(B // T, step), device=device))  # every shard has a batch
+            if not ready:
                 if rank == 0:
                     totals["trainer_idle_seconds"] += time.perf_counter() - t0
                 continue
@@ -609,6 +632,7 @@ def train_async(cfg: rg.Args) -> dict:
 
             # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
             if rank == 0:
+                dealer.held = [r["buffer_size"] for r in reports]
                 train_seconds = add_step_totals(totals, reports, batch_size=B, sync_seconds=sync_seconds)
                 record = async_record(step=step, reports=reports, totals=totals, fresh=fresh, batch_size=B, T=T, W=W,
                                       generated_tokens=step_tokens, queue_depth=pool.depth(),

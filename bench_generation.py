@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 python bench_generation.py [--smol-prompts 64 --smol-group 2 --smol-tokens 32]
 
 Both backends generate, and the trainer trains, in the precision a run uses on this device
-(rg.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +
+(kernels.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +
 backward of rg.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
 step; mu is what `replay_grpo.py plan --mu` takes.
 """
@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as quiet as the trainer:
 
 import torch
 
+import kernels
 import replay_grpo as rg
 from replay_grpo import export_plain_folder
 from vllm_engine import VLLMGenerator, torch_threads
@@ -69,7 +70,7 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
     """One row per backend: HF generate and (vllm) a vLLM engine, both in the run's compute dtype."""
     model.eval()
     rows = []
-    dtype = str(rg.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")
+    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")
     backends = [("hf", lambda: rg.HFGenerator(model, tok))]
     if vllm:
         backends.append(("vllm", lambda: VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=512,

@@ -176,15 +176,15 @@ def check_trainer(out: Path, smoke: bool) -> None:
 @contextlib.contextmanager
 def compute_dtype_forced(name: str):
     """Run a block with the compute dtype `name` (the hook replay_grpo reads), then restore it."""
-    saved = os.environ.get(rg.COMPUTE_DTYPE_ENV)
-    os.environ[rg.COMPUTE_DTYPE_ENV] = name
+    saved = os.environ.get(kernels.COMPUTE_DTYPE_ENV)
+    os.environ[kernels.COMPUTE_DTYPE_ENV] = name
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(rg.COMPUTE_DTYPE_ENV)
+            os.environ.pop(kernels.COMPUTE_DTYPE_ENV)
         else:
-            os.environ[rg.COMPUTE_DTYPE_ENV] = saved
+            os.environ[kernels.COMPUTE_DTYPE_ENV] = saved
 
 
 def check_precision(dev: str, smoke: bool) -> None:
@@ -270,7 +270,7 @@ def check_vllm(out: Path, smoke: bool) -> None:
     model, tok = rg.build_tiny_model(0)
     model = model.to(device)
     folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
-    dtype = str(rg.compute_dtype(device)).removeprefix("torch.")
+    dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")
     gen = vllm_engine.VLLMGenerator(
         model=model,
         tok=tok,
@@ -327,7 +327,7 @@ def main() -> int:
         return 0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke and dev == "cpu":  # a bf16 GPU's precision policy, simulated: bf16 compute on fp32 masters
-        os.environ[rg.COMPUTE_DTYPE_ENV] = "bfloat16"
+        os.environ[kernels.COMPUTE_DTYPE_ENV] = "bfloat16"
     try:
         import triton
         tv = triton.__version__

@@ -114,6 +114,42 @@ def matmul_path(device, dtype):
     return f"{str(dtype).removeprefix('torch.')} operands upcast to fp32 matmuls (no torch.mm out_dtype here)", slow
 
 
+# The precision policy of replay_grpo.py. Weights and Adam state are fp32 everywhere (masters): a bf16 weight loses
+# every update below half its ulp, nearly all of them at lr 1e-6. Forward and backward run in the compute dtype
+# (bf16 on GPUs that support it, under autocast), generators hold compute-dtype copies, log-probs are fp32 (here).
+# REPLAY_GRPO_COMPUTE_DTYPE=bfloat16 selects bf16 on a CPU too: the tests simulate a GPU's policy with it.
+COMPUTE_DTYPE_ENV = "REPLAY_GRPO_COMPUTE_DTYPE"
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, fp32 elsewhere, unless REPLAY_GRPO_COMPUTE_DTYPE names one."""
+    forced = os.environ.get(COMPUTE_DTYPE_ENV)
+    if forced:
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[forced]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def report_precision(device: torch.device, write=print) -> None:
+    """One line at the start of a run that computes in bf16: the policy, and the log-prob matmul path if slow."""
+    dtype = compute_dtype(device)
+    if dtype == torch.float32:
+        return
+    path, slow = matmul_path(device, dtype)
+    line = f"precision: fp32 master weights and Adam state, {str(dtype).removeprefix('torch.')} compute; "
+    line += f"log-prob tiles: {path}"
+    if slow:
+        line += " -- the slow path (about 10x): a torch with mm(..., out_dtype=float32) avoids it"
+    write(line)
+
+
+def autocast(device: torch.device):
+    """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
+    dtype = compute_dtype(device)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def _mm_f32(a, b):
     """a @ b with fp32 output and fp32 accumulation (bf16 logits would break the ratio)."""
     if a.dtype == torch.float32:

@@ -63,6 +63,10 @@ class PipelineError(RuntimeError):
 
 # ===== Config =====================================================================================
 
+# The buffer's sampling rules (ReplayBuffer.sample): uniform, the paper's; without-replacement and at-least-once,
+# its Fig. 18 variants; fresh-anchored and priority, arXiv 2606.04560; queue, the paper's no-buffer baseline.
+Sampling = Literal["uniform", "without-replacement", "at-least-once", "fresh-anchored", "priority", "queue"]
+
 @dataclass
 class Args:
     """GRPO / AsymRE with an experience-replay buffer. --preset picks every flag's default; later flags override it."""
@@ -79,6 +83,12 @@ class Args:
     clip_high: float = 0.2  # GRPO epsilon_high: ratios above 1 + clip_high are clipped
     asymre_delta_v: float = -0.05  # AsymRE delta_V (the paper's -0.1 for +-1 rewards; these rewards are {0, 1})
     positive_bias: float = 0.0  # delta: keep the (1-delta)N freshest plus the delta*N freshest correct older rollouts
+    sampling: Sampling = "uniform"  # how a batch is drawn from the buffer (ReplayBuffer below; uniform: the paper's)
+    max_age: int | None = None  # evict a rollout more than this many policy versions old before sampling (None: off)
+    max_uses: int | None = None  # evict a rollout after this many uses (None: off)
+    priority_alpha: float = 0.0  # priority and fresh-anchored: replayed rollouts drawn with weight (|A| + eps)^alpha
+    priority_tau: float | None = None  # ... times exp(-age / tau), age in policy versions (None: no decay)
+    ratio_level: Literal["token", "sequence"] = "token"  # GRPO ratio per token, or per sequence (the paper's, GSPO)
     lr: float = 1e-4  # constant learning rate of Adam (no weight decay, as in the paper)
     temperature: float = 1.0  # sampling temperature of training rollouts; the trainer's log-probs use the same
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # mean over the batch's tokens, or per completion first
@@ -124,6 +134,9 @@ class Args:
 
 
 # Fixed settings (a flag each would only clutter --help; edit them here):
+PRIORITY_EPS = 0.01  # eps of the priority (|A| + eps)^alpha: a zero-advantage rollout can still be drawn
+STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
+BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "priority_alpha", "priority_tau")  # its rules
 PASS_K_PROMPTS = 50  # held-out prompts for pass@k
 GEN_BATCH_PROMPTS = 64  # prompts per generation call (each expands to G sequences)
 VERIFY_TIMEOUT = 5.0  # seconds a verifier may take on one completion (reward 0 beyond, counted)
@@ -181,7 +194,9 @@ def validate(cfg: Args) -> None:
             (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
             (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
             (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-            (("clip_high", "grad_clip"), lambda v: 0 <= v < math.inf, ">= 0"),
+            (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
+            (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
+            (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
             (("asymre_delta_v",), math.isfinite, "a number")):
         for name in names:
             need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
@@ -204,6 +219,35 @@ def validate(cfg: Args) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    validate_rules(cfg, need)
+
+def validate_rules(cfg: Args, need) -> None:
+    """Refuse buffer rules that cannot work, or flags that the chosen rule would ignore."""
+    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
+    need(cfg.max_age is None or cfg.max_age >= max(1, cfg.publish_every - 1), f"--max-age {cfg.max_age}: must be "
+         f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)")
+    prioritized = cfg.priority_alpha > 0 or cfg.priority_tau is not None
+    need(not prioritized or cfg.sampling in ("priority", "fresh-anchored"), f"--priority-alpha / --priority-tau: "
+         f"only --sampling priority and fresh-anchored draw by priority, not --sampling {cfg.sampling}")
+    need(prioritized or cfg.sampling != "priority", "--sampling priority needs --priority-alpha > 0 or "
+         "--priority-tau (with neither, every weight is 1: that is --sampling uniform)")
+    need(cfg.sampling != "fresh-anchored" or B >= R, f"--sampling fresh-anchored: a batch holds every fresh rollout, "
+         f"so --batch-size {B} must be >= R = {R} (--prompts-per-step x --group-size)")
+    need(cfg.ratio_level == "token" or cfg.loss == "grpo", "--ratio-level sequence: only --loss grpo has a ratio")
+    unprotected = N - round(cfg.positive_bias * N)
+    need(cfg.sampling != "without-replacement" or unprotected >= B, f"--sampling without-replacement: "
+         f"--positive-bias {cfg.positive_bias} keeps {N - unprotected} of the --buffer-size {N} slots for older "
+         f"rollouts, leaving {unprotected} for never-used ones, fewer than --batch-size {B}")
+    if cfg.sampling != "queue":
+        return
+    need(cfg.positive_bias == 0, f"--sampling queue --positive-bias {cfg.positive_bias}: the queue consumes every "
+         "rollout once and keeps none back: use --positive-bias 0")
+    need(cfg.max_age is None and cfg.max_uses is None, "--sampling queue: every rollout is used once and none is "
+         "evicted, so --max-age and --max-uses do not apply")
+    need(B % R == 0, f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
+         "--group-size), so that whole requests fill a batch and no rollout waits forever")
+    need(cfg.mode == "sync" or cfg.zero_variance_groups == "keep", "--sampling queue --mode async needs "
+         "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly")
 
 def parse_args(argv: list[str]) -> Args:
     """--preset NAME picks the defaults; every other flag overrides them."""
@@ -396,37 +440,8 @@ def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT)
 
 # ===== Models and per-token log-probs =============================================================
 
-# The precision policy. Weights and Adam state are fp32 everywhere (masters): a bf16 weight loses every update
-# below half its ulp, nearly all of them at lr 1e-6. Forward and backward run in the compute dtype (bf16 on GPUs
-# that support it, under autocast), generators hold compute-dtype copies, log-probs are fp32 (kernels.py).
-# REPLAY_GRPO_COMPUTE_DTYPE=bfloat16 selects bf16 on a CPU too: the tests simulate a GPU's policy with it.
-COMPUTE_DTYPE_ENV = "REPLAY_GRPO_COMPUTE_DTYPE"
-
-def compute_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPUs that support it, fp32 elsewhere, unless REPLAY_GRPO_COMPUTE_DTYPE names one."""
-    forced = os.environ.get(COMPUTE_DTYPE_ENV)
-    if forced:
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[forced]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-def report_precision(device: torch.device, write=print) -> None:
-    """One line at the start of a run that computes in bf16: the policy, and the log-prob matmul path if slow."""
-    dtype = compute_dtype(device)
-    if dtype == torch.float32:
-        return
-    path, slow = kernels.matmul_path(device, dtype)
-    line = f"precision: fp32 master weights and Adam state, {str(dtype).removeprefix('torch.')} compute; "
-    line += f"log-prob tiles: {path}"
-    if slow:
-        line += " -- the slow path (about 10x): a torch with mm(..., out_dtype=float32) avoids it"
-    write(line)
-
-def autocast(device: torch.device):
-    """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
-    dtype = compute_dtype(device)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+# The precision policy (kernels.compute_dtype): weights and Adam state are fp32 masters everywhere, forward and
+# backward run under kernels.autocast in the compute dtype (bf16 on GPUs that support it), log-probs are fp32.
 
 def byte_tokenizer():
     """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
@@ -582,11 +597,13 @@ def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
 def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     """completion_logprobs on packed ids / mask / targets (see pack)."""
     device = ids.device
-    with autocast(device):
+    with kernels.autocast(device):
         hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel = targets != -100  # the completion tokens' positions
     head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
-    dtype = compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # the head in the compute dtype
+    dtype = head.dtype  # the head in the compute dtype: fp32 masters are cast, a generator's copy is in it already
+    if head.dtype == torch.float32:
+        dtype = kernels.compute_dtype(device)
     return kernels.token_logprobs(hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature,
                                   return_entropy=entropy)
 
@@ -613,7 +630,8 @@ class HFGenerator:
     def __init__(self, model, tok):
         from transformers import GenerationConfig
         device = next(model.parameters()).device
-        self.model = copy.deepcopy(model).to(compute_dtype(device)).eval().requires_grad_(False)  # a bf16 copy on GPUs
+        dtype = kernels.compute_dtype(device)  # a bf16 copy on GPUs
+        self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.policy_version = 0
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
@@ -691,7 +709,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
         return HFGenerator(model, tok)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
     sleep_level = 0  # a colocated engine sleeps during optimizer steps; level 2 drops the weights too
     if colocated and torch.cuda.is_available():
         sleep_level = 2 if cfg.publish_every == 1 else 1  # 2 when a weight load follows every wake-up
@@ -780,17 +798,29 @@ def all_dropped_message(requests: int, step: int) -> str:
 class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
     with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
-    sample(B, step) draws B distinct rollouts uniformly, removes nothing, and counts each use."""
+    sample(B, step) draws B distinct rollouts and counts each use: uniformly, removing nothing (the paper's), or
+    by another rule (_draw): only never-used ones (without-replacement); never-used ones first (at-least-once);
+    all those pushed since the last sample, the rest by priority (fresh-anchored); by priority (|A| + eps)^alpha
+    x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
+    rollouts older than that many policy versions before sampling, max_uses those used that many times."""
 
-    def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0):
+    def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0, sampling: str = "uniform",
+                 max_age: int | None = None, max_uses: int | None = None, priority_alpha: float = 0.0,
+                 priority_tau: float | None = None):
         self.capacity = capacity
         self.n_protected = int(round(positive_bias * capacity))
         if capacity - self.n_protected < 1:
             raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh "
                              "rollouts")
+        self.sampling = sampling
+        self.max_age = max_age
+        self.max_uses = max_uses
+        self.priority_alpha = priority_alpha
+        self.priority_tau = priority_tau
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
+        self.pushed = 0  # rollouts pushed since the last sample (fresh-anchored takes all of them)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -798,6 +828,7 @@ class ReplayBuffer:
     def push(self, rollouts: list[Rollout]) -> None:
         for r in rollouts:
             self.items.append(r)
+            self.pushed += 1
             while len(self.items) > self.capacity:
                 self._evict_one()
 
@@ -811,24 +842,89 @@ class ReplayBuffer:
                 protected.add(i)
                 kept += 1
         victim = next(i for i in range(len(self.items)) if i not in protected)
-        self.evicted_uses[self.items[victim].uses] += 1
-        del self.items[victim]
+        self._remove([victim])
+
+    def _remove(self, indices) -> None:
+        """Evict the rollouts at `indices`, counting their uses."""
+        for i in sorted(set(indices), reverse=True):
+            self.evicted_uses[self.items[i].uses] += 1
+            del self.items[i]
+
+    def _expire(self, step: int) -> None:
+        """The age cap: evict rollouts more than max_age policy versions older than the trainer (at `step`)."""
+        if self.max_age is not None:
+            self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age])
+
+    def _drawable(self) -> list[int]:
+        """Indices a batch may be drawn from: without-replacement draws only never-used rollouts."""
+        if self.sampling == "without-replacement":
+            return [i for i, r in enumerate(self.items) if r.uses == 0]
+        return list(range(len(self.items)))
+
+    def ready(self, batch_size: int, step: int) -> bool:
+        """Whether sample(batch_size, step) can draw a batch (the age cap applied first)."""
+        self._expire(step)
+        return len(self._drawable()) >= batch_size
+
+    def _weighted(self, pool: list[int], k: int, step: int) -> list[int]:
+        """k of `pool` without replacement, with the priority weights (uniform when there are none)."""
+        if self.priority_alpha == 0 and self.priority_tau is None:
+            return self.rng.sample(pool, k)
+        weights = []
+        for i in pool:
+            r = self.items[i]
+            w = (abs(r.advantage) + PRIORITY_EPS) ** self.priority_alpha
+            if self.priority_tau is not None:
+                w *= math.exp(-(step - r.policy_version) / self.priority_tau)
+            weights.append(w)
+        # Efraimidis-Spirakis: the k largest u^(1/w) (here log u / w) are successive draws proportional to w,
+        # without replacement; a weight that underflowed to 0 is drawn last
+        keys = [math.log(1.0 - self.rng.random()) / w if w > 0 else -math.inf for w in weights]
+        order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
+        return [pool[j] for j in order[:k]]
+
+    def _draw(self, k: int, step: int) -> list[int]:
+        """The indices of a batch of k, by the sampling rule."""
+        n = len(self.items)
+        if self.sampling == "queue":  # freshest first (the paper's transfer queue is a LIFO)
+            return list(range(n - 1, n - 1 - k, -1))
+        if self.sampling == "fresh-anchored":
+            fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
+            return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
+        if self.sampling == "at-least-once":
+            unused = [i for i, r in enumerate(self.items) if r.uses == 0]
+            if len(unused) >= k:
+                return self.rng.sample(unused, k)
+            used = [i for i, r in enumerate(self.items) if r.uses > 0]
+            return unused + self.rng.sample(used, k - len(unused))
+        if self.sampling == "priority":
+            return self._weighted(list(range(n)), k, step)
+        if self.sampling == "without-replacement":
+            return self.rng.sample(self._drawable(), k)
+        return self.rng.sample(range(n), k)  # uniform
 
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
         """B distinct rollouts, and the steps since each reused one's previous use."""
-        if batch_size > len(self.items):
-            raise ValueError(f"buffer holds {len(self.items)} rollouts, a batch needs {batch_size}")
-        batch = [self.items[i] for i in self.rng.sample(range(len(self.items)), batch_size)]
+        if not self.ready(batch_size, step):
+            raise ValueError(f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
+                             f"--sampling {self.sampling}), a batch needs {batch_size}")
+        indices = self._draw(batch_size, step)
+        batch = [self.items[i] for i in indices]
         since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
         for r in batch:
             r.uses += 1
             r.last_use_step = step
+        self.pushed = 0
+        if self.sampling == "queue":
+            self._remove(indices)
+        elif self.max_uses is not None:
+            self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
         return batch, since_last_use
 
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "n_protected": self.n_protected,
                 "items": [dataclasses.asdict(r) for r in self.items],
-                "rng": self.rng.getstate(), "evicted_uses": dict(self.evicted_uses)}
+                "rng": self.rng.getstate(), "evicted_uses": dict(self.evicted_uses), "pushed": self.pushed}
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity = state["capacity"]
@@ -838,19 +934,32 @@ class ReplayBuffer:
         self.rng.setstate(state["rng"])
         old = state["evicted_uses"]  # older checkpoints: a list of use counts
         self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
+        self.pushed = state.get("pushed", 0)
+
+def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
+    """The buffer of --buffer-size (or a shard of it) with the run's rules."""
+    return ReplayBuffer(capacity=capacity, seed=seed, **{name: getattr(cfg, name) for name in BUFFER_FLAGS})
 
 
 # ===== Losses and the train step ==================================================================
 
 def token_loss(loss: str, logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor,
                reward: torch.Tensor, group_mean: torch.Tensor, clip_low: float, clip_high: float,
-               delta_v: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               delta_v: float, lengths: torch.Tensor | None = None,
+               ratio_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss to minimise, the ratio pi/pi_behaviour, and a mask of clipped tokens.
 
     grpo:   -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A),  rho = exp(logp - behaviour)
     asymre: -(r - (V + delta_v)) * logp                       (no ratio, no clipping)
+    ratio_level "sequence" (grpo): rho is the sequence's, the geometric mean of its token ratios (GSPO's
+    length-normalised sequence ratio), clipped per sequence; `lengths` are the completions' token counts.
     """
-    ratio = torch.exp(logp - behaviour)
+    log_ratio = logp - behaviour
+    if ratio_level == "sequence":
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths)
+        seq_sum = torch.zeros(len(lengths), device=logp.device, dtype=log_ratio.dtype).index_add(0, seq, log_ratio)
+        log_ratio = (seq_sum / lengths).repeat_interleave(lengths)
+    ratio = torch.exp(log_ratio)
     if loss == "asymre":
         return -(reward - (group_mean + delta_v)) * logp, ratio, torch.zeros_like(logp, dtype=torch.bool)
     unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
@@ -865,6 +974,35 @@ def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int
 def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
     """One value per rollout, repeated over its completion tokens."""
     return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
+
+def staleness_bucket(staleness: int) -> str:
+    """The STALENESS_BUCKETS label of a staleness: '0', '1', '2-3', '4-7' or '8+'."""
+    return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
+
+def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
+    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
+    start = 0
+    for r in batch:
+        end = start + len(r.completion_ids)
+        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0])
+        w = ratio[start:end]
+        row[0] += 1
+        row[1] += end - start
+        row[2] += int(clipped[start:end].sum())
+        row[3] += abs_log_ratio[start:end].sum().item()
+        row[4] += w.sum().item()
+        row[5] += (w * w).sum().item()
+        start = end
+
+def by_staleness(sums: dict) -> dict:
+    """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
+    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
+    out = {}
+    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
+        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label]
+        out[label] = {"rollouts": rollouts, "tokens": tokens, "clip_frac": clipped / tokens,
+                      "abs_log_ratio": abs_log_ratio / tokens, "ess": w * w / w2}
+    return out
 
 def all_ranks(flag: torch.Tensor) -> bool:
     """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
@@ -887,6 +1025,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     optimizer.zero_grad(set_to_none=True)
     sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
     ratio_max, nonfinite = 0.0, False
+    staleness_sums = {}  # add_staleness_sums
     for start in range(0, len(batch), cfg.micro_batch_size):
         mb = batch[start:start + cfg.micro_batch_size]
         mb_len = lengths[start:start + cfg.micro_batch_size]
@@ -904,6 +1043,8 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,
             delta_v=cfg.asymre_delta_v,
+            lengths=repeats,
+            ratio_level=cfg.ratio_level,
         )
         loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
         if not all_ranks(torch.isfinite(loss)):
@@ -916,6 +1057,8 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             sums["clipped"] += clipped.sum().item()
             sums["ratio"] += ratio.sum().item()
             ratio_max = max(ratio_max, ratio.max().item())
+            add_staleness_sums(staleness_sums, mb, version, ratio=ratio, clipped=clipped,
+                               abs_log_ratio=(logp - behaviour).abs())
             # sampler/trainer agreement, on rollouts made by exactly the weights trained now
             fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
             if fresh.any():
@@ -944,6 +1087,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         "grad_norm": float("nan") if nonfinite else float(grad_norm),
         "nonfinite": int(nonfinite),
         "trained_tokens": total_tokens,
+        "staleness_sums": staleness_sums,
     }
     if m:
         stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
@@ -1039,7 +1183,8 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
     warm_start = {}
     if warm is not None:
         warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
-    runlog.log({"step": 0, **metrics, **warm_start}, samples)
+    rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
+    runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
     print_eval(print, 0, metrics, samples)
     return metrics
 
@@ -1092,6 +1237,7 @@ def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
     stale, B = sums["staleness"], batch_size
     record = {"step": step, **stats}
+    record["by_staleness"] = by_staleness(record.pop("staleness_sums"))
     record["reward"] = sum(r.reward for r in fresh) / len(fresh) if fresh else None
     record["accuracy"] = sum(r.correct for r in fresh) / len(fresh) if fresh else None
     record["reward_batch"] = sums["reward"] / B
@@ -1128,12 +1274,12 @@ def train(cfg: Args) -> dict:
     from tqdm import tqdm
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seed_everything(cfg.seed)
-    report_precision(device)
+    kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = run_folder.open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    buffer = ReplayBuffer(N, cfg.positive_bias, seed=cfg.seed)
+    buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
     generator = make_generator(cfg, model, tok, model_dir)
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
@@ -1160,13 +1306,13 @@ def train(cfg: Args) -> dict:
     start_step = step
     bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
     while step < cfg.total_steps:
-        # 1. generate R fresh rollouts (more at the start, until the buffer holds a batch). With
-        #    --zero-variance-groups drop, ask for the missing groups again until R survive, so that
-        #    N = B = R stays exactly on-policy.
+        # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
+        #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing
+        #    groups again until R survive, so that N = B = R stays exactly on-policy.
         t0 = time.perf_counter()
         fresh: list[Rollout] = []
         tokens_before = totals["generated_tokens"]
-        while len(fresh) < R or len(buffer) < B:
+        while len(fresh) < R or not buffer.ready(B, step):
             prompts = cfg.prompts_per_step  # the buffer still lacks a batch
             if len(fresh) < R:
                 prompts = (R - len(fresh)) // cfg.group_size  # the groups still missing

@@ -56,9 +56,9 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke"] = "study"
+    grid: Literal["study", "cpu", "smoke", "variants"] = "study"
     """which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first study, on
-    --preset cpu; smoke: 2 tiny configs)."""
+    --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform sampling, on cpu-study)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -140,7 +140,24 @@ STUDY_GRID = ["--preset", "cpu-study"], [
          asymre_delta_v=[-0.05, -0.1]),
     dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
 ]
-GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID}
+# The buffer's rules on --preset cpu-study, each against the default (uniform sampling) at one schedule: the
+# study's optimum for the measured mu, N = 224, R = 32, B = 64, at the lr that configuration picked there on the
+# tune seeds (1e-5), for 400 steps. The queue is the no-buffer baseline: in this loop it trains on each step's
+# B = 64 fresh rollouts once. At this size the grid shows what each rule does to the data a step trains on.
+VARIANTS_GRID = ["--preset", "cpu-study", "--buffer-size", "224", "--prompts-per-step", "2", "--total-steps", "400",
+                 "--eval-every", "40", "--lr", "1e-5"], [
+    dict(),  # uniform, the paper's
+    dict(sampling="without-replacement"),
+    dict(sampling="at-least-once"),
+    dict(sampling="fresh-anchored"),
+    dict(sampling="priority", priority_alpha=1.0),
+    dict(sampling="priority", priority_alpha=1.0, priority_tau=4.0),  # FreshPER's age decay
+    dict(max_age=4),
+    dict(max_uses=2),
+    dict(ratio_level="sequence"),
+    dict(sampling="queue"),
+]
+GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID, "variants": VARIANTS_GRID}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +188,15 @@ def config_name(cfg: dict) -> str:
         name += f"-d{cfg['positive_bias']:g}"
     if cfg.get("publish_every", 1) != 1:
         name += f"-k{cfg['publish_every']}"
+    for key, tag in RULE_TAGS.items():  # the buffer's rules, where they are not the default
+        value = cfg.get(key)
+        if value not in (None, 0, 0.0, "uniform", "token"):
+            name += f"-{tag}{value:g}" if isinstance(value, (int, float)) else f"-{value}"
     return name
+
+
+RULE_TAGS = {"sampling": "", "max_age": "age", "max_uses": "uses", "priority_alpha": "a", "priority_tau": "tau",
+             "ratio_level": ""}  # replay_grpo's rule flags, and their tags in a configuration's name
 
 
 VARIED = {"lr": "lr", "asymre_delta_v": "dv"}  # grid keys that may hold a list of values to try

@@ -34,7 +34,7 @@ SMALL = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--p
 @pytest.fixture
 def bf16(monkeypatch):
     """The precision policy of a bf16 GPU, on this CPU."""
-    monkeypatch.setenv(rg.COMPUTE_DTYPE_ENV, "bfloat16")
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
 
 
 def metrics(run_dir):
@@ -217,7 +217,7 @@ def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, ca
     args = SMALL + ["--sft-warmup-steps", "2", "--total-steps", "1", "--out-dir", str(tmp_path)]
     rg.main(args + ["--run-name", "fp32"])
     assert "warm start: 2 supervised steps" in capsys.readouterr().out
-    monkeypatch.setenv(rg.COMPUTE_DTYPE_ENV, "bfloat16")
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     rg.main(args + ["--run-name", "bf16"])
     assert "warm start: 2 supervised steps" in capsys.readouterr().out  # trained again, in bf16
     rg.main(args + ["--run-name", "bf16-again"])
@@ -240,13 +240,13 @@ def test_the_generation_benchmark_uses_the_run_precision(bf16):
 def test_the_slow_matmul_path_is_said_once_at_the_start(bf16, monkeypatch):
     monkeypatch.setitem(kernels._OUT_DTYPE_OK, "cuda", False)  # a torch whose mm refuses out_dtype=float32
     lines = []
-    rg.report_precision(torch.device("cuda"), write=lines.append)
+    kernels.report_precision(torch.device("cuda"), write=lines.append)
     assert len(lines) == 1 and "bfloat16 compute" in lines[0] and "the slow path" in lines[0], lines
     monkeypatch.setitem(kernels._OUT_DTYPE_OK, "cuda", True)
     lines.clear()
-    rg.report_precision(torch.device("cuda"), write=lines.append)
+    kernels.report_precision(torch.device("cuda"), write=lines.append)
     assert "out_dtype" in lines[0] and "slow" not in lines[0], lines
-    monkeypatch.delenv(rg.COMPUTE_DTYPE_ENV)
+    monkeypatch.delenv(kernels.COMPUTE_DTYPE_ENV)
     lines.clear()
-    rg.report_precision(torch.device("cpu"), write=lines.append)  # fp32: nothing to say
+    kernels.report_precision(torch.device("cpu"), write=lines.append)  # fp32: nothing to say
     assert lines == []

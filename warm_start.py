@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 import replay_grpo as rg
 
 BATCH_SIZE = 128  # examples per supervised step
@@ -31,14 +32,15 @@ NOT_WARM_START = {"preset", "group_size", "prompts_per_step", "batch_size", "buf
                   "clip_low", "clip_high", "asymre_delta_v", "positive_bias", "lr", "temperature", "loss_agg",
                   "zero_variance_groups", "total_steps", "eval_every", "out_dir", "run_name", "resume", "wandb", "mode",
                   "num_generators", "generator", "vllm_gpu_memory_utilization", "micro_batch_size", "grad_clip",
-                  "sample_every", "verbose", "dist_timeout"}
+                  "sample_every", "verbose", "dist_timeout", "sampling", "max_age", "max_uses", "priority_alpha",
+                  "priority_tau", "ratio_level"}
 
 
 def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
     """Every field that can change the warm start, and the compute dtype it trains in (a CPU's fp32 warm start is
     another model than a GPU's bf16 one)."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
-    fields["compute_dtype"] = str(rg.compute_dtype(device))
+    fields["compute_dtype"] = str(kernels.compute_dtype(device))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
