@@ -515,7 +515,8 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_see
             "generated_tokens": float(np.median([l.get("total_generated_tokens", 0) for l in last])),
             "mu": float(np.median([l["mu"] for l in last])) if all("mu" in l for l in last) else None,
             "replay_ratio": float(np.mean([l.get("replay_ratio", 0) for l in last])),
-            "staleness": sum(s * n for s, n in stale.items()) / max(1, sum(stale.values()))}
+            "staleness": sum(s * n for s, n in stale.items()) / max(1, sum(stale.values())),
+            "by_staleness": staleness_buckets(rs)}
         for axis, x in axes.items():
             row[f"{axis}_to_target"] = first_reach(curve(rs, "eval/greedy_acc", x), target) if reference else None
     for row in rows.values():
@@ -529,6 +530,36 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_see
     if reference:
         out.update(bootstrap_costs(configs, reference, axes, saving_target))
         out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
+    return out
+
+
+def bucket_order(label: str) -> int:
+    """'0', '1', '2-3', '4-7', '8+' (replay_grpo.STALENESS_BUCKETS) in staleness order."""
+    return int(label.split("-")[0].rstrip("+"))
+
+
+def staleness_buckets(rs: list[dict]) -> dict | None:
+    """The records' metrics by staleness over every step and seed of a configuration: per bucket, its share of
+    the trained rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token (the ESS of
+    the token ratios over the tokens: 1 when every ratio is equal). None: runs that did not log them."""
+    sums = {}  # bucket -> rollouts, tokens, clipped tokens, |log ratio| summed over tokens, ESS
+    for r in rs:
+        for rec in r["records"]:
+            for label, b in rec.get("by_staleness", {}).items():
+                total = sums.setdefault(label, [0, 0, 0.0, 0.0, 0.0])
+                total[0] += b["rollouts"]
+                total[1] += b["tokens"]
+                total[2] += b["clip_frac"] * b["tokens"]
+                total[3] += b["abs_log_ratio"] * b["tokens"]
+                total[4] += b["ess"]
+    if not sums:
+        return None
+    rollouts = sum(t[0] for t in sums.values())
+    out = {}
+    for label in sorted(sums, key=bucket_order):
+        n, tokens, clipped, abs_log_ratio, ess = sums[label]
+        out[label] = {"share": n / rollouts, "clip_frac": clipped / tokens, "abs_log_ratio": abs_log_ratio / tokens,
+                      "ess_per_token": ess / tokens}
     return out
 
 
@@ -732,6 +763,18 @@ def write_table(s: dict, path: Path) -> None:
                   "below it; not resolvable: the interval straddles it (or the target was not reached).", ""]
         for c, d in s["decision"].items():
             lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
+    if any(r.get("by_staleness") for r in s["configs"].values()):
+        lines += ["", "## What a step trains on, by staleness", "",
+                  "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
+                  "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
+                  "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
+                  "w^2 over the tokens: 1 when all ratios are equal).", "",
+                  "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
+                  "|" + "---|" * 6]
+        for c, r in s["configs"].items():
+            for label, b in (r.get("by_staleness") or {}).items():
+                lines.append(f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
+                             f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |")
     if s.get("per_seed"):
         lines += ["", "## Seeds", "",
                   "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
@@ -756,7 +799,8 @@ def write_table(s: dict, path: Path) -> None:
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:
-    """The six figures: median over seeds, shaded IQR, one line per configuration (its best lr)."""
+    """The figures: median over seeds, shaded IQR, one line per configuration (its best lr); the histograms of
+    staleness and replay ratio; the metrics by staleness where the runs logged them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -852,7 +896,28 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
                              for _ in range(v)]))
     hists("replay_ratio_hist.png", "Replay ratio per rollout: times each evicted rollout was trained on",
           "uses", lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}))
+
+    by_config = {c: s["configs"][c]["by_staleness"] for c in runs if s["configs"][c].get("by_staleness")}
+    if by_config:  # runs that logged the metrics by staleness
+        buckets = sorted({b for d in by_config.values() for b in d}, key=bucket_order)
+        fig, axes = plt.subplots(1, len(BUCKET_PANELS), figsize=(4 * len(BUCKET_PANELS), 3.6))
+        for ax, (key, ylabel) in zip(axes, BUCKET_PANELS):
+            for c, d in by_config.items():
+                xs = [i for i, b in enumerate(buckets) if b in d]
+                ax.plot(xs, [d[buckets[i]][key] for i in xs], marker="o", color=color[c], lw=2.2 if c == ref else 1.4,
+                        label=label[c])
+            ax.set_xticks(range(len(buckets)), buckets)
+            ax.set_xlabel("staleness (optimizer steps)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        legend(axes[-1])
+        fig.suptitle("What a step trains on, by staleness (all steps and seeds)")
+        save(fig, "staleness_metrics.png")
     return written
+
+
+BUCKET_PANELS = [("share", "share of trained rollouts"), ("clip_frac", "clip fraction"),
+                 ("abs_log_ratio", "mean |log ratio| per token"), ("ess_per_token", "ESS per token")]
 
 
 def strict_json(x):
@@ -899,7 +964,8 @@ def report(args: ReportArgs) -> dict:
 
 def plot_run(run_dir: Path) -> list[Path]:
     """<run>/curves_vs_steps.png and curves_vs_tokens.png from <run>/metrics.jsonl: held-out accuracy and
-    pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio."""
+    pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio; and
+    staleness_vs_steps.png, the metrics by staleness bucket (rollouts, clip fraction, |log ratio|, ESS)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -951,6 +1017,34 @@ def plot_run(run_dir: Path) -> list[Path]:
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         out = run_dir / f"curves_vs_{xname}.png"
+        try:
+            fig.savefig(out, dpi=100)
+        except OSError as e:
+            raise SystemExit(f"error: {run_dir}: cannot write {out.name} ({e.strerror or e})") from None
+        finally:
+            plt.close(fig)
+        written.append(out)
+    with_buckets = [r for r in steps if r.get("by_staleness")]
+    if with_buckets:  # the metrics by staleness: one line per bucket
+        buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
+        fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
+        for ax, (key, ylabel) in zip(axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:3],
+                                            ("ess_per_token", "ESS per token")]):
+            for b in buckets:
+                pts = []
+                for r in with_buckets:
+                    m = r["by_staleness"].get(b)
+                    if m is not None:
+                        value = m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]
+                        pts.append((r["step"], value))
+                ax.plot(*zip(*pts), lw=1.2, label=f"staleness {b}")
+            ax.set_xlabel("gradient steps")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend(loc="upper left", fontsize=8, frameon=False)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        out = run_dir / "staleness_vs_steps.png"
         try:
             fig.savefig(out, dpi=100)
         except OSError as e:

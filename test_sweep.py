@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -123,6 +124,29 @@ def test_report_table_matches_metrics_and_figures_parse(study):
     assert table_row(out / "table.md", "onpolicy")[10] == "0.00"  # on-policy: never stale
 
 
+def test_report_tabulates_what_a_step_trains_on_by_staleness(study):
+    """The by-staleness section: each bucket's share of the trained rollouts and its token-weighted metrics, from
+    every step's by_staleness in the records."""
+    out = study["out"]
+    s = sweep.main(["report", "--out-dir", str(out)])
+    assert (out / "staleness_metrics.png").exists()
+    picked = s["lr_choice"]["N16-R4-grpo"]["picked"]
+    steps = [rec for seed in (0, 1) for rec in records(out / f"N16-R4-grpo-lr{picked:g}-s{seed}")[1:]]
+    rollouts, tokens, clipped = Counter(), Counter(), Counter()
+    for rec in steps:
+        for bucket, m in rec["by_staleness"].items():
+            rollouts[bucket] += m["rollouts"]
+            tokens[bucket] += m["tokens"]
+            clipped[bucket] += m["clip_frac"] * m["tokens"]
+    assert sum(rollouts.values()) == 8 * len(steps) and len(rollouts) > 1  # replay: stale buckets too
+    text = (out / "table.md").read_text()
+    for bucket in rollouts:
+        share = rollouts[bucket] / sum(rollouts.values())
+        clip = clipped[bucket] / tokens[bucket]
+        assert f"| N16-R4-grpo | {bucket} | {share:.3f} | {clip:.4f} |" in text
+    assert "| onpolicy | 0 | 1.000 |" in text  # on-policy: every rollout trained at staleness 0
+
+
 # --- grid definition ----------------------------------------------------------------------------
 
 def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
@@ -228,7 +252,8 @@ def test_report_numbers_on_known_runs(tmp_path):
 def test_plot_writes_a_runs_figures_from_its_metrics(study, tmp_path):
     run_dir = study["out"] / "N16-R4-grpo-lr0.001-s0"
     written = sweep.main(["plot", str(run_dir)])
-    assert sorted(p.name for p in written) == ["curves_vs_steps.png", "curves_vs_tokens.png"]
+    assert sorted(p.name for p in written) == ["curves_vs_steps.png", "curves_vs_tokens.png",
+                                               "staleness_vs_steps.png"]
     for p in written:
         with Image.open(p) as im:
             assert im.format == "PNG" and im.width > 800 and im.height > 400
