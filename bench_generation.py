@@ -11,7 +11,6 @@ step; mu is what `replay_grpo.py plan --mu` takes.
 import argparse
 import importlib.util
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path

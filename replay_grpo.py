@@ -26,7 +26,6 @@ import contextlib
 import copy
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import os
@@ -83,11 +82,11 @@ class Args:
     clip_high: float = 0.2  # GRPO epsilon_high: ratios above 1 + clip_high are clipped
     asymre_delta_v: float = -0.05  # AsymRE delta_V (the paper's -0.1 for +-1 rewards; these rewards are {0, 1})
     positive_bias: float = 0.0  # delta: keep the (1-delta)N freshest plus the delta*N freshest correct older rollouts
-    sampling: Sampling = "uniform"  # how a batch is drawn from the buffer (ReplayBuffer below; uniform: the paper's)
+    sampling: Sampling = "uniform"  # how a batch is drawn: uniform is the paper's; the rules: ReplayBuffer below
     max_age: int | None = None  # evict a rollout more than this many policy versions old before sampling (None: off)
     max_uses: int | None = None  # evict a rollout after this many uses (None: off)
     priority_alpha: float = 0.0  # priority and fresh-anchored: replayed rollouts drawn with weight (|A| + eps)^alpha
-    priority_tau: float | None = None  # ... times exp(-age / tau), age in policy versions (None: no decay)
+    priority_tau: float | None = None  # priority and fresh-anchored: that weight times exp(-age / tau) (None: no decay)
     ratio_level: Literal["token", "sequence"] = "token"  # GRPO ratio per token, or per sequence (the paper's, GSPO)
     lr: float = 1e-4  # constant learning rate of Adam (no weight decay, as in the paper)
     temperature: float = 1.0  # sampling temperature of training rollouts; the trainer's log-probs use the same

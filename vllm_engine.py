@@ -106,7 +106,7 @@ class VLLMGenerator:
             self.asleep = {"weights", "kv_cache"}
 
     def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, logprobs: bool = True) -> list[list[Sample]]:
+                 top_p: float = 1.0, logprobs: bool = True) -> list[list[rg.Sample]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         self.wake_up(["weights", "kv_cache"])
