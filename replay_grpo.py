@@ -403,8 +403,11 @@ def numeric_match(completion: str, gold: str) -> bool:
     """Exact numeric match of the final answer: the \\boxed{} content if any, else the last number."""
     boxed = last_boxed(completion)
     nums = _NUMBER.findall(boxed if boxed is not None else completion)
+    if not nums:
+        return False
     try:
-        return bool(nums) and abs(float(nums[-1].replace(",", "").rstrip(".")) - float(gold.replace(",", ""))) < 1e-6
+        predicted = float(nums[-1].replace(",", "").rstrip("."))
+        return abs(predicted - float(gold.replace(",", ""))) < 1e-6
     except ValueError:
         return False
 
@@ -765,7 +768,8 @@ def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args
     for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
         counts["generated_rollouts"] += len(samples)
         counts["generated_tokens"] += sum(len(s.completion_ids) for s in samples)
-        scored = [score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True), ex.answer) for s in samples]
+        texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+        scored = [score(verifier, text, ex.answer) for text in texts]
         counts.update(f"verifier_{failure}s" for _, failure in scored if failure)
         rewards = [r for r, _ in scored]
         adv, mean = group_advantages(rewards)
@@ -1123,24 +1127,27 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
         verifier = VERIFIERS[task.verifier]
         prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
 
-        def accuracy(groups, examples):
-            return [[score(verifier, tok.decode(s.completion_ids, skip_special_tokens=True), ex.answer)[0]
-                     for s in g] for g, ex in zip(groups, examples)]
+        def generate_and_score(n: int, temperature: float, top_p: float, count: int):
+            """n completions of each of the first `count` held-out prompts, and their rewards (a list per prompt)."""
+            groups = generator.generate(prompts[:count], n=n, max_new_tokens=cfg.max_new_tokens,
+                                        temperature=temperature, top_p=top_p, logprobs=False)
+            rewards = []
+            for group, ex in zip(groups, task.eval):
+                texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in group]
+                rewards.append([score(verifier, text, ex.answer)[0] for text in texts])
+            return groups, rewards
 
         out, samples = {}, []
         if not pass_k_only:
-            groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
-            greedy = accuracy(groups, task.eval)
-            for ex, g, acc in zip(task.eval[:SAMPLES], groups, greedy):
-                completion = tok.decode(g[0].completion_ids, skip_special_tokens=True)
-                samples.append({"source": "eval (greedy)", "prompt": ex.prompt, "gold": ex.answer, "reward": acc[0],
-                                "completion": completion, "truncated": g[0].truncated})
-            pass1 = accuracy(generator.generate(prompts, 1, cfg.max_new_tokens, 0.1, 0.95, logprobs=False), task.eval)
-            out = {"eval/greedy_acc": sum(g[0] for g in greedy) / len(greedy),
-                   "eval/pass@1": sum(g[0] for g in pass1) / len(pass1)}
-        sub = slice(0, pass_k_prompts)
-        passk = accuracy(generator.generate(prompts[sub], cfg.pass_k, cfg.max_new_tokens, 1.0, 0.95, logprobs=False),
-                         task.eval[sub])
+            groups, greedy = generate_and_score(n=1, temperature=0.0, top_p=1.0, count=len(prompts))
+            for ex, group, rewards in zip(task.eval[:SAMPLES], groups, greedy):
+                completion = tok.decode(group[0].completion_ids, skip_special_tokens=True)
+                samples.append({"source": "eval (greedy)", "prompt": ex.prompt, "gold": ex.answer,
+                                "reward": rewards[0], "completion": completion, "truncated": group[0].truncated})
+            _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
+            out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
+            out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
+        _, passk = generate_and_score(n=cfg.pass_k, temperature=1.0, top_p=0.95, count=pass_k_prompts)
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out, samples
@@ -1300,7 +1307,9 @@ def train(cfg: Args) -> dict:
     print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
           f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
           f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}")
-    last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm) if step == 0 else {}
+    last_eval = {}
+    if step == 0:
+        last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
 
     start_step = step
     bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
