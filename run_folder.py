@@ -40,6 +40,21 @@ def lock_run(run_dir: Path) -> None:
     RUN_LOCKS[str(run_dir)] = fd
 
 
+def in_use(run_dir: Path) -> bool:
+    """Whether another process holds <run>/lock now (lock_run), without taking it."""
+    if not (run_dir / "lock").exists():
+        return False
+    fd = os.open(run_dir / "lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def release_runs() -> None:
     for fd in RUN_LOCKS.values():
         os.close(fd)  # closing the descriptor releases its flock

@@ -41,6 +41,8 @@ from typing import Literal
 import numpy as np
 import tyro
 
+import run_folder
+
 TRAINER = Path(__file__).resolve().parent / "replay_grpo.py"
 
 
@@ -273,6 +275,9 @@ def execute(args: RunArgs, runs: list[dict]) -> list[str]:
     failed = []
     for i, r in enumerate(runs, 1):
         run_dir, argv = Path(args.out_dir) / r["name"], r["argv"]
+        if run_dir.exists() and run_folder.in_use(run_dir):  # another sweep process trains it: leave it alone
+            print(f"[{i}/{len(runs)}] {r['name']}: in use by another process, skipped", flush=True)
+            continue
         status = run_status(run_dir, r["total_steps"])
         print(f"[{i}/{len(runs)}] {r['name']}: " + {"new": "start", "done": "finished, skipped",
               "partial": "resume from its checkpoint", "broken": "no checkpoint: delete and restart"}[status],

@@ -5,6 +5,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -86,6 +88,26 @@ def test_interrupted_run_is_resumed_not_restarted(study):
 
 def test_run_without_checkpoint_is_restarted(study):
     assert all("junk" not in r for r in records(study["out"] / "onpolicy-s1"))
+
+
+def test_a_run_another_process_trains_is_left_alone(tmp_path, capsys):
+    """Two sweep processes on one folder: a run folder whose lock another process holds (here: a folder without a
+    checkpoint yet, which a sweep would otherwise delete and restart) is skipped, its files untouched."""
+    other = tmp_path / "onpolicy-s0"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 0}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; import run_folder; "
+                               "run_folder.lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
+                               str(other)], cwd=Path(__file__).resolve().parent, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        sweep.main(["run", "--out-dir", str(tmp_path), "--grid", "smoke", "--seeds", "0", "--only", "onpolicy"])
+        assert "onpolicy-s0: in use by another process, skipped" in capsys.readouterr().out
+        assert (other / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_second_run_skips_finished_runs(study, capsys):
