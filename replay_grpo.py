@@ -984,18 +984,19 @@ def staleness_bucket(staleness: int) -> str:
 
 def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
     """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
-    start = 0
-    for r in batch:
-        end = start + len(r.completion_ids)
+    lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
+    rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
+    per_token = torch.stack([clipped.to(ratio.dtype), abs_log_ratio, ratio, ratio * ratio])
+    per_rollout = torch.zeros(4, len(batch), device=ratio.device, dtype=ratio.dtype)
+    per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
+    for r, n, (n_clipped, abs_log, w, w2) in zip(batch, lengths.tolist(), per_rollout):
         row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0])
-        w = ratio[start:end]
         row[0] += 1
-        row[1] += end - start
-        row[2] += int(clipped[start:end].sum())
-        row[3] += abs_log_ratio[start:end].sum().item()
-        row[4] += w.sum().item()
-        row[5] += (w * w).sum().item()
-        start = end
+        row[1] += n
+        row[2] += round(n_clipped)
+        row[3] += abs_log
+        row[4] += w
+        row[5] += w2
 
 def by_staleness(sums: dict) -> dict:
     """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|

@@ -967,6 +967,20 @@ def report(args: ReportArgs) -> dict:
 # plot: one run's curves
 # ----------------------------------------------------------------------------------------------
 
+def save_run_figure(fig, title: str, out: Path) -> Path:
+    """Title, lay out and write one of plot_run's figures; an unwritable folder stops with one line."""
+    import matplotlib.pyplot as plt
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise SystemExit(f"error: {out.parent}: cannot write {out.name} ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """<run>/curves_vs_steps.png and curves_vs_tokens.png from <run>/metrics.jsonl: held-out accuracy and
     pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio; and
@@ -1019,16 +1033,7 @@ def plot_run(run_dir: Path) -> list[Path]:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(loc="upper left", fontsize=8, frameon=False)
-        fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        out = run_dir / f"curves_vs_{xname}.png"
-        try:
-            fig.savefig(out, dpi=100)
-        except OSError as e:
-            raise SystemExit(f"error: {run_dir}: cannot write {out.name} ({e.strerror or e})") from None
-        finally:
-            plt.close(fig)
-        written.append(out)
+        written.append(save_run_figure(fig, title, run_dir / f"curves_vs_{xname}.png"))
     with_buckets = [r for r in steps if r.get("by_staleness")]
     if with_buckets:  # the metrics by staleness: one line per bucket
         buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
@@ -1047,16 +1052,7 @@ def plot_run(run_dir: Path) -> list[Path]:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
         axes[0].legend(loc="upper left", fontsize=8, frameon=False)
-        fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        out = run_dir / "staleness_vs_steps.png"
-        try:
-            fig.savefig(out, dpi=100)
-        except OSError as e:
-            raise SystemExit(f"error: {run_dir}: cannot write {out.name} ({e.strerror or e})") from None
-        finally:
-            plt.close(fig)
-        written.append(out)
+        written.append(save_run_figure(fig, title, run_dir / "staleness_vs_steps.png"))
     print("wrote", ", ".join(map(str, written)))
     return written
 
