@@ -858,10 +858,13 @@ class ReplayBuffer:
         if self.max_age is not None:
             self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age])
 
+    def _never_used(self) -> list[int]:
+        return [i for i, r in enumerate(self.items) if r.uses == 0]
+
     def _drawable(self) -> list[int]:
         """Indices a batch may be drawn from: without-replacement draws only never-used rollouts."""
         if self.sampling == "without-replacement":
-            return [i for i, r in enumerate(self.items) if r.uses == 0]
+            return self._never_used()
         return list(range(len(self.items)))
 
     def ready(self, batch_size: int, step: int) -> bool:
@@ -895,7 +898,7 @@ class ReplayBuffer:
             fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
             return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
         if self.sampling == "at-least-once":
-            unused = [i for i, r in enumerate(self.items) if r.uses == 0]
+            unused = self._never_used()
             if len(unused) >= k:
                 return self.rng.sample(unused, k)
             used = [i for i, r in enumerate(self.items) if r.uses > 0]
@@ -903,7 +906,7 @@ class ReplayBuffer:
         if self.sampling == "priority":
             return self._weighted(list(range(n)), k, step)
         if self.sampling == "without-replacement":
-            return self.rng.sample(self._drawable(), k)
+            return self.rng.sample(self._never_used(), k)
         return self.rng.sample(range(n), k)  # uniform
 
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
