@@ -58,9 +58,10 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke", "variants"] = "study"
+    grid: Literal["study", "cpu", "smoke", "variants", "pareto"] = "study"
     """which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first study, on
-    --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform sampling, on cpu-study)."""
+    --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform sampling, on cpu-study;
+    pareto: on-policy against replay on --preset cpu at three lrs, at equal generated rollouts)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -159,7 +160,30 @@ VARIANTS_GRID = ["--preset", "cpu-study", "--buffer-size", "224", "--prompts-per
     dict(ratio_level="sequence"),
     dict(sampling="queue"),
 ]
-GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID, "variants": VARIANTS_GRID}
+# The Pareto study on --preset cpu: on-policy against replay with N = 512 at B/R = 2, 4, 8 and the planner's
+# suggestion for the paper's mu = 5.28 (`plan --mu 5.28 --batch 128`: N = 240, R = 16), each at every lr of
+# PARETO_LRS, the report keeping the frontier over them. Every configuration generates PARETO_ROLLOUTS rollouts
+# and is evaluated every EVAL_ROLLOUTS of them (on-policy every 2 steps), so that all curves share their x values.
+PARETO_LRS = [1e-5, 3e-5, 1e-4]
+PARETO_ROLLOUTS = 3840  # on-policy: 30 steps of R = 128
+EVAL_ROLLOUTS = 256
+
+
+def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
+    R = prompts_per_step * 16  # the cpu preset's G
+    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, total_steps=PARETO_ROLLOUTS // R,
+                eval_every=EVAL_ROLLOUTS // R, lr=PARETO_LRS)
+
+
+PARETO_GRID = ["--preset", "cpu"], [
+    pareto_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
+    pareto_entry(buffer_size=512, prompts_per_step=4),  # B/R = 2
+    pareto_entry(buffer_size=512, prompts_per_step=2),  # B/R = 4, the README's replay example
+    pareto_entry(buffer_size=512, prompts_per_step=1),  # B/R = 8
+    pareto_entry(buffer_size=240, prompts_per_step=1),  # the planner's N/R = 15, B/R = 8 at mu = 5.28
+]
+GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID, "variants": VARIANTS_GRID,
+         "pareto": PARETO_GRID}
 
 
 # ----------------------------------------------------------------------------------------------
