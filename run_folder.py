@@ -91,6 +91,22 @@ def check_resume_config(cfg, run_dir: Path) -> None:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed}) + "\n")
 
 
+def current_config(run_dir: Path, saved: dict) -> dict:
+    """config.json's settings (`saved`) as the run has them now: with the RESUMABLE changes of each resume
+    (resumes.jsonl) applied in order, since config.json is written once, when the run starts. A damaged
+    resumes.jsonl raises ValueError."""
+    current, path = dict(saved), run_dir / "resumes.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            changes = json.loads(line)["changed"].items()
+            for flag, (_, value) in changes:
+                current[flag.removeprefix("--").replace("-", "_")] = value
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{path}: a line is not a resume record: {line[:80]!r}") from None
+    return current
+
+
 def read_checkpoint_file(ckpt: Path, name: str, read):
     """read(ckpt / name), or one line naming the damaged (cut, empty, missing) file and what can be done."""
     try:

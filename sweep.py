@@ -417,11 +417,11 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     runs = []
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
-            cfg = read_json(run_dir / "config.json")
+            cfg = run_folder.current_config(run_dir, read_json(run_dir / "config.json"))  # with resumes' changes
             state = checkpoint_state(run_dir)
             finished = state is not None and state["step"] == cfg.get("total_steps")
             records = read_metrics(run_dir / "metrics.jsonl") if finished else None
-        except Damaged as e:
+        except (Damaged, ValueError) as e:
             print(f"report: {run_dir.name} left out, a file is damaged: {e}")
             continue
         if not finished:

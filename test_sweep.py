@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+import pareto
 import replay_grpo
 import sweep
 
@@ -70,6 +71,20 @@ def test_smoke_grid_names_and_all_runs_finished(study):
     cfg = json.loads((study["out"] / "N16-R4-grpo-lr0.003-s1" / "config.json").read_text())
     got = cfg["buffer_size"], cfg["prompts_per_step"], cfg["batch_size"], cfg["lr"], cfg["seed"]
     assert got == (16, 1, 8, 3e-3, 1)
+
+
+def test_a_run_extended_by_a_resume_is_read_as_finished(study, capsys):
+    """onpolicy-s0 started with --total-steps 2 and was resumed to 3: config.json (written once) says 2, its
+    resumes.jsonl says 3, and the report reads it as the finished 3-step run it is."""
+    assert json.loads((study["out"] / "onpolicy-s0" / "config.json").read_text())["total_steps"] == 2
+    runs = {r["name"]: r for r in sweep.load_runs(study["out"])}
+    assert "not finished" not in capsys.readouterr().out
+    assert runs["onpolicy-s0"]["cfg"]["total_steps"] == 3 and len(runs) == 6
+    (study["out"] / "onpolicy-s0" / "resumes.jsonl").rename(study["out"] / "resumes.bak")
+    try:  # without the resumes' record the run reads as stopped early
+        assert "onpolicy-s0" not in {r["name"] for r in sweep.load_runs(study["out"])}
+    finally:
+        (study["out"] / "resumes.bak").rename(study["out"] / "onpolicy-s0" / "resumes.jsonl")
 
 
 def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(study, tmp_path):
@@ -229,6 +244,28 @@ def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ck
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     torch.save({"step": total if ckpt_step is None else ckpt_step},
                run_dir / "checkpoint" / "trainer_state.pt")
+
+
+def test_pareto_report_end_to_end_on_the_smoke_grid(study, tmp_path):
+    """pareto.py on the smoke study: the frontier over N16-R4's two lrs against on-policy's one."""
+    out = study["out"]
+    smoke_lr = next(r["cfg"]["lr"] for r in sweep.load_runs(out) if r["config"] == "onpolicy")
+    s = pareto.main(["--out-dir", str(out), "--report-dir", str(tmp_path / "report"), "--primary", "N16-R4-grpo",
+                     "--same-lr", str(smoke_lr), "--replicates", "20"])
+    assert set(s["point"]["configs"]) == {"onpolicy", "N16-R4-grpo"} and s["seeds"] == [0, 1]
+    assert set(s["point"]["configs"]["N16-R4-grpo"]["lrs"]) == {1e-3, 3e-3}
+    assert s["point"]["configs"]["N16-R4-grpo"]["same_lr_cost"] == {}  # it did not run at on-policy's lr
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())  # strict JSON
+    assert summary["point"]["target"] == 0.0  # 3 steps of the smoke model: nothing learned,
+    assert summary["point"]["configs"]["N16-R4-grpo"]["saving"]["rollouts"]["90%"] is None  # so nothing saved
+    assert summary["decision"]["N16-R4-grpo"]["verdict"] == "not met"
+    table = (tmp_path / "report" / "table.md").read_text()
+    assert "## Decision" in table and "**N16-R4-grpo**" in table
+    for name in ("pareto_frontier.png", "same_lr.png", "entropy.png"):
+        with Image.open(tmp_path / "report" / name) as im:
+            assert im.format == "PNG" and im.width > 300
+    with pytest.raises(SystemExit, match="no finished runs"):
+        pareto.main(["--out-dir", str(tmp_path / "empty")])
 
 
 def test_report_numbers_on_known_runs(tmp_path):

@@ -1,0 +1,409 @@
+"""pareto.py: the Pareto study's report. Replay against on-policy over a learning-rate sweep, as the paper compares
+configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy accuracy
+against generated rollouts and against compute.
+
+    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
+    python pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
+
+Every configuration generates the same rollouts and is evaluated at the same generated-rollout counts, so curves
+are compared at equal x without interpolating. Compute, in the paper's accounting: training on a rollout costs
+1, generating one costs mu; compute = trained rollouts + mu x generated rollouts, at the mu measured on this
+machine (median of the runs' logged mu) and at the paper's mu = 5.28.
+
+What is computed, each point estimate on all seeds and each 90% interval over bootstrap resamples of the seeds
+(one resample for every configuration and learning rate alike: a seed fixes the warm start they all share):
+  * frontier(x): the best median accuracy (over seeds) any learning rate reached at cost <= x;
+  * the target: on-policy's best median accuracy (over learning rates and evaluations), and 90% of it;
+  * a configuration's cost to a level: the first x where its frontier reaches it; the saving: 1 - cost / on-policy's;
+  * the same at one learning rate (--same-lr), against on-policy's best median at that learning rate;
+  * per learning rate: final and best median accuracy, and the trained batch's entropy at the end.
+The decision, fixed before the runs: a replay configuration meets the claim when its saving to 90% of the target
+is at least --saving-target percent, with the 90% interval's lower end above 0, in generated rollouts and in
+compute at the paper's mu alike. The claim holds on this grid when the planner's configuration meets it
+(--primary: the one the paper's recipe picks for mu = 5.28 without seeing any run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+import sweep
+
+AXES = {"rollouts": "generated rollouts", "compute_measured_mu": "compute at the measured mu",
+        "compute_paper_mu": "compute at the paper's mu"}
+LEVELS = {"90%": 0.9, "100%": 1.0}  # fractions of on-policy's best median accuracy
+DECISION_AXES = ("rollouts", "compute_paper_mu")
+
+
+@dataclass
+class Args:
+    """The Pareto study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+
+    out_dir: str = "runs/pareto"
+    """folder of the run folders (sweep.py run --grid pareto)."""
+    report_dir: str | None = None
+    """where table.md, summary.json and the figures go (default: --out-dir)."""
+    reference: str = "onpolicy"
+    """the configuration savings are measured against."""
+    primary: str = "N240-R16-grpo"
+    """the configuration whose verdict decides the claim (the planner's suggestion for mu = 5.28)."""
+    paper_mu: float = 5.28
+    """the paper's generation/training cost ratio, for the second compute axis."""
+    same_lr: float = 3e-5
+    """the learning rate of the same-learning-rate comparison."""
+    saving_target: float = 30.0
+    """the saving (percent) to 90% of the target that the decision asks for."""
+    replicates: int = 2000
+    """bootstrap resamples of the seeds."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The runs as arrays: per configuration and learning rate, accuracy [seed, evaluation] and each axis' x values
+# ----------------------------------------------------------------------------------------------
+
+def x_value(record: dict, axis: str, mus: dict) -> float:
+    """A record's cost so far on one axis: its generated rollouts, or its compute at the axis' mu (mus[axis])."""
+    if axis == "rollouts":
+        return record.get("generated_rollouts", 0)
+    return sweep.compute(record, mus[axis])
+
+
+def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]:
+    """{config: {lr: cell}} on the seeds every (config, lr) finished, those seeds, and the measured mu. A cell holds
+    acc [seeds x evaluations], x[axis] [evaluations], and per seed the entropy of the first and last step."""
+    seeds_of: dict[tuple, set] = {}
+    for r in runs:
+        seeds_of.setdefault((r["config"], r["cfg"]["lr"]), set()).add(r["seed"])
+    seeds = sorted(set.intersection(*seeds_of.values())) if seeds_of else []
+    for (config, lr), have in sorted(seeds_of.items()):
+        if have - set(seeds):
+            print(f"pareto: {config} lr {lr:g}: seeds {sorted(have - set(seeds))} left out (not every cell has them)")
+    mus = [r["records"][-1]["mu"] for r in runs if "mu" in r["records"][-1]]
+    mu = float(np.median(mus)) if mus else float("nan")
+    cells: dict[str, dict[float, dict]] = {}
+    for r in sorted(runs, key=lambda r: r["seed"]):
+        if r["seed"] not in seeds:
+            continue
+        cell = cells.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], {"runs": []})
+        cell["runs"].append(r)
+    for by_lr in cells.values():
+        for cell in by_lr.values():
+            rs = cell.pop("runs")
+            steps = sorted(set.intersection(*({e["step"] for e in sweep.evals(r)} for r in rs)))
+            evals = [[e for e in sweep.evals(r) if e["step"] in steps] for r in rs]  # the steps every seed evaluated
+            cell["seeds"] = [r["seed"] for r in rs]
+            cell["steps"] = np.array(steps)
+            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
+            mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
+            cell["x"] = {axis: np.median([[x_value(e, axis, mus) for e in ev] for ev in evals], axis=0)
+                         for axis in AXES}
+            trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
+            cell["entropy"] = np.array([[rec["entropy"] for rec in t] for t in trained])  # [seed, step]
+            cell["entropy_x"] = np.median([[rec.get("generated_rollouts", 0) for rec in t] for t in trained], axis=0)
+    return cells, seeds, mu
+
+
+# ----------------------------------------------------------------------------------------------
+# The estimates on one set of seeds (all of them, or one bootstrap resample)
+# ----------------------------------------------------------------------------------------------
+
+def cost_to(by_lr: dict, medians: dict, axis: str, level: float, lrs=None) -> float:
+    """The first x where the frontier over learning rates (of `lrs`, default all) reaches level (inf: never)."""
+    cost = math.inf
+    for lr, med in medians.items():
+        hit = np.nonzero(med >= level - 1e-9)[0]
+        if (lrs is None or lr in lrs) and len(hit):
+            cost = min(cost, float(by_lr[lr]["x"][axis][hit[0]]))
+    return cost
+
+
+def saving(cost: float, reference_cost: float) -> float:
+    """Percent of the reference's cost saved (-inf: the level was never reached; nan: the reference was there
+    before it trained, so there is nothing to save)."""
+    if reference_cost == 0:
+        return math.nan
+    return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
+
+
+def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
+    """Every number of the report on the seeds at positions idx (a resample may repeat some)."""
+    med = {c: {lr: np.median(cell["acc"][idx], axis=0) for lr, cell in by_lr.items()} for c, by_lr in cells.items()}
+    target = max(float(m.max()) for m in med[reference].values())
+    same_target = float(med[reference][same_lr].max()) if same_lr in med[reference] else math.nan
+    out = {"target": target, "same_lr_target": same_target, "configs": {}}
+    for c, by_lr in cells.items():
+        row = out["configs"][c] = {"cost": {}, "saving": {}, "same_lr_cost": {}, "same_lr_saving": {},
+                                   "best": max(float(m.max()) for m in med[c].values()), "lrs": {}}
+        row["best_minus_reference"] = row["best"] - target
+        for axis in AXES:
+            row["cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * target) for name, f in LEVELS.items()}
+            if same_lr in by_lr and same_lr in cells[reference]:
+                row["same_lr_cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * same_target, lrs=[same_lr])
+                                             for name, f in LEVELS.items()}
+        for lr, cell in by_lr.items():
+            row["lrs"][lr] = {"final": float(med[c][lr][-1]), "best": float(med[c][lr].max()),
+                              "entropy_end": float(np.median(cell["entropy"][idx, -1])),
+                              "entropy_start": float(np.median(cell["entropy"][idx, 0]))}
+    ref = out["configs"][reference]
+    for row in out["configs"].values():
+        for axis in AXES:
+            row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
+            if axis in row["same_lr_cost"]:
+                row["same_lr_saving"][axis] = {n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n])
+                                               for n in LEVELS}
+        for lr, at in row["lrs"].items():
+            if lr in ref["lrs"]:
+                at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]
+    return out
+
+
+def stack(trees: list):
+    """A list of equally nested dicts of floats -> one nested dict of arrays (over the list)."""
+    if isinstance(trees[0], dict):
+        return {k: stack([t[k] for t in trees]) for k in trees[0]}
+    return np.array(trees, dtype=float)
+
+
+def interval(values: np.ndarray) -> list:
+    """The 5th and 95th percentiles of a bootstrap quantity (None where it is undefined in every replicate)."""
+    v = values[~np.isnan(values)]
+    if not len(v):
+        return [None, None]
+    return [float(np.percentile(v, p, method="nearest")) for p in (5, 95)]
+
+
+def intervals_of(tree):
+    return {k: intervals_of(v) for k, v in tree.items()} if isinstance(tree, dict) else interval(tree)
+
+
+def decide(point: dict, ci: dict, reference: str, saving_target: float) -> dict:
+    """Per replay configuration: 'met' when, on every DECISION_AXES axis, the saving to 90% of the target is at
+    least saving_target percent and its interval's lower end is above 0; 'not met' otherwise."""
+    out = {}
+    for c, row in point["configs"].items():
+        if c == reference:
+            continue
+        checks = {}
+        for axis in DECISION_AXES:
+            low = ci["configs"][c]["saving"][axis]["90%"][0]
+            checks[axis] = row["saving"][axis]["90%"] >= saving_target and low is not None and low > 0
+        out[c] = {"axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
+                  "verdict": "met" if all(checks.values()) else "not met"}
+    return out
+
+
+def analyse(runs: list[dict], args: Args) -> dict:
+    cells, seeds, mu = cells_of(runs, args.paper_mu)
+    if args.reference not in cells:
+        raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
+    point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
+    rng = np.random.default_rng(0)
+    replicates = [estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
+                  for _ in range(args.replicates)]
+    ci = intervals_of(stack(replicates))
+    return {"seeds": seeds, "mu_measured": mu, "paper_mu": args.paper_mu, "reference": args.reference,
+            "primary": args.primary, "same_lr": args.same_lr, "saving_target": args.saving_target,
+            "replicates": args.replicates, "point": point, "interval_90": ci,
+            "decision": decide(point, ci, args.reference, args.saving_target),
+            "start_greedy_acc": {int(s): float(a) for s, a in
+                                 zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])},
+            "_cells": cells}
+
+
+# ----------------------------------------------------------------------------------------------
+# table.md, summary.json, figures
+# ----------------------------------------------------------------------------------------------
+
+def fmt_x(x) -> str:
+    return "never" if x == math.inf or x is None else sweep.fmt(x)
+
+
+def fmt_pct(x) -> str:
+    if x is None or math.isnan(x):
+        return "—"
+    return "never" if x == -math.inf else f"{x:+.0f}%"
+
+
+def with_ci(value, ci, one) -> str:
+    """'value [5th, 95th]', each formatted by one."""
+    return f"{one(value)} [{one(ci[0])}, {one(ci[1])}]"
+
+
+def acc(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def diff(x) -> str:
+    return "—" if x is None else f"{x:+.3f}"
+
+
+def write_table(s: dict, path: Path) -> None:
+    p, ci, ref = s["point"], s["interval_90"], s["reference"]
+    seeds = ", ".join(map(str, s["seeds"]))
+    lines = [
+        "# The Pareto study: replay against on-policy over a learning-rate sweep", "",
+        f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
+        f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
+        "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{acc(ci['target'][0])}, "
+        f"{acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}.", "",
+        "## Decision", "",
+        f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
+        "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
+        f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it.", "",
+        "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |", "|---|---|---|---|"]
+    for c, d in s["decision"].items():
+        sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
+        cells = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
+        name = f"**{c}**" if c == s["primary"] else c
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {d['verdict']} |")
+    lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", "",
+              "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
+              "|---|---|" + "---|---|" * len(AXES)]
+    for c, row in p["configs"].items():
+        for level in LEVELS:
+            parts = []
+            for axis in AXES:
+                rci = ci["configs"][c]
+                parts.append(with_ci(row["cost"][axis][level], rci["cost"][axis][level], fmt_x))
+                parts.append(with_ci(row["saving"][axis][level], rci["saving"][axis][level], fmt_pct))
+            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
+    lines += ["", f"## At one learning rate, {s['same_lr']:g}", "",
+              f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.", "",
+              "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
+              "|---|---|" + "---|---|" * len(AXES)]
+    for c, row in p["configs"].items():
+        if not row["same_lr_cost"]:
+            continue
+        for level in LEVELS:
+            parts = []
+            for axis in AXES:
+                rci = ci["configs"][c]
+                parts.append(with_ci(row["same_lr_cost"][axis][level], rci["same_lr_cost"][axis][level], fmt_x))
+                parts.append(with_ci(row["same_lr_saving"][axis][level], rci["same_lr_saving"][axis][level], fmt_pct))
+            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
+    lines += ["", "## The end point: final and best accuracy, entropy", "",
+              "At the end every configuration has generated the same rollouts. Final: the median accuracy at the "
+              "last evaluation; best: the highest median over the evaluations; entropy: the median over seeds of "
+              "the policy's mean per-token entropy on the trained batch, at the first and the last step.", "",
+              "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
+              "|---|---|---|---|---|---|"]
+    for c, row in p["configs"].items():
+        for lr, at in row["lrs"].items():
+            aci = ci["configs"][c]["lrs"][lr]
+            delta = "—" if c == ref or "final_minus_reference" not in at else with_ci(
+                at["final_minus_reference"], aci["final_minus_reference"], diff)
+            lines.append(f"| {c} | {lr:g} | {with_ci(at['final'], aci['final'], acc)} | {delta} | "
+                         f"{with_ci(at['best'], aci['best'], acc)} | {at['entropy_start']:.3f} → "
+                         f"{at['entropy_end']:.3f} |")
+    lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
+    for c, row in p["configs"].items():
+        rci = ci["configs"][c]
+        lines.append(f"| {c} | {with_ci(row['best'], rci['best'], acc)} | "
+                     f"{with_ci(row['best_minus_reference'], rci['best_minus_reference'], diff)} |")
+    lines += ["", "## Seeds", "", "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
+              "seed starts from the same warm start):", "",
+              "| seed | " + " | ".join(map(str, s["seeds"])) + " |", "|---|" + "---|" * len(s["seeds"]),
+              "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][k]:.3f}" for k in s["seeds"]) + " |"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def frontier(by_lr: dict, axis: str) -> tuple[np.ndarray, np.ndarray]:
+    """The frontier over learning rates of the median accuracy (all seeds) against axis, as a step curve."""
+    points = sorted((x, y) for cell in by_lr.values()
+                    for x, y in zip(cell["x"][axis], np.median(cell["acc"], axis=0)))
+    xs = np.array([x for x, _ in points])
+    return xs, np.maximum.accumulate([y for _, y in points])
+
+
+def plot(s: dict, dest: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells, target, written = s["_cells"], s["point"]["target"], []
+    colors = {c: f"C{i}" for i, c in enumerate(cells)}
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(dest / name, dpi=110)
+        plt.close(fig)
+        written.append(dest / name)
+
+    fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
+    for ax, (axis, label) in zip(axes, AXES.items()):
+        for c, by_lr in cells.items():
+            for cell in by_lr.values():
+                ax.scatter(cell["x"][axis], np.median(cell["acc"], axis=0), s=6, color=colors[c], alpha=0.25)
+            ax.step(*frontier(by_lr, axis), where="post", color=colors[c], label=c)
+        for frac in LEVELS.values():
+            ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Frontier over learning rates (lines) and every learning rate's evaluations (dots)")
+    save(fig, "pareto_frontier.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    lr = s["same_lr"]
+    for c, by_lr in cells.items():
+        if lr not in by_lr:
+            continue
+        cell = by_lr[lr]
+        q25, q50, q75 = np.percentile(cell["acc"], [25, 50, 75], axis=0)
+        for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
+            ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
+            ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
+    for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
+        ax.set_xlabel(AXES[axis])
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")
+    save(fig, "same_lr.png")
+
+    fig, axes = plt.subplots(1, len(next(iter(cells.values()))), figsize=(15, 4), sharey=True)
+    for ax, lr in zip(np.atleast_1d(axes), next(iter(cells.values()))):
+        for c, by_lr in cells.items():
+            if lr in by_lr:
+                ax.plot(by_lr[lr]["entropy_x"], np.median(by_lr[lr]["entropy"], axis=0), color=colors[c], label=c)
+        ax.set_title(f"lr {lr:g}")
+        ax.set_xlabel("generated rollouts")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("entropy per token of the trained batch (median)")
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    save(fig, "entropy.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = tyro.cli(Args, args=argv)
+    out = Path(args.out_dir)
+    runs = sweep.load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --grid pareto --out-dir {out})")
+    s = analyse(runs, args)
+    dest = Path(args.report_dir or out)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_table(s, dest / "table.md")
+        summary = {k: v for k, v in s.items() if k != "_cells"}
+        (dest / "summary.json").write_text(json.dumps(sweep.strict_json(summary), indent=2, allow_nan=False))
+        figures = plot(s, dest)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
+    print((dest / "table.md").read_text())
+    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+    return s
+
+
+if __name__ == "__main__":
+    main()
