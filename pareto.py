@@ -87,7 +87,7 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
     mus = [r["records"][-1]["mu"] for r in runs if "mu" in r["records"][-1]]
     mu = float(np.median(mus)) if mus else float("nan")
     cells: dict[str, dict[float, dict]] = {}
-    for r in sorted(runs, key=lambda r: r["seed"]):
+    for r in sorted(runs, key=lambda r: (r["seed"], r["cfg"]["lr"])):
         if r["seed"] not in seeds:
             continue
         cell = cells.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], {"runs": []})
@@ -98,6 +98,8 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
             steps = sorted(set.intersection(*({e["step"] for e in sweep.evals(r)} for r in rs)))
             evals = [[e for e in sweep.evals(r) if e["step"] in steps] for r in rs]  # the steps every seed evaluated
             cell["seeds"] = [r["seed"] for r in rs]
+            cell["cfg"] = rs[0]["cfg"]
+            cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
             cell["steps"] = np.array(steps)
             cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
             mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
@@ -198,10 +200,21 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float) -> dict:
     return out
 
 
+def config_row(by_lr: dict) -> dict:
+    """A configuration's schedule, its evaluations' generated rollouts and its measured mu (median over runs)."""
+    cell = next(iter(by_lr.values()))
+    cfg = cell["cfg"]
+    R = cfg["prompts_per_step"] * cfg["group_size"]
+    return {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": R, "steps": cfg["total_steps"],
+            "eval_every": cfg["eval_every"], "lrs": sorted(by_lr), "eval_rollouts": cell["x"]["rollouts"].tolist(),
+            "mu": float(np.median([c["mu"] for c in by_lr.values()]))}
+
+
 def analyse(runs: list[dict], args: Args) -> dict:
     cells, seeds, mu = cells_of(runs, args.paper_mu)
     if args.reference not in cells:
         raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
+    cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
     point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
     rng = np.random.default_rng(0)
     replicates = [estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
@@ -211,6 +224,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
             "primary": args.primary, "same_lr": args.same_lr, "saving_target": args.saving_target,
             "replicates": args.replicates, "point": point, "interval_90": ci,
             "decision": decide(point, ci, args.reference, args.saving_target),
+            "configs": {c: config_row(by_lr) for c, by_lr in cells.items()},
             "start_greedy_acc": {int(s): float(a) for s, a in
                                  zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])},
             "_cells": cells}
@@ -254,7 +268,18 @@ def write_table(s: dict, path: Path) -> None:
         f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{acc(ci['target'][0])}, "
         f"{acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
         f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}.", "",
-        "## Decision", "",
+        "## Configurations", "",
+        "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
+        "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.", "",
+        "| config | N | B | R | B/R | N/R | steps | evaluated every | generated rollouts at the evaluations | "
+        "measured mu |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c, k in s["configs"].items():
+        xs = k["eval_rollouts"]
+        lines.append(f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
+                     f"{k['steps']} | {k['eval_every']} steps | {xs[0]:.0f}, {xs[1]:.0f}, ..., {xs[-1]:.0f} | "
+                     f"{k['mu']:.2f} |")
+    lines += [
+        "", "## Decision", "",
         f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
         "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it.", "",
@@ -325,6 +350,7 @@ def frontier(by_lr: dict, axis: str) -> tuple[np.ndarray, np.ndarray]:
 
 def plot(s: dict, dest: Path) -> list[Path]:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cells, target, written = s["_cells"], s["point"]["target"], []
@@ -345,7 +371,8 @@ def plot(s: dict, dest: Path) -> list[Path]:
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
-        ax.set_xlabel(label)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the minor labels overlap
+        ax.set_xlabel(f"{label} (log scale; step 0 at x = 0 is left out)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
     axes[0].legend(fontsize=8)

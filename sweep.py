@@ -5,6 +5,7 @@
     python sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
     python sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
     python sweep.py plot runs/NAME                                    # one run's curves, into its folder
+    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
 --subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,

@@ -15,7 +15,8 @@ def fake_run(config: str, lr: float, seed: int, accs: list[float], R: int, B: in
         records.append({"step": step, "eval/greedy_acc": a, "generated_rollouts": R * step,
                         "trained_rollouts": B * step, "entropy": 1.0 - 0.1 * step, "mu": 1.0})
     return {"name": f"{config}-lr{lr:g}-s{seed}", "config": config, "variant": f"-lr{lr:g}", "seed": seed,
-            "cfg": {"lr": lr}, "records": records}
+            "cfg": {"lr": lr, "buffer_size": 4 * B, "batch_size": B, "prompts_per_step": R // 4, "group_size": 4,
+                    "total_steps": len(accs) - 1, "eval_every": 1}, "records": records}
 
 
 def args(**kw) -> pareto.Args:
@@ -38,6 +39,9 @@ def test_saving_on_every_axis_and_the_decision():
     assert row["saving"]["compute_paper_mu"]["90%"] == pytest.approx(100 * (1 - paper / (3 * (100 + 528))))
     assert row["saving"]["compute_measured_mu"]["90%"] == pytest.approx(100 * (1 - 500 / 600))  # mu 1.0: logged
     assert s["decision"]["replay"]["verdict"] == "met"  # identical seeds: the interval is the point
+    assert s["configs"]["replay"] | {"lrs": None} == {"N": 1600, "B": 400, "R": 100, "steps": 4, "eval_every": 1,
+                                                       "lrs": None, "eval_rollouts": [0, 100, 200, 300, 400],
+                                                       "mu": 1.0}
     assert s["interval_90"]["configs"]["replay"]["saving"]["rollouts"]["90%"] == [pytest.approx(100 * 2 / 3)] * 2
 
 
