@@ -76,7 +76,8 @@ def x_value(record: dict, axis: str, mus: dict) -> float:
 
 def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]:
     """{config: {lr: cell}} on the seeds every (config, lr) finished, those seeds, and the measured mu. A cell holds
-    acc [seeds x evaluations], x[axis] [evaluations], and per seed the entropy of the first and last step."""
+    acc [seed, evaluation] at the evaluations all its seeds made, x[axis] [evaluation] (median over seeds), and
+    the trained batch's entropy [seed, step] with its generated rollouts entropy_x [step]."""
     seeds_of: dict[tuple, set] = {}
     for r in runs:
         seeds_of.setdefault((r["config"], r["cfg"]["lr"]), set()).add(r["seed"])
