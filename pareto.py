@@ -5,10 +5,11 @@ against generated rollouts and against compute.
     python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
     python pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
 
-Every configuration generates the same rollouts and is evaluated at the same generated-rollout counts, so curves
-are compared at equal x without interpolating. Compute, in the paper's accounting: training on a rollout costs
-1, generating one costs mu; compute = trained rollouts + mu x generated rollouts, at the mu measured on this
-machine (median of the runs' logged mu) and at the paper's mu = 5.28.
+Every configuration generates about the same rollouts and is evaluated every 256 of them, so curves are compared
+at nearly the same x without interpolating (a replay run's first step fills its buffer to B, which puts its
+evaluations B - R rollouts later: its costs are read at its own x). Compute, in the paper's accounting: training
+on a rollout costs 1, generating one costs mu; compute = trained rollouts + mu x generated rollouts, at the mu
+measured on this machine (median of the runs' logged mu) and at the paper's mu = 5.28.
 
 What is computed, each point estimate on all seeds and each 90% interval over bootstrap resamples of the seeds
 (one resample for every configuration and learning rate alike: a seed fixes the warm start they all share):
@@ -78,37 +79,44 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
     """{config: {lr: cell}} on the seeds every (config, lr) finished, those seeds, and the measured mu. A cell holds
     acc [seed, evaluation] at the evaluations all its seeds made, x[axis] [evaluation] (median over seeds), and
     the trained batch's entropy [seed, step] with its generated rollouts entropy_x [step]."""
-    seeds_of: dict[tuple, set] = {}
+    seeds_of: dict[tuple, list] = {}
     for r in runs:
-        seeds_of.setdefault((r["config"], r["cfg"]["lr"]), set()).add(r["seed"])
-    seeds = sorted(set.intersection(*seeds_of.values())) if seeds_of else []
+        seeds_of.setdefault((r["config"], r["cfg"]["lr"]), []).append(r["seed"])
+    for (config, lr), have in seeds_of.items():
+        if len(set(have)) < len(have):  # two variants at one lr: the cell would mix them
+            raise SystemExit(f"error: {config} at lr {lr:g} has several runs of one seed: keep one variant per lr")
+    seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
     for (config, lr), have in sorted(seeds_of.items()):
-        if have - set(seeds):
-            print(f"pareto: {config} lr {lr:g}: seeds {sorted(have - set(seeds))} left out (not every cell has them)")
-    mus = [r["records"][-1]["mu"] for r in runs if "mu" in r["records"][-1]]
-    mu = float(np.median(mus)) if mus else float("nan")
+        if set(have) - set(seeds):
+            print(f"pareto: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell "
+                  "has them)")
+    if not seeds:
+        raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
+    kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
+    mu = float(np.median([r["records"][-1]["mu"] for r in kept if "mu" in r["records"][-1]] or [math.nan]))
+    mu_of_axis = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
     cells: dict[str, dict[float, dict]] = {}
-    for r in sorted(runs, key=lambda r: (r["seed"], r["cfg"]["lr"])):
-        if r["seed"] not in seeds:
-            continue
-        cell = cells.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], {"runs": []})
-        cell["runs"].append(r)
-    for by_lr in cells.values():
-        for cell in by_lr.values():
+    for r in kept:
+        cells.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], {"runs": []})["runs"].append(r)
+    for config, by_lr in cells.items():
+        for lr, cell in by_lr.items():
             rs = cell.pop("runs")
             steps = sorted(set.intersection(*({e["step"] for e in sweep.evals(r)} for r in rs)))
             evals = [[e for e in sweep.evals(r) if e["step"] in steps] for r in rs]  # the steps every seed evaluated
+            if any(len(ev) > len(steps) for ev in [sweep.evals(r) for r in rs]):
+                print(f"pareto: {config} lr {lr:g}: evaluations that not every seed made are left out")
             cell["seeds"] = [r["seed"] for r in rs]
             cell["cfg"] = rs[0]["cfg"]
             cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
             cell["steps"] = np.array(steps)
             cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
-            mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
-            cell["x"] = {axis: np.median([[x_value(e, axis, mus) for e in ev] for ev in evals], axis=0)
+            cell["x"] = {axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0)
                          for axis in AXES}
             trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
-            cell["entropy"] = np.array([[rec["entropy"] for rec in t] for t in trained])  # [seed, step]
-            cell["entropy_x"] = np.median([[rec.get("generated_rollouts", 0) for rec in t] for t in trained], axis=0)
+            length = min(len(t) for t in trained)  # a seed extended by a resume: its first steps only
+            cell["entropy"] = np.array([[rec["entropy"] for rec in t[:length]] for t in trained])  # [seed, step]
+            cell["entropy_x"] = np.median([[rec.get("generated_rollouts", 0) for rec in t[:length]] for t in trained],
+                                          axis=0)
     return cells, seeds, mu
 
 
@@ -120,10 +128,23 @@ def cost_to(by_lr: dict, medians: dict, axis: str, level: float, lrs=None) -> fl
     """The first x where the frontier over learning rates (of `lrs`, default all) reaches level (inf: never)."""
     cost = math.inf
     for lr, med in medians.items():
+        if lrs is not None and lr not in lrs:
+            continue
         hit = np.nonzero(med >= level - 1e-9)[0]
-        if (lrs is None or lr in lrs) and len(hit):
+        if len(hit):
             cost = min(cost, float(by_lr[lr]["x"][axis][hit[0]]))
     return cost
+
+
+def frontier_at(by_lr: dict, medians: dict, axis: str) -> dict:
+    """The frontier over learning rates at each x any of them was evaluated at: {x: best median accuracy at cost
+    <= x} (keys as text, for summary.json)."""
+    points = sorted((x, y) for lr, med in medians.items() for x, y in zip(by_lr[lr]["x"][axis], med))
+    best, out = -math.inf, {}
+    for x, y in points:
+        best = max(best, float(y))
+        out[f"{x:g}"] = best
+    return out
 
 
 def saving(cost: float, reference_cost: float) -> float:
@@ -144,6 +165,7 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
         row = out["configs"][c] = {"cost": {}, "saving": {}, "same_lr_cost": {}, "same_lr_saving": {},
                                    "best": max(float(m.max()) for m in med[c].values()), "lrs": {}}
         row["best_minus_reference"] = row["best"] - target
+        row["frontier"] = {axis: frontier_at(by_lr, med[c], axis) for axis in AXES}
         for axis in AXES:
             row["cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * target) for name, f in LEVELS.items()}
             if same_lr in by_lr and same_lr in cells[reference]:
@@ -185,12 +207,16 @@ def intervals_of(tree):
     return {k: intervals_of(v) for k, v in tree.items()} if isinstance(tree, dict) else interval(tree)
 
 
-def decide(point: dict, ci: dict, reference: str, saving_target: float) -> dict:
+def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds: int) -> dict:
     """Per replay configuration: 'met' when, on every DECISION_AXES axis, the saving to 90% of the target is at
-    least saving_target percent and its interval's lower end is above 0; 'not met' otherwise."""
+    least saving_target percent and its interval's lower end is above 0; 'not met' otherwise; 'undecided' on one
+    seed, where every resample is that seed and the interval is no interval."""
     out = {}
     for c, row in point["configs"].items():
         if c == reference:
+            continue
+        if n_seeds < 2:
+            out[c] = {"axes": {a: "undecided" for a in DECISION_AXES}, "verdict": "undecided"}
             continue
         checks = {}
         for axis in DECISION_AXES:
@@ -215,16 +241,23 @@ def analyse(runs: list[dict], args: Args) -> dict:
     cells, seeds, mu = cells_of(runs, args.paper_mu)
     if args.reference not in cells:
         raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
+    if args.primary not in cells:
+        raise SystemExit(f"error: --primary {args.primary}: no finished runs (have: {', '.join(cells)})")
     cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
+    for c, by_lr in cells.items():
+        if sorted(by_lr) != sorted(cells[args.reference]):
+            print(f"pareto: {c} ran at lrs {sorted(by_lr)}, {args.reference} at {sorted(cells[args.reference])}: "
+                  "their frontiers are over different sweeps")
     point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
     rng = np.random.default_rng(0)
     replicates = [estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
                   for _ in range(args.replicates)]
     ci = intervals_of(stack(replicates))
+    decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {"seeds": seeds, "mu_measured": mu, "paper_mu": args.paper_mu, "reference": args.reference,
             "primary": args.primary, "same_lr": args.same_lr, "saving_target": args.saving_target,
             "replicates": args.replicates, "point": point, "interval_90": ci,
-            "decision": decide(point, ci, args.reference, args.saving_target),
+            "decision": decision, "claim": decision[args.primary]["verdict"],
             "configs": {c: config_row(by_lr) for c, by_lr in cells.items()},
             "start_greedy_acc": {int(s): float(a) for s, a in
                                  zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])},
@@ -273,23 +306,25 @@ def write_table(s: dict, path: Path) -> None:
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.", "",
         "| config | N | B | R | B/R | N/R | steps | evaluated every | generated rollouts at the evaluations | "
-        "measured mu |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "lrs | measured mu |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, k in s["configs"].items():
-        xs = k["eval_rollouts"]
+        xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
+        shown = ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
+        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-                     f"{k['steps']} | {k['eval_every']} steps | {xs[0]:.0f}, {xs[1]:.0f}, ..., {xs[-1]:.0f} | "
-                     f"{k['mu']:.2f} |")
+                     f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {k['mu']:.2f} |")
     lines += [
         "", "## Decision", "",
         f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
         "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
-        f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it.", "",
+        f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
+        f"**{s['claim']}**.", "",
         "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |", "|---|---|---|---|"]
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        cells = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
+        by_axis = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
         name = f"**{c}**" if c == s["primary"] else c
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {d['verdict']} |")
+        lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", "",
               "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
               "|---|---|" + "---|---|" * len(AXES)]
@@ -316,9 +351,11 @@ def write_table(s: dict, path: Path) -> None:
                 parts.append(with_ci(row["same_lr_saving"][axis][level], rci["same_lr_saving"][axis][level], fmt_pct))
             lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
     lines += ["", "## The end point: final and best accuracy, entropy", "",
-              "At the end every configuration has generated the same rollouts. Final: the median accuracy at the "
-              "last evaluation; best: the highest median over the evaluations; entropy: the median over seeds of "
-              "the policy's mean per-token entropy on the trained batch, at the first and the last step.", "",
+              "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
+              "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
+              "the median over seeds of the policy's mean per-token entropy on the trained batch, at the first and "
+              "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
+              "maximum is: a resample cannot exceed the best value it draws from.", "",
               "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
               "|---|---|---|---|---|---|"]
     for c, row in p["configs"].items():
@@ -341,14 +378,6 @@ def write_table(s: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def frontier(by_lr: dict, axis: str) -> tuple[np.ndarray, np.ndarray]:
-    """The frontier over learning rates of the median accuracy (all seeds) against axis, as a step curve."""
-    points = sorted((x, y) for cell in by_lr.values()
-                    for x, y in zip(cell["x"][axis], np.median(cell["acc"], axis=0)))
-    xs = np.array([x for x, _ in points])
-    return xs, np.maximum.accumulate([y for _, y in points])
-
-
 def plot(s: dict, dest: Path) -> list[Path]:
     import matplotlib
     import matplotlib.ticker
@@ -368,7 +397,11 @@ def plot(s: dict, dest: Path) -> list[Path]:
         for c, by_lr in cells.items():
             for cell in by_lr.values():
                 ax.scatter(cell["x"][axis], np.median(cell["acc"], axis=0), s=6, color=colors[c], alpha=0.25)
-            ax.step(*frontier(by_lr, axis), where="post", color=colors[c], label=c)
+            line, band = s["point"]["configs"][c]["frontier"][axis], s["interval_90"]["configs"][c]["frontier"][axis]
+            xs = [float(x) for x in line]
+            ax.step(xs, list(line.values()), where="post", color=colors[c], label=c)
+            ax.fill_between(xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post",
+                            color=colors[c], alpha=0.1)
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
@@ -377,7 +410,8 @@ def plot(s: dict, dest: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Frontier over learning rates (lines) and every learning rate's evaluations (dots)")
+    fig.suptitle("Frontier over learning rates (lines; bands: bootstrap 90%) and every learning rate's evaluations "
+                 "(dots)")
     save(fig, "pareto_frontier.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

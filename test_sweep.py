@@ -19,6 +19,7 @@ from PIL import Image
 
 import pareto
 import replay_grpo
+import run_folder
 import sweep
 
 FIGURES = ["accuracy_vs_steps.png", "accuracy_vs_tokens.png", "accuracy_vs_compute.png", "entropy.png",
@@ -85,6 +86,17 @@ def test_a_run_extended_by_a_resume_is_read_as_finished(study, capsys):
         assert "onpolicy-s0" not in {r["name"] for r in sweep.load_runs(study["out"])}
     finally:
         (study["out"] / "resumes.bak").rename(study["out"] / "onpolicy-s0" / "resumes.jsonl")
+
+
+def test_current_config_applies_resumes_in_order(tmp_path):
+    (tmp_path / "resumes.jsonl").write_text('{"changed": {"--total-steps": [2, 3], "--eval-every": [1, 2]}}\n'
+                                            '{"changed": {"--total-steps": [3, 5]}}\n')
+    saved = {"total_steps": 2, "eval_every": 1, "lr": 1e-4}
+    assert run_folder.current_config(tmp_path, saved) == {"total_steps": 5, "eval_every": 2, "lr": 1e-4}
+    with (tmp_path / "resumes.jsonl").open("a") as f:
+        f.write('{"changed": 3}\n')
+    with pytest.raises(ValueError, match="resumes.jsonl: a line is not a resume record"):
+        run_folder.current_config(tmp_path, saved)
 
 
 def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(study, tmp_path):
