@@ -401,7 +401,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
             xs = [float(x) for x in line]
             ax.step(xs, list(line.values()), where="post", color=colors[c], label=c)
             ax.fill_between(xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post",
-                            color=colors[c], alpha=0.1)
+                            color=colors[c], alpha=0.06)
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
