@@ -301,7 +301,9 @@ def write_table(s: dict, path: Path) -> None:
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
         f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{acc(ci['target'][0])}, "
         f"{acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
-        f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}.", "",
+        f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}. A point "
+        "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
+        "jumps from one evaluation to the next.", "",
         "## Configurations", "",
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.", "",
