@@ -26,7 +26,6 @@ compute at the paper's mu alike. The claim holds on this grid when the planner's
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,6 +290,23 @@ def diff(x) -> str:
     return "—" if x is None else f"{x:+.3f}"
 
 
+def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
+    """The rows of costs and savings (keys `cost`, `saving` of each configuration) per level and axis."""
+    lines = ["| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
+             "|---|---|" + "---|---|" * len(AXES)]
+    for c, row in p["configs"].items():
+        if not row[cost]:  # the same-lr table: a configuration that did not run at that lr
+            continue
+        for level in LEVELS:
+            parts = []
+            for axis in AXES:
+                rci = ci["configs"][c]
+                parts.append(with_ci(row[cost][axis][level], rci[cost][axis][level], fmt_x))
+                parts.append(with_ci(row[saving][axis][level], rci[saving][axis][level], fmt_pct))
+            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
+    return lines
+
+
 def write_table(s: dict, path: Path) -> None:
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
     seeds = ", ".join(map(str, s["seeds"]))
@@ -327,31 +343,11 @@ def write_table(s: dict, path: Path) -> None:
         by_axis = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
         name = f"**{c}**" if c == s["primary"] else c
         lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
-    lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", "",
-              "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
-              "|---|---|" + "---|---|" * len(AXES)]
-    for c, row in p["configs"].items():
-        for level in LEVELS:
-            parts = []
-            for axis in AXES:
-                rci = ci["configs"][c]
-                parts.append(with_ci(row["cost"][axis][level], rci["cost"][axis][level], fmt_x))
-                parts.append(with_ci(row["saving"][axis][level], rci["saving"][axis][level], fmt_pct))
-            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
+    lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
+    lines += cost_table(p, ci, "cost", "saving")
     lines += ["", f"## At one learning rate, {s['same_lr']:g}", "",
-              f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.", "",
-              "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
-              "|---|---|" + "---|---|" * len(AXES)]
-    for c, row in p["configs"].items():
-        if not row["same_lr_cost"]:
-            continue
-        for level in LEVELS:
-            parts = []
-            for axis in AXES:
-                rci = ci["configs"][c]
-                parts.append(with_ci(row["same_lr_cost"][axis][level], rci["same_lr_cost"][axis][level], fmt_x))
-                parts.append(with_ci(row["same_lr_saving"][axis][level], rci["same_lr_saving"][axis][level], fmt_pct))
-            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
+              f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.", ""]
+    lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
     lines += ["", "## The end point: final and best accuracy, entropy", "",
               "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
               "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
@@ -455,17 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --grid pareto --out-dir {out})")
     s = analyse(runs, args)
-    dest = Path(args.report_dir or out)
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        write_table(s, dest / "table.md")
-        summary = {k: v for k, v in s.items() if k != "_cells"}
-        (dest / "summary.json").write_text(json.dumps(sweep.strict_json(summary), indent=2, allow_nan=False))
-        figures = plot(s, dest)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
-    print((dest / "table.md").read_text())
-    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+    sweep.write_report(Path(args.report_dir or out), s, private="_cells", write_table=write_table, plot=plot)
     return s
 
 

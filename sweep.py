@@ -974,18 +974,23 @@ def report(args: ReportArgs) -> dict:
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
-    dest = Path(args.report_dir or out)
+    write_report(Path(args.report_dir or out), s, private="_runs", write_table=write_table, plot=plot)
+    return s
+
+
+def write_report(dest: Path, s: dict, private: str, write_table, plot) -> None:
+    """table.md, summary.json (s without its `private` key, as strict JSON) and the figures into dest; an
+    unwritable folder stops with one line."""
     try:
         dest.mkdir(parents=True, exist_ok=True)
         write_table(s, dest / "table.md")
-        (dest / "summary.json").write_text(json.dumps(strict_json({k: v for k, v in s.items() if k != "_runs"}),
-                                                      indent=2, allow_nan=False))
+        summary = strict_json({k: v for k, v in s.items() if k != private})
+        (dest / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
         figures = plot(s, dest)
     except OSError as e:
         raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
     print((dest / "table.md").read_text())
     print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
-    return s
 
 
 # ----------------------------------------------------------------------------------------------
