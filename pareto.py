@@ -100,14 +100,13 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
     for config, by_lr in cells.items():
         for lr, cell in by_lr.items():
             rs = cell.pop("runs")
-            steps = sorted(set.intersection(*({e["step"] for e in sweep.evals(r)} for r in rs)))
-            evals = [[e for e in sweep.evals(r) if e["step"] in steps] for r in rs]  # the steps every seed evaluated
-            if any(len(ev) > len(steps) for ev in [sweep.evals(r) for r in rs]):
+            made = [sweep.evals(r) for r in rs]
+            steps = set.intersection(*({e["step"] for e in ev} for ev in made))
+            evals = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
+            if any(len(ev) > len(steps) for ev in made):
                 print(f"pareto: {config} lr {lr:g}: evaluations that not every seed made are left out")
-            cell["seeds"] = [r["seed"] for r in rs]
             cell["cfg"] = rs[0]["cfg"]
             cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
-            cell["steps"] = np.array(steps)
             cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
             cell["x"] = {axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0)
                          for axis in AXES}
