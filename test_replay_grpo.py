@@ -24,11 +24,33 @@ ROOT = Path(__file__).resolve().parent
 
 def small_args(out_dir, *extra):
     """A few-second configuration of the real CLI: tiny random model, G=4, R=B=N=8."""
-    return ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4",
-            "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8",
-            "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2",
-            "--total-steps", "3", "--eval-every", "0", "--out-dir", str(out_dir),
-            *extra]
+    return [
+        "--preset",
+        "cpu",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--out-dir",
+        str(out_dir),
+        *extra,
+    ]
 
 
 def run_main(args):
@@ -43,15 +65,24 @@ def user_error(capsys, args) -> str:
 
 
 def rollout(i, correct=False, version=0):
-    return rg.Rollout(prompt_ids=[1, 2], completion_ids=[3, i % 200], behaviour_logprobs=torch.zeros(2),
-                      reward=float(correct), advantage=0.0, group_mean=0.0, policy_version=version, group_id=i)
+    return rg.Rollout(
+        prompt_ids=[1, 2],
+        completion_ids=[3, i % 200],
+        behaviour_logprobs=torch.zeros(2),
+        reward=float(correct),
+        advantage=0.0,
+        group_mean=0.0,
+        policy_version=version,
+        group_id=i,
+    )
 
 
 def metrics(run_dir):
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- the replay buffer ----------------------------------------------------------------------------
+
 
 def test_buffer_evicts_oldest_first():
     buf = rg.ReplayBuffer(capacity=5)
@@ -122,6 +153,7 @@ def test_buffer_sample_says_how_long_each_reused_rollout_rested():
 
 # --- advantages and losses ------------------------------------------------------------------------
 
+
 def test_group_advantages_are_z_scores():
     adv, mean = rg.group_advantages([1.0, 0.0, 0.0, 1.0])
     assert mean == 0.5
@@ -159,8 +191,7 @@ def test_asymre_loss_by_hand():
     logp = torch.tensor([-0.5, -2.0, -1.0])
     reward = torch.tensor([1.0, 0.0, 1.0])
     group_mean = torch.tensor([0.25, 0.25, 0.75])
-    loss, _, clipped = rg.token_loss("asymre", logp, torch.full((3,), -9.0), None, reward, group_mean,
-                                     0.2, 0.2, -0.1)
+    loss, _, clipped = rg.token_loss("asymre", logp, torch.full((3,), -9.0), None, reward, group_mean, 0.2, 0.2, -0.1)
     # -(r - (V + dV)) * logp with dV = -0.1
     expected = -torch.tensor([(1 - 0.15) * -0.5, (0 - 0.15) * -2.0, (1 - 0.65) * -1.0])
     assert torch.allclose(loss, expected, atol=1e-6)
@@ -177,6 +208,7 @@ def test_token_weights_sum_to_one_over_the_batch():
 
 
 # --- the real trainer path ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -251,8 +283,21 @@ def test_on_policy_setting_uses_every_rollout_exactly_once(tmp_path):
 
 
 def test_replay_reuses_rollouts_and_measures_staleness(tmp_path):
-    run_main(small_args(tmp_path, "--run-name", "replay", "--total-steps", "6", "--prompts-per-step", "1",
-                        "--buffer-size", "16", "--publish-every", "2"))
+    run_main(
+        small_args(
+            tmp_path,
+            "--run-name",
+            "replay",
+            "--total-steps",
+            "6",
+            "--prompts-per-step",
+            "1",
+            "--buffer-size",
+            "16",
+            "--publish-every",
+            "2",
+        )
+    )
     recs = metrics(tmp_path / "replay")[1:]
     assert recs[-1]["replay_ratio"] == pytest.approx(6 * 8 / (recs[-1]["generated_rollouts"]))
     assert max(r["staleness_max"] for r in recs) >= 2
@@ -270,13 +315,30 @@ def test_end_to_end_main_logs_metrics_and_saves_a_loadable_model(tmp_path):
     assert cfg["loss"] == "asymre" and cfg["batch_size"] == 8
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
-    for key in ("reward", "entropy", "response_length", "loss", "clip_frac", "ratio_mean", "ratio_max",
-                "grad_norm", "buffer_size", "staleness_mean", "staleness_max", "replay_ratio",
-                "generated_tokens", "trained_tokens", "gen_seconds", "train_seconds", "mu"):
+    for key in (
+        "reward",
+        "entropy",
+        "response_length",
+        "loss",
+        "clip_frac",
+        "ratio_mean",
+        "ratio_max",
+        "grad_norm",
+        "buffer_size",
+        "staleness_mean",
+        "staleness_max",
+        "replay_ratio",
+        "generated_tokens",
+        "trained_tokens",
+        "gen_seconds",
+        "train_seconds",
+        "mu",
+    ):
         assert key in recs[-1], key
         assert recs[-1][key] is not None and math.isfinite(recs[-1][key]), key
     assert "eval/greedy_acc" in recs[0] and "eval/pass@2" in recs[2] and "eval/pass@1" in out
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")
     tok = AutoTokenizer.from_pretrained(run_dir / "checkpoint")
     assert model.num_parameters() > 0 and tok("12+7=")["input_ids"] == list(b"12+7=")
@@ -316,8 +378,12 @@ def test_resume_after_a_kill_inside_the_swap_of_a_checkpoint(tmp_path):
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     """SIGKILL a real training process after its first checkpoint, then --resume it."""
     args = small_args(tmp_path, "--run-name", "killed", "--total-steps", "100000", "--eval-every", "3")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "replay_grpo.py"), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     state_file = tmp_path / "killed" / "checkpoint" / "trainer_state.pt"
     deadline = time.time() + 120
     while not state_file.exists() and time.time() < deadline and proc.poll() is None:
@@ -331,15 +397,18 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     stop = saved["step"] + 2
     # the resumed run starts with exactly the checkpointed step and buffer
     from unittest import mock
+
     seen = {}
     real_load = rg.ReplayBuffer.load_state_dict
 
     def spy(self, state):
         real_load(self, state)
         seen["items"] = [r.completion_ids for r in self.items]
+
     with mock.patch.object(rg.ReplayBuffer, "load_state_dict", spy):
-        run_main(small_args(tmp_path, "--run-name", "killed", "--total-steps", str(stop), "--resume",
-                            "--eval-every", "3"))
+        run_main(
+            small_args(tmp_path, "--run-name", "killed", "--total-steps", str(stop), "--resume", "--eval-every", "3")
+        )
     assert seen["items"] == items
     recs = metrics(tmp_path / "killed")
     assert [r["step"] for r in recs] == list(range(0, stop + 1))
@@ -347,8 +416,10 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 
 def training_records(run_dir):
     """Every metrics record's training fields (not evaluation, not what the clock measured)."""
-    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
-            for r in metrics(run_dir)]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+        for r in metrics(run_dir)
+    ]
 
 
 def test_evaluating_never_changes_training(tmp_path):
@@ -364,13 +435,17 @@ def test_evaluating_never_changes_training(tmp_path):
 def coin_verifier(text, gold):
     """A reward of 1 for a third of the completions, decided by their text (reproducible)."""
     import zlib
+
     return zlib.crc32(text.encode()) % 3 == 0
 
 
 def test_dropping_zero_variance_groups_keeps_on_policy_exactly_on_policy(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(rg.VERIFIERS, "numeric", coin_verifier)
-    run_main(small_args(tmp_path, "--run-name", "drop", "--total-steps", "5", "--zero-variance-groups", "drop",
-                        "--loss", "asymre"))
+    run_main(
+        small_args(
+            tmp_path, "--run-name", "drop", "--total-steps", "5", "--zero-variance-groups", "drop", "--loss", "asymre"
+        )
+    )
     assert "(on-policy GRPO)" in capsys.readouterr().out
     state = torch.load(tmp_path / "drop" / "checkpoint" / "trainer_state.pt", weights_only=False)
     evicted = state["buffer"]["evicted_uses"]
@@ -391,8 +466,20 @@ def test_dropping_every_group_stops_with_a_clear_error(tmp_path, monkeypatch, ca
 def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
     """--publish-every 3 with a checkpoint at step 2: the generator still holds the initial weights
     (version 0); a resumed run must generate with those, as the uninterrupted run does."""
-    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "3",
-              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    common = (
+        "--prompts-per-step",
+        "1",
+        "--buffer-size",
+        "16",
+        "--publish-every",
+        "3",
+        "--eval-every",
+        "2",
+        "--loss",
+        "asymre",
+        "--lr",
+        "1e-2",
+    )
     run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "4", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", "--resume", *common))
@@ -410,8 +497,20 @@ def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_chec
     """--publish-every 2: the checkpoint at step 2 is taken right after a publish (the generator holds the
     trained weights); resumed, the run's next checkpoint (step 3, between publishes) must still carry the
     generator's step-2 weights, so that a second resume generates with them as the uninterrupted run does."""
-    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--publish-every", "2",
-              "--eval-every", "2", "--loss", "asymre", "--lr", "1e-2")
+    common = (
+        "--prompts-per-step",
+        "1",
+        "--buffer-size",
+        "16",
+        "--publish-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--loss",
+        "asymre",
+        "--lr",
+        "1e-2",
+    )
     run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "5", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "3", "--resume", *common))
@@ -428,6 +527,7 @@ def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_chec
 
 # --- the warm start -------------------------------------------------------------------------------
 
+
 def test_warm_start_is_cached(tmp_path, capsys):
     args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
     run_main([*args, "--run-name", "a"])
@@ -441,8 +541,9 @@ def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys
     changing an RL knob (--lr) reuses it."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
-    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--sft-warmup-steps", "2",
-                      "--total-steps", "1")
+    args = small_args(
+        tmp_path, "--task", "jsonl", "--data-path", str(data), "--sft-warmup-steps", "2", "--total-steps", "1"
+    )
     run_main([*args, "--run-name", "a", "--eval-size", "4"])
     assert "warm start: 2 supervised steps" in capsys.readouterr().out
     run_main([*args, "--run-name", "b", "--eval-size", "4", "--lr", "3e-4"])
@@ -494,6 +595,7 @@ def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_pat
         if self.param_groups[0]["lr"] >= 1e-3 / 5 - 1e-12:  # the warm start's steps (sft_lr 1e-3), not RL's
             seen.append(self.param_groups[0]["lr"])
         return step(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     args = small_args(tmp_path, "--sft-warmup-steps", "5", "--sft-lr", "1e-3", "--total-steps", "1")
     run_main([*args, "--run-name", "decay", "--sft-lr-decay"])
@@ -504,6 +606,7 @@ def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_pat
 
 
 # --- tasks, rewards, tokenizer --------------------------------------------------------------------
+
 
 def test_arith_task_is_seeded_and_splits_are_disjoint():
     cfg = rg.Args(eval_size=50)
@@ -531,6 +634,7 @@ def test_verifier_errors_and_timeouts_give_zero_and_are_counted():
     def slow(text, gold):
         time.sleep(5)
         return True
+
     assert rg.score(broken, "1", "1", 1.0) == (0.0, "error")
     t0 = time.time()
     assert rg.score(slow, "1", "1", 0.2) == (0.0, "timeout") and time.time() - t0 < 2
@@ -539,6 +643,7 @@ def test_verifier_errors_and_timeouts_give_zero_and_are_counted():
 
 def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
     from transformers import AutoTokenizer
+
     model, tok = rg.build_tiny_model(0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -550,8 +655,10 @@ def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
 
 def test_prompts_use_the_chat_template():
     _, tok = rg.build_tiny_model(0)
-    tok.chat_template = ("{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     ids = rg.render_prompt(tok, "1+1=")
     assert tok.decode(ids) == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
@@ -576,27 +683,38 @@ def test_jsonl_task_trains_end_to_end(tmp_path):
 
 # --- bad input ------------------------------------------------------------------------------------
 
+
 def test_help_lists_every_flag_with_help():
-    out = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), "--help"], capture_output=True,
-                         text=True, env={**os.environ, "COLUMNS": "200"}, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "replay_grpo.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        cwd=ROOT,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     import dataclasses
+
     for f in dataclasses.fields(rg.Args):
         flag = "--" + f.name.replace("_", "-")
         assert flag in out.stdout, flag
     assert "on-policy GRPO" in out.stdout and "positive-bias" in out.stdout
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--preset", "nope"], "--preset nope: unknown (valid: cpu"),
-    (["--buffer-size", "4"], "--buffer-size 4 is smaller than --batch-size 8"),
-    (["--group-size", "1"], "--group-size 1: GRPO needs at least 2"),
-    (["--model", "/no/such/model"], "--model /no/such/model: could not load it"),
-    (["--model", "missing.gguf"], "--model missing.gguf: no such .gguf file"),
-    (["--task", "jsonl"], "--task jsonl needs --data-path"),
-    (["--task", "jsonl", "--data-path", "/no/file.jsonl"], "--data-path /no/file.jsonl: no such file"),
-    (["--resume"], "--resume needs --run-name"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--preset", "nope"], "--preset nope: unknown (valid: cpu"),
+        (["--buffer-size", "4"], "--buffer-size 4 is smaller than --batch-size 8"),
+        (["--group-size", "1"], "--group-size 1: GRPO needs at least 2"),
+        (["--model", "/no/such/model"], "--model /no/such/model: could not load it"),
+        (["--model", "missing.gguf"], "--model missing.gguf: no such .gguf file"),
+        (["--task", "jsonl"], "--task jsonl needs --data-path"),
+        (["--task", "jsonl", "--data-path", "/no/file.jsonl"], "--data-path /no/file.jsonl: no such file"),
+        (["--resume"], "--resume needs --run-name"),
+    ],
+)
 def test_user_errors_are_one_clear_line(tmp_path, capsys, extra, needle):
     err = user_error(capsys, small_args(tmp_path, *extra))
     assert needle in err and "Traceback" not in err
@@ -604,8 +722,13 @@ def test_user_errors_are_one_clear_line(tmp_path, capsys, extra, needle):
 
 def test_unknown_task_and_loss_are_rejected_by_the_cli(tmp_path):
     for extra, needle in ((["--task", "chess"], "chess"), (["--loss", "ppo"], "ppo")):
-        out = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *small_args(tmp_path, *extra)],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "replay_grpo.py"), *small_args(tmp_path, *extra)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
         assert "arith" in out.stderr or "grpo" in out.stderr  # the valid choices are listed
 
@@ -616,12 +739,14 @@ def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, capsys):
     err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(bad)))
     assert f"{bad}:2" in err and '"prompt" and "answer"' in err
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
-    assert f"{bad}:2: not valid JSON" in user_error(capsys, small_args(tmp_path, "--task", "jsonl",
-                                                                      "--data-path", str(bad)))
+    assert f"{bad}:2: not valid JSON" in user_error(
+        capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(bad))
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert "the data set is empty" in user_error(capsys, small_args(tmp_path, "--task", "jsonl",
-                                                                    "--data-path", str(empty)))
+    assert "the data set is empty" in user_error(
+        capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(empty))
+    )
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
@@ -634,6 +759,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
     # A sampler that returns -inf behaviour log-probs from step 3 on makes the ratio inf: the loss
     # is not finite, so those steps are skipped (weights untouched), counted, and the run stops.
     from unittest import mock
+
     real = rg.HFGenerator._generate
     calls = {"n": 0}
 
@@ -646,6 +772,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
                     if s.logprobs is not None:
                         s.logprobs = torch.full_like(s.logprobs, -math.inf)
         return groups
+
     monkeypatch.setattr(rg, "MAX_NONFINITE_STEPS", 3)
     with mock.patch.object(rg.HFGenerator, "_generate", poisoned):
         err = user_error(capsys, small_args(tmp_path, "--run-name", "nan", "--total-steps", "20", "--eval-every", "1"))
@@ -657,14 +784,17 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
     assert state["step"] == recs[-1]["step"]  # checkpoints up to the stop survive
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
-    (["--lr", "-1"], "--lr -1.0: must be a positive number"),
-    (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
-    (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
-    (["--group-size", "0"], "--group-size 0: must be >= 1"),
-    (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--total-steps", "-5"], "--total-steps -5: must be >= 1"),
+        (["--lr", "-1"], "--lr -1.0: must be a positive number"),
+        (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
+        (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
+        (["--group-size", "0"], "--group-size 0: must be >= 1"),
+        (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
+    ],
+)
 def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):
     err = user_error(capsys, small_args(tmp_path, *extra))
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
@@ -672,9 +802,11 @@ def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):
 
 # --- the planner ----------------------------------------------------------------------------------
 
+
 def brute_force_optimum(mu, alpha, rho, feasible=lambda x, y: True):
     """Dense log grid over (x, y) with repeated 10x zooms, independent of the closed form."""
     import numpy as np
+
     lx = ly = 0.0
     span = 12.0
     for _ in range(10):
@@ -686,8 +818,10 @@ def brute_force_optimum(mu, alpha, rho, feasible=lambda x, y: True):
     return math.exp(lx), math.exp(ly)
 
 
-@pytest.mark.parametrize("mu,alpha,rho", [(5.28, 0.1, 0.1), (5.28, 0.2, 1.0), (1.0, 0.05, 0.5),
-                                          (20.0, 0.3, 0.02), (0.3, 0.45, 0.9), (100.0, 0.02, 0.3)])
+@pytest.mark.parametrize(
+    "mu,alpha,rho",
+    [(5.28, 0.1, 0.1), (5.28, 0.2, 1.0), (1.0, 0.05, 0.5), (20.0, 0.3, 0.02), (0.3, 0.45, 0.9), (100.0, 0.02, 0.3)],
+)
 def test_planner_closed_form_is_the_brute_force_minimum(mu, alpha, rho):
     x, y = rg.optimal_replay(mu, alpha, rho)
     xb, yb = brute_force_optimum(mu, alpha, rho)
@@ -734,6 +868,7 @@ def test_planner_grows_with_mu_and_rejects_bad_input(capsys):
 
 # --- the presets ----------------------------------------------------------------------------------
 
+
 def test_gpu_presets_count_the_batch_in_rollouts():
     """The paper's B = 60 is rollouts, not prompts; on-policy needs B = R in whole groups: 64."""
     for name, preset in rg.PRESETS.items():
@@ -746,10 +881,24 @@ def test_gpu_presets_count_the_batch_in_rollouts():
 
 # --- what a run shows: samples, console -----------------------------------------------------------
 
+
 def test_samples_are_written_at_evaluations_and_every_sample_every_steps(tmp_path, capsys):
-    run_main(small_args(tmp_path, "--run-name", "s", "--total-steps", "4", "--eval-every", "2", "--sample-every", "3",
-                        "--loss", "asymre"))
-    rows = [json.loads(l) for l in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
+    run_main(
+        small_args(
+            tmp_path,
+            "--run-name",
+            "s",
+            "--total-steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--sample-every",
+            "3",
+            "--loss",
+            "asymre",
+        )
+    )
+    rows = [json.loads(line) for line in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["source"] == "eval (greedy)"]
     train = [r for r in rows if r["source"] == "train"]
     assert sorted({r["step"] for r in evals}) == [0, 2, 4]
@@ -761,8 +910,17 @@ def test_samples_are_written_at_evaluations_and_every_sample_every_steps(tmp_pat
         assert set(r) == {"step", "source", "prompt", "completion", "gold", "reward", "truncated"}
         assert golds[r["prompt"]] == r["gold"] and r["reward"] == float(rg.numeric_match(r["completion"], r["gold"]))
     for r in train:
-        assert set(r) == {"step", "source", "prompt", "completion", "gold", "reward", "advantage", "staleness",
-                          "truncated"}
+        assert set(r) == {
+            "step",
+            "source",
+            "prompt",
+            "completion",
+            "gold",
+            "reward",
+            "advantage",
+            "staleness",
+            "truncated",
+        }
         assert str(eval(r["prompt"][:-1])) == r["gold"] and r["staleness"] >= 0
         assert r["reward"] == float(rg.numeric_match(r["completion"], r["gold"]))
     assert capsys.readouterr().out.count("  e.g. ") == 3  # one example printed at each evaluation
@@ -781,17 +939,21 @@ def test_a_run_logged_to_a_file_has_no_progress_bar(tmp_path):
 
 # --- the source rules CI checks -------------------------------------------------------------------
 
+
 def test_the_source_check_names_each_kind_of_violation():
     """.ci/check_source.py (CI runs it before the tests): long lines, calls with six positional arguments in a source
     file, citations of files outside the repository and of issue numbers."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
     found = check.violations(Path("source.py"), code, set())
-    assert found == ["source.py:2: 126 columns (at most 120)",
-                     "source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)"]
+    assert found == [
+        "source.py:2: 126 columns (at most 120)",
+        "source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)",
+    ]
     assert check.violations(Path("test_x.py"), "f(1, 2, 3, 4, 5, 6)\n", set()) == []  # tests may
     other, issue = "OTHER" + ".md", "issue" + " #12"  # split, or the check would find them in this file
     found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})

@@ -28,12 +28,44 @@ import replay_grpo as rg
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
 # Flags that cannot change the warm start; the cache key is every other field, so a new flag is in it.
-NOT_WARM_START = {"preset", "group_size", "prompts_per_step", "batch_size", "buffer_size", "publish_every", "loss",
-                  "clip_low", "clip_high", "asymre_delta_v", "positive_bias", "lr", "temperature", "loss_agg",
-                  "zero_variance_groups", "total_steps", "eval_every", "out_dir", "run_name", "resume", "wandb", "mode",
-                  "num_generators", "generator", "vllm_gpu_memory_utilization", "micro_batch_size", "grad_clip",
-                  "sample_every", "verbose", "dist_timeout", "sampling", "max_age", "max_uses", "priority_alpha",
-                  "priority_tau", "ratio_level"}
+NOT_WARM_START = {
+    "preset",
+    "group_size",
+    "prompts_per_step",
+    "batch_size",
+    "buffer_size",
+    "publish_every",
+    "loss",
+    "clip_low",
+    "clip_high",
+    "asymre_delta_v",
+    "positive_bias",
+    "lr",
+    "temperature",
+    "loss_agg",
+    "zero_variance_groups",
+    "total_steps",
+    "eval_every",
+    "out_dir",
+    "run_name",
+    "resume",
+    "wandb",
+    "mode",
+    "num_generators",
+    "generator",
+    "vllm_gpu_memory_utilization",
+    "micro_batch_size",
+    "grad_clip",
+    "sample_every",
+    "verbose",
+    "dist_timeout",
+    "sampling",
+    "max_age",
+    "max_uses",
+    "priority_alpha",
+    "priority_tau",
+    "ratio_level",
+}
 
 
 def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
@@ -71,13 +103,17 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         info["steps"] = step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
-            check, _ = rg.evaluate(checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True,
-                                   pass_k_prompts=cfg.sft_check_prompts)
+            check, _ = rg.evaluate(
+                checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True, pass_k_prompts=cfg.sft_check_prompts
+            )
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
             streak = streak + 1 if info["pass@k"] >= cfg.sft_target else 0
-            print(f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target}"
-                  f", {streak} of {cfg.sft_patience} checks in a row)", flush=True)
+            print(
+                f"warm start: step {step}, held-out pass@{cfg.pass_k} {info['pass@k']:.3f} (target {cfg.sft_target}"
+                f", {streak} of {cfg.sft_patience} checks in a row)",
+                flush=True,
+            )
             if streak >= cfg.sft_patience:
                 break
     info["reached"] = not cfg.sft_target or streak >= cfg.sft_patience
@@ -103,13 +139,19 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
         shutil.rmtree(tmp, ignore_errors=True)
         if not full:
             raise
-        raise rg.UserError(f"disk full: the warm start could not be cached in {cache.parent}: free some space and "
-                           "run again (it is trained again)") from None
+        raise rg.UserError(
+            f"disk full: the warm start could not be cached in {cache.parent}: free some space and "
+            "run again (it is trained again)"
+        ) from None
     shutil.rmtree(cache, ignore_errors=True)
     tmp.rename(cache)
-    print(f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s, pass@{cfg.pass_k} {info['pass@k']} "
-          f"-> {cache}")
+    print(
+        f"warm start: {info['steps']} supervised steps in {info['seconds']:.1f}s, pass@{cfg.pass_k} {info['pass@k']} "
+        f"-> {cache}"
+    )
     if not info["reached"]:
-        print(f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after {info['steps']} steps, "
-              f"below --sft-target {cfg.sft_target}: raise --sft-warmup-steps")
+        print(
+            f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after {info['steps']} steps, "
+            f"below --sft-target {cfg.sft_target}: raise --sft-warmup-steps"
+        )
     return model, tok, str(cache), info

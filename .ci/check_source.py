@@ -31,8 +31,10 @@ def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
                 positional = [a for a in node.args if not isinstance(a, ast.Starred)]
                 variadic = isinstance(node.func, ast.Attribute) and node.func.attr == "save_for_backward"
                 if len(positional) > MAX_POSITIONAL and not variadic:
-                    out.append(f"{path}:{node.lineno}: a call with {len(positional)} positional arguments "
-                               f"(at most {MAX_POSITIONAL}: pass the others by keyword)")
+                    out.append(
+                        f"{path}:{node.lineno}: a call with {len(positional)} positional arguments "
+                        f"(at most {MAX_POSITIONAL}: pass the others by keyword)"
+                    )
     if path.suffix in (".py", ".md") and not str(path).startswith(".ci"):
         for m in re.finditer(r"\b([A-Z][A-Z_]+\.md)\b", text):
             if m[1] not in tracked_names:

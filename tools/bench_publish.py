@@ -12,7 +12,12 @@ generator's reload.
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
 import torch
 
@@ -77,8 +82,10 @@ def main():
     stop.set()
     child.join(60)
     a, b = statistics.median(alone), statistics.median(busy)
-    print(f"weights {size:.2f} GiB; median seconds per publish: no reader {a:.3f}, a generator reloading "
-          f"({args.load_seconds:g} s extra per reload, {pulls.value} reloads) {b:.3f}: ratio {b / a:.2f}")
+    print(
+        f"weights {size:.2f} GiB; median seconds per publish: no reader {a:.3f}, a generator reloading "
+        f"({args.load_seconds:g} s extra per reload, {pulls.value} reloads) {b:.3f}: ratio {b / a:.2f}"
+    )
 
 
 if __name__ == "__main__":

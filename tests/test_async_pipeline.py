@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 PATH = str(ROOT)
 sys.path[:0] = PATH.split(os.pathsep)
@@ -23,11 +23,36 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 import async_pipeline as ap  # noqa: E402
 import replay_grpo as rg  # noqa: E402
 
-TINY = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
-        "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8",
-        "--pass-k", "2", "--eval-every", "0",
-        "--mode", "async", "--num-generators", "1",
-        "--loss", "asymre", "--lr", "1e-3"]  # asymre: nonzero gradients at reward 0
+TINY = [
+    "--preset",
+    "cpu",
+    "--sft-warmup-steps",
+    "0",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--batch-size",
+    "8",
+    "--buffer-size",
+    "16",
+    "--max-new-tokens",
+    "4",
+    "--eval-size",
+    "8",
+    "--pass-k",
+    "2",
+    "--eval-every",
+    "0",
+    "--mode",
+    "async",
+    "--num-generators",
+    "1",
+    "--loss",
+    "asymre",
+    "--lr",
+    "1e-3",
+]  # asymre: nonzero gradients at reward 0
 
 
 def free_port() -> int:
@@ -37,8 +62,19 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "--master-port", str(free_port()), str(ROOT / "replay_grpo.py"), *TINY, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "replay_grpo.py"),
+        *TINY,
+        *args,
+    ]
 
 
 def descendants(pid: int) -> set[int]:
@@ -79,8 +115,15 @@ class Run:
 
     def __init__(self, cmd: list[str], preexec_fn=None):
         self.t0, self.seen = time.time(), set()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, preexec_fn=preexec_fn,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            preexec_fn=preexec_fn,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def poll_until(self, cond, timeout: float) -> bool:
         deadline = time.time() + timeout
@@ -113,7 +156,7 @@ def math_finite(x) -> bool:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +211,7 @@ def test_two_ranks_train_on_evenly_dealt_stale_rollouts(two_rank_run):
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     assert state["step"] == 6 and state["trainers"] == 2 and state["mode"] == "async"
     from transformers import AutoModelForCausalLM
+
     AutoModelForCausalLM.from_pretrained(ckpt)  # loadable by transformers (and vLLM)
 
 
@@ -177,8 +221,22 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
     exit, no hang, and the surviving generator is shut down too."""
     run_dir, _ = two_rank_run
     before = metrics(run_dir)[-1]
-    run = Run(torchrun(2, "--total-steps", "100000", "--eval-every", "1", "--resume",
-                       "--num-generators", "2", "--out-dir", str(run_dir.parent), "--run-name", run_dir.name))
+    run = Run(
+        torchrun(
+            2,
+            "--total-steps",
+            "100000",
+            "--eval-every",
+            "1",
+            "--resume",
+            "--num-generators",
+            "2",
+            "--out-dir",
+            str(run_dir.parent),
+            "--run-name",
+            run_dir.name,
+        )
+    )
     state_file = run_dir / "checkpoint" / "trainer_state.pt"
     assert run.poll_until(lambda: len(metrics(run_dir)) >= 9 and len(run.generators()) == 2, 180), run.proc.poll()
     victim = min(run.generators())
@@ -205,9 +263,25 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path):
     """The generator processes load the warm-started weights too: no transformers bar from them either."""
     log = tmp_path / "log.txt"
     with log.open("w") as f:
-        res = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--sft-warmup-steps", "20",
-                              "--total-steps", "3", "--out-dir", str(tmp_path), "--run-name", "q"],
-                             stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300)
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "replay_grpo.py"),
+                *TINY,
+                "--sft-warmup-steps",
+                "20",
+                "--total-steps",
+                "3",
+                "--out-dir",
+                str(tmp_path),
+                "--run-name",
+                "q",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            timeout=300,
+        )
     text = log.read_text()
     assert res.returncode == 0, text[-3000:]
     assert "warm start:" in text and "%|" not in text and "it/s]" not in text, text[-3000:]
@@ -216,11 +290,26 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path):
 def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
     """T = 1 as plain `python replay_grpo.py`; Ctrl-C (SIGINT to the process group) ends it cleanly,
     even when it was started with SIGINT ignored, as a background job of a script starts it."""
-    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--total-steps", "100000",
-               "--out-dir", str(tmp_path), "--run-name", "t1"],
-              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    assert run.poll_until(lambda: (tmp_path / "t1" / "metrics.jsonl").exists()
-                          and len(metrics(tmp_path / "t1")) >= 3 and run.generators(), 180), run.proc.poll()
+    run = Run(
+        [
+            sys.executable,
+            str(ROOT / "replay_grpo.py"),
+            *TINY,
+            "--total-steps",
+            "100000",
+            "--out-dir",
+            str(tmp_path),
+            "--run-name",
+            "t1",
+        ],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert run.poll_until(
+        lambda: (
+            (tmp_path / "t1" / "metrics.jsonl").exists() and len(metrics(tmp_path / "t1")) >= 3 and run.generators()
+        ),
+        180,
+    ), run.proc.poll()
     os.killpg(run.proc.pid, signal.SIGINT)
     rc, log = run.finish(timeout=60)
     assert rc == 130 and "interrupted" in log, log[-3000:]
@@ -230,6 +319,7 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
 
 def test_weight_mailbox_hands_over_the_latest_weights_once():
     import multiprocessing as mp
+
     model, tok = rg.build_tiny_model(0)
     gen = rg.HFGenerator(model, tok)
     box = ap.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
@@ -244,11 +334,27 @@ def test_weight_mailbox_hands_over_the_latest_weights_once():
 
 
 def test_merge_stats_weights_by_tokens():
-    m = ap.merge_stats([{"loss": 1.0, "entropy": 1.0, "ratio_max": 2.0, "nonfinite": 0, "trained_tokens": 10},
-                        {"loss": 3.0, "entropy": 4.0, "ratio_max": 1.0, "nonfinite": 1, "trained_tokens": 30,
-                         "logprob_mismatch_abs": 0.5}])
-    assert m == {"loss": 2.0, "entropy": 3.25, "ratio_max": 2.0, "nonfinite": 1, "trained_tokens": 40,
-                 "logprob_mismatch_abs": 0.5}
+    m = ap.merge_stats(
+        [
+            {"loss": 1.0, "entropy": 1.0, "ratio_max": 2.0, "nonfinite": 0, "trained_tokens": 10},
+            {
+                "loss": 3.0,
+                "entropy": 4.0,
+                "ratio_max": 1.0,
+                "nonfinite": 1,
+                "trained_tokens": 30,
+                "logprob_mismatch_abs": 0.5,
+            },
+        ]
+    )
+    assert m == {
+        "loss": 2.0,
+        "entropy": 3.25,
+        "ratio_max": 2.0,
+        "nonfinite": 1,
+        "trained_tokens": 40,
+        "logprob_mismatch_abs": 0.5,
+    }
 
 
 def _pull_twice(box, out):
@@ -265,6 +371,7 @@ def _pull_twice(box, out):
 def test_weight_publish_reaches_a_generator_process():
     """The mailbox's tensors are shared memory: a publish made after the process started reaches it."""
     import multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     model, _ = rg.build_tiny_model(0)
     first = model.state_dict()
@@ -288,8 +395,10 @@ def fsdp_check(agg: str) -> None:
     """Run on 2 ranks by the test below (torchrun this_file.py AGG): train_step through LogprobPolicy + fully_shard
     on B/T rollouts per rank against plain train_step on all B, in one process per rank."""
     import copy
+
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", agg, "--micro-batch-size", "2", "--lr", "1e-2"])
@@ -299,9 +408,18 @@ def fsdp_check(agg: str) -> None:
     for i in range(8):
         completion = torch.randint(0, 256, (2 + i % 3,), generator=g).tolist()
         prompt = torch.randint(0, 256, (3 + i % 4,), generator=g).tolist()
-        batch.append(rg.Rollout(prompt_ids=prompt, completion_ids=completion,
-                                behaviour_logprobs=torch.zeros(len(completion)), reward=float(i % 2), advantage=0.0,
-                                group_mean=0.5, policy_version=0, group_id=i))
+        batch.append(
+            rg.Rollout(
+                prompt_ids=prompt,
+                completion_ids=completion,
+                behaviour_logprobs=torch.zeros(len(completion)),
+                reward=float(i % 2),
+                advantage=0.0,
+                group_mean=0.5,
+                policy_version=0,
+                group_id=i,
+            )
+        )
     ref = copy.deepcopy(model)
     model_init = copy.deepcopy(model.state_dict())
     ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
@@ -310,7 +428,7 @@ def fsdp_check(agg: str) -> None:
         fully_shard(layer)
     fully_shard(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    stats = rg.train_step(policy, optimizer, batch[4 * rank: 4 * rank + 4], cfg, tok.pad_token_id, 0)
+    stats = rg.train_step(policy, optimizer, batch[4 * rank : 4 * rank + 4], cfg, tok.pad_token_id, 0)
     grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
     losses = [None, None]
     dist.all_gather_object(losses, stats["loss"])
@@ -334,13 +452,24 @@ def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(agg):
     12 completion tokens: token-mean must normalise by the batch's, not the rank's), against plain
     train_step on all B: same gradients (the tied head/embedding included), grad norm, loss and
     updated weights."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master-port", str(free_port()), __file__, agg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        __file__,
+        agg,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0 and "FSDP-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
 
 # --- GPU placement, timeouts and a dead reader, on CPU -------------------------------------------
+
 
 def test_each_generator_gets_its_own_gpu_after_the_trainers():
     assert ap.generator_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
@@ -352,6 +481,7 @@ def test_spawned_generators_see_only_their_gpu(tmp_path, monkeypatch):
     """Through the real pool: with 4 GPUs (as the parent counts them) and T = 2, the two generators start with
     CUDA_VISIBLE_DEVICES=2 and =3. This machine has no CUDA, so each then fails and reports what it saw."""
     import multiprocessing as mp
+
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cfg = rg.parse_args(TINY + ["--num-generators", "2", "--out-dir", str(tmp_path)])
     model, _ = rg.build_tiny_model(0)
@@ -380,6 +510,7 @@ def _hold_the_lock_and_hang(box, inside):
 def mailbox_with_a_reader(target):
     """A mailbox at version 1 and a spawned generator process running target(box, inside), once it set inside."""
     import multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     model, _ = rg.build_tiny_model(0)
     box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
@@ -391,6 +522,7 @@ def mailbox_with_a_reader(target):
 
 def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer():
     import threading
+
     model, box, child = mailbox_with_a_reader(_hold_the_lock_and_hang)
     os.kill(child.pid, signal.SIGKILL)
     child.join(10)
@@ -398,6 +530,7 @@ def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer()
 
     def publish():
         result.update(ok=box.publish(model.state_dict(), 2, alive=child.is_alive))
+
     publisher = threading.Thread(target=publish, daemon=True)
     t0 = time.time()
     publisher.start()
@@ -408,6 +541,7 @@ def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer()
 
 class SlowLoader:
     """A generator whose weight load takes 5 s."""
+
     policy_version = -1
 
     def __init__(self, inside):
@@ -436,18 +570,21 @@ def test_a_publish_returns_while_a_generator_is_inside_a_slow_load():
 
 def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
     import datetime
+
     seen = {}
     real = torch.distributed.init_process_group
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
+
     monkeypatch.setattr(torch.distributed, "init_process_group", spy)
     rg.main(TINY + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
     assert seen["timeout"] == datetime.timedelta(minutes=7)
 
 
 # --- CPU threads: each process of the pipeline takes its share of the cores ---------------------------------
+
 
 @pytest.mark.parametrize("omp", [None, "2"])
 def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
@@ -456,9 +593,24 @@ def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
     env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     if omp:
         env["OMP_NUM_THREADS"] = omp
-    res = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *TINY, "--total-steps", "2",
-                          "--out-dir", str(tmp_path), "--run-name", "t"], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "replay_grpo.py"),
+            *TINY,
+            "--total-steps",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+            "--run-name",
+            "t",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     share = max(1, ap.available_cores() // 2)
     why = f"(OMP_NUM_THREADS={omp})" if omp else f"({ap.available_cores()} cores / 2 processes on this machine)"

@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import sweep
 import tyro
 
-import sweep
-
-AXES = {"rollouts": "generated rollouts", "compute_measured_mu": "compute at the measured mu",
-        "compute_paper_mu": "compute at the paper's mu"}
+AXES = {
+    "rollouts": "generated rollouts",
+    "compute_measured_mu": "compute at the measured mu",
+    "compute_paper_mu": "compute at the paper's mu",
+}
 LEVELS = {"90%": 0.9, "100%": 1.0}  # fractions of on-policy's best median accuracy
 DECISION_AXES = ("rollouts", "compute_paper_mu")
 
@@ -67,6 +69,7 @@ class Args:
 # The runs as arrays: per configuration and learning rate, accuracy [seed, evaluation] and each axis' x values
 # ----------------------------------------------------------------------------------------------
 
+
 def x_value(record: dict, axis: str, mus: dict) -> float:
     """A record's cost so far on one axis: its generated rollouts, or its compute at the axis' mu (mus[axis])."""
     if axis == "rollouts":
@@ -87,8 +90,9 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
     seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
     for (config, lr), have in sorted(seeds_of.items()):
         if set(have) - set(seeds):
-            print(f"pareto: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell "
-                  "has them)")
+            print(
+                f"pareto: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
+            )
     if not seeds:
         raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
     kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
@@ -108,19 +112,22 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
             cell["cfg"] = rs[0]["cfg"]
             cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
             cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
-            cell["x"] = {axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0)
-                         for axis in AXES}
+            cell["x"] = {
+                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0) for axis in AXES
+            }
             trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
             length = min(len(t) for t in trained)  # a seed extended by a resume: its first steps only
             cell["entropy"] = np.array([[rec["entropy"] for rec in t[:length]] for t in trained])  # [seed, step]
-            cell["entropy_x"] = np.median([[rec.get("generated_rollouts", 0) for rec in t[:length]] for t in trained],
-                                          axis=0)
+            cell["entropy_x"] = np.median(
+                [[rec.get("generated_rollouts", 0) for rec in t[:length]] for t in trained], axis=0
+            )
     return cells, seeds, mu
 
 
 # ----------------------------------------------------------------------------------------------
 # The estimates on one set of seeds (all of them, or one bootstrap resample)
 # ----------------------------------------------------------------------------------------------
+
 
 def cost_to(by_lr: dict, medians: dict, axis: str, level: float, lrs=None) -> float:
     """The first x where the frontier over learning rates (of `lrs`, default all) reaches level (inf: never)."""
@@ -160,26 +167,37 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     same_target = float(med[reference][same_lr].max()) if same_lr in med[reference] else math.nan
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
     for c, by_lr in cells.items():
-        row = out["configs"][c] = {"cost": {}, "saving": {}, "same_lr_cost": {}, "same_lr_saving": {},
-                                   "best": max(float(m.max()) for m in med[c].values()), "lrs": {}}
+        row = out["configs"][c] = {
+            "cost": {},
+            "saving": {},
+            "same_lr_cost": {},
+            "same_lr_saving": {},
+            "best": max(float(m.max()) for m in med[c].values()),
+            "lrs": {},
+        }
         row["best_minus_reference"] = row["best"] - target
         row["frontier"] = {axis: frontier_at(by_lr, med[c], axis) for axis in AXES}
         for axis in AXES:
             row["cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * target) for name, f in LEVELS.items()}
             if same_lr in by_lr and same_lr in cells[reference]:
-                row["same_lr_cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * same_target, lrs=[same_lr])
-                                             for name, f in LEVELS.items()}
+                row["same_lr_cost"][axis] = {
+                    name: cost_to(by_lr, med[c], axis, f * same_target, lrs=[same_lr]) for name, f in LEVELS.items()
+                }
         for lr, cell in by_lr.items():
-            row["lrs"][lr] = {"final": float(med[c][lr][-1]), "best": float(med[c][lr].max()),
-                              "entropy_end": float(np.median(cell["entropy"][idx, -1])),
-                              "entropy_start": float(np.median(cell["entropy"][idx, 0]))}
+            row["lrs"][lr] = {
+                "final": float(med[c][lr][-1]),
+                "best": float(med[c][lr].max()),
+                "entropy_end": float(np.median(cell["entropy"][idx, -1])),
+                "entropy_start": float(np.median(cell["entropy"][idx, 0])),
+            }
     ref = out["configs"][reference]
     for row in out["configs"].values():
         for axis in AXES:
             row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
             if axis in row["same_lr_cost"]:
-                row["same_lr_saving"][axis] = {n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n])
-                                               for n in LEVELS}
+                row["same_lr_saving"][axis] = {
+                    n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
+                }
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
                 at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]
@@ -220,8 +238,10 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
         for axis in DECISION_AXES:
             low = ci["configs"][c]["saving"][axis]["90%"][0]
             checks[axis] = row["saving"][axis]["90%"] >= saving_target and low is not None and low > 0
-        out[c] = {"axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
-                  "verdict": "met" if all(checks.values()) else "not met"}
+        out[c] = {
+            "axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
+            "verdict": "met" if all(checks.values()) else "not met",
+        }
     return out
 
 
@@ -230,9 +250,16 @@ def config_row(by_lr: dict) -> dict:
     cell = next(iter(by_lr.values()))
     cfg = cell["cfg"]
     R = cfg["prompts_per_step"] * cfg["group_size"]
-    return {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": R, "steps": cfg["total_steps"],
-            "eval_every": cfg["eval_every"], "lrs": sorted(by_lr), "eval_rollouts": cell["x"]["rollouts"].tolist(),
-            "mu": float(np.median([c["mu"] for c in by_lr.values()]))}
+    return {
+        "N": cfg["buffer_size"],
+        "B": cfg["batch_size"],
+        "R": R,
+        "steps": cfg["total_steps"],
+        "eval_every": cfg["eval_every"],
+        "lrs": sorted(by_lr),
+        "eval_rollouts": cell["x"]["rollouts"].tolist(),
+        "mu": float(np.median([c["mu"] for c in by_lr.values()])),
+    }
 
 
 def analyse(runs: list[dict], args: Args) -> dict:
@@ -244,27 +271,43 @@ def analyse(runs: list[dict], args: Args) -> dict:
     cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
     for c, by_lr in cells.items():
         if sorted(by_lr) != sorted(cells[args.reference]):
-            print(f"pareto: {c} ran at lrs {sorted(by_lr)}, {args.reference} at {sorted(cells[args.reference])}: "
-                  "their frontiers are over different sweeps")
+            print(
+                f"pareto: {c} ran at lrs {sorted(by_lr)}, {args.reference} at {sorted(cells[args.reference])}: "
+                "their frontiers are over different sweeps"
+            )
     point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
     rng = np.random.default_rng(0)
-    replicates = [estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
-                  for _ in range(args.replicates)]
+    replicates = [
+        estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
+        for _ in range(args.replicates)
+    ]
     ci = intervals_of(stack(replicates))
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
-    return {"seeds": seeds, "mu_measured": mu, "paper_mu": args.paper_mu, "reference": args.reference,
-            "primary": args.primary, "same_lr": args.same_lr, "saving_target": args.saving_target,
-            "replicates": args.replicates, "point": point, "interval_90": ci,
-            "decision": decision, "claim": decision[args.primary]["verdict"],
-            "configs": {c: config_row(by_lr) for c, by_lr in cells.items()},
-            "start_greedy_acc": {int(s): float(a) for s, a in
-                                 zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])},
-            "_cells": cells}
+    return {
+        "seeds": seeds,
+        "mu_measured": mu,
+        "paper_mu": args.paper_mu,
+        "reference": args.reference,
+        "primary": args.primary,
+        "same_lr": args.same_lr,
+        "saving_target": args.saving_target,
+        "replicates": args.replicates,
+        "point": point,
+        "interval_90": ci,
+        "decision": decision,
+        "claim": decision[args.primary]["verdict"],
+        "configs": {c: config_row(by_lr) for c, by_lr in cells.items()},
+        "start_greedy_acc": {
+            int(s): float(a) for s, a in zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])
+        },
+        "_cells": cells,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # table.md, summary.json, figures
 # ----------------------------------------------------------------------------------------------
+
 
 def fmt_x(x) -> str:
     return "never" if x == math.inf or x is None else sweep.fmt(x)
@@ -291,8 +334,10 @@ def diff(x) -> str:
 
 def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
     """The rows of costs and savings (keys `cost`, `saving` of each configuration) per level and axis."""
-    lines = ["| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
-             "|---|---|" + "---|---|" * len(AXES)]
+    lines = [
+        "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
+        "|---|---|" + "---|---|" * len(AXES),
+    ]
     for c, row in p["configs"].items():
         if not row[cost]:  # the same-lr table: a configuration that did not run at that lr
             continue
@@ -310,7 +355,8 @@ def write_table(s: dict, path: Path) -> None:
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
     seeds = ", ".join(map(str, s["seeds"]))
     lines = [
-        "# The Pareto study: replay against on-policy over a learning-rate sweep", "",
+        "# The Pareto study: replay against on-policy over a learning-rate sweep",
+        "",
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
@@ -318,25 +364,37 @@ def write_table(s: dict, path: Path) -> None:
         f"{acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
         f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
-        "jumps from one evaluation to the next.", "",
-        "## Configurations", "",
+        "jumps from one evaluation to the next.",
+        "",
+        "## Configurations",
+        "",
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
-        "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.", "",
+        "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.",
+        "",
         "| config | N | B | R | B/R | N/R | steps | evaluated every | generated rollouts at the evaluations | "
-        "lrs | measured mu |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "lrs | measured mu |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c, k in s["configs"].items():
         xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
         shown = ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
-        lines.append(f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-                     f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {k['mu']:.2f} |")
+        lines.append(
+            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
+            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {k['mu']:.2f} |"
+        )
     lines += [
-        "", "## Decision", "",
+        "",
+        "## Decision",
+        "",
         f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
         "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
-        f"**{s['claim']}**.", "",
-        "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |", "|---|---|---|---|"]
+        f"**{s['claim']}**.",
+        "",
+        "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |",
+        "|---|---|---|---|",
+    ]
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
         by_axis = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
@@ -344,42 +402,68 @@ def write_table(s: dict, path: Path) -> None:
         lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
     lines += cost_table(p, ci, "cost", "saving")
-    lines += ["", f"## At one learning rate, {s['same_lr']:g}", "",
-              f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.", ""]
+    lines += [
+        "",
+        f"## At one learning rate, {s['same_lr']:g}",
+        "",
+        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.",
+        "",
+    ]
     lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
-    lines += ["", "## The end point: final and best accuracy, entropy", "",
-              "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
-              "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
-              "the median over seeds of the policy's mean per-token entropy on the trained batch, at the first and "
-              "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
-              "maximum is: a resample cannot exceed the best value it draws from.", "",
-              "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## The end point: final and best accuracy, entropy",
+        "",
+        "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
+        "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
+        "the median over seeds of the policy's mean per-token entropy on the trained batch, at the first and "
+        "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
+        "maximum is: a resample cannot exceed the best value it draws from.",
+        "",
+        "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
+        "|---|---|---|---|---|---|",
+    ]
     for c, row in p["configs"].items():
         for lr, at in row["lrs"].items():
             aci = ci["configs"][c]["lrs"][lr]
-            delta = "—" if c == ref or "final_minus_reference" not in at else with_ci(
-                at["final_minus_reference"], aci["final_minus_reference"], diff)
-            lines.append(f"| {c} | {lr:g} | {with_ci(at['final'], aci['final'], acc)} | {delta} | "
-                         f"{with_ci(at['best'], aci['best'], acc)} | {at['entropy_start']:.3f} → "
-                         f"{at['entropy_end']:.3f} |")
+            delta = (
+                "—"
+                if c == ref or "final_minus_reference" not in at
+                else with_ci(at["final_minus_reference"], aci["final_minus_reference"], diff)
+            )
+            lines.append(
+                f"| {c} | {lr:g} | {with_ci(at['final'], aci['final'], acc)} | {delta} | "
+                f"{with_ci(at['best'], aci['best'], acc)} | {at['entropy_start']:.3f} → "
+                f"{at['entropy_end']:.3f} |"
+            )
     lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
-        lines.append(f"| {c} | {with_ci(row['best'], rci['best'], acc)} | "
-                     f"{with_ci(row['best_minus_reference'], rci['best_minus_reference'], diff)} |")
-    lines += ["", "## Seeds", "", "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
-              "seed starts from the same warm start):", "",
-              "| seed | " + " | ".join(map(str, s["seeds"])) + " |", "|---|" + "---|" * len(s["seeds"]),
-              "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][k]:.3f}" for k in s["seeds"]) + " |"]
+        lines.append(
+            f"| {c} | {with_ci(row['best'], rci['best'], acc)} | "
+            f"{with_ci(row['best_minus_reference'], rci['best_minus_reference'], diff)} |"
+        )
+    lines += [
+        "",
+        "## Seeds",
+        "",
+        "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
+        "seed starts from the same warm start):",
+        "",
+        "| seed | " + " | ".join(map(str, s["seeds"])) + " |",
+        "|---|" + "---|" * len(s["seeds"]),
+        "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][k]:.3f}" for k in s["seeds"]) + " |",
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
     import matplotlib
     import matplotlib.ticker
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     cells, target, written = s["_cells"], s["point"]["target"], []
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
 
@@ -397,8 +481,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
             line, band = s["point"]["configs"][c]["frontier"][axis], s["interval_90"]["configs"][c]["frontier"][axis]
             xs = [float(x) for x in line]
             ax.step(xs, list(line.values()), where="post", color=colors[c], label=c)
-            ax.fill_between(xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post",
-                            color=colors[c], alpha=0.06)
+            ax.fill_between(
+                xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post", color=colors[c], alpha=0.06
+            )
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
@@ -407,8 +492,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Frontier over learning rates (lines; bands: bootstrap 90%) and every learning rate's evaluations "
-                 "(dots)")
+    fig.suptitle(
+        "Frontier over learning rates (lines; bands: bootstrap 90%) and every learning rate's evaluations (dots)"
+    )
     save(fig, "pareto_frontier.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

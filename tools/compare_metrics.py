@@ -17,13 +17,29 @@ import sys
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
+
 import replay_grpo
 
-ROOT = Path(__file__).resolve().parent
 COMMANDS = [  # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses
     ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3"],
-    ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3",
-     "--loss", "asymre", "--positive-bias", "0.25"],
+    [
+        "--preset",
+        "cpu",
+        "--total-steps",
+        "60",
+        "--buffer-size",
+        "512",
+        "--prompts-per-step",
+        "2",
+        "--seed",
+        "3",
+        "--loss",
+        "asymre",
+        "--positive-bias",
+        "0.25",
+    ],
 ]
 
 
@@ -39,7 +55,7 @@ def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
         cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir), "--run-name", f"c{i}"]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=code_dir, env=env, check=True, stdout=subprocess.DEVNULL)
-        records.append([json.loads(l) for l in (out_dir / f"c{i}" / "metrics.jsonl").read_text().splitlines()])
+        records.append([json.loads(line) for line in (out_dir / f"c{i}" / "metrics.jsonl").read_text().splitlines()])
     return records
 
 
@@ -68,14 +84,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="git revision to compare the working tree with")
     ap.add_argument("--keep", help="folder for both versions' run folders (default: a temporary one)")
-    ap.add_argument("--added", nargs="*", default=[], help="record keys that only the working tree logs (new on "
-                    "purpose): their values are not compared, every other key must match")
+    ap.add_argument(
+        "--added",
+        nargs="*",
+        default=[],
+        help="record keys that only the working tree logs (new on "
+        "purpose): their values are not compared, every other key must match",
+    )
     args = ap.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="compare_metrics_"))
     before_code = work / "code"
     if not before_code.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(before_code), args.rev], cwd=ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(before_code), args.rev],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
     try:
         before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after")
     finally:

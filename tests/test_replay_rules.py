@@ -16,15 +16,23 @@ import torch
 
 import replay_grpo as rg
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 # chi-squared 99.9% quantiles by degrees of freedom
 CHI2_999 = {3: 16.27, 4: 18.47, 9: 27.88}
 
 
 def rollout(i, version=0, advantage=0.0):
-    return rg.Rollout(prompt_ids=[1, 2], completion_ids=[3, 4], behaviour_logprobs=torch.zeros(2), reward=0.0,
-                      advantage=advantage, group_mean=0.0, policy_version=version, group_id=i)
+    return rg.Rollout(
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        behaviour_logprobs=torch.zeros(2),
+        reward=0.0,
+        advantage=advantage,
+        group_mean=0.0,
+        policy_version=version,
+        group_id=i,
+    )
 
 
 def ids(batch):
@@ -37,10 +45,37 @@ def chi2(counts: Counter, expected: dict) -> float:
 
 def small_args(out_dir, *extra):
     """A few-second configuration of the real CLI: tiny random model, G=4, R=B=8, N=16."""
-    return ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
-            "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8",
-            "--pass-k", "2", "--total-steps", "4", "--eval-every", "0", "--out-dir", str(out_dir),
-            "--loss", "grpo", "--lr", "1e-3", *extra]
+    return [
+        "--preset",
+        "cpu",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "16",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--out-dir",
+        str(out_dir),
+        "--loss",
+        "grpo",
+        "--lr",
+        "1e-3",
+        *extra,
+    ]
 
 
 def metrics(run_dir):
@@ -48,6 +83,7 @@ def metrics(run_dir):
 
 
 # --- the paper's sampling variants ------------------------------------------------------------------
+
 
 def test_without_replacement_draws_each_rollout_once():
     buf = rg.ReplayBuffer(capacity=6, sampling="without-replacement", seed=0)
@@ -92,6 +128,7 @@ def test_never_used_rollouts_are_drawn_uniformly(sampling):
 
 # --- the no-buffer baseline: a queue consumed once, freshest first -----------------------------------
 
+
 def test_queue_trains_on_each_rollout_once_freshest_first():
     buf = rg.ReplayBuffer(capacity=8, sampling="queue", seed=0)
     buf.push([rollout(i) for i in range(6)])
@@ -103,6 +140,7 @@ def test_queue_trains_on_each_rollout_once_freshest_first():
 
 
 # --- the caps: age and uses --------------------------------------------------------------------------
+
 
 def test_age_cap_evicts_rollouts_older_than_max_age_before_sampling():
     buf = rg.ReplayBuffer(capacity=8, max_age=2, seed=0)
@@ -127,6 +165,7 @@ def test_use_cap_evicts_a_rollout_after_max_uses_uses():
 
 # --- fresh-anchored batches and prioritized replay ---------------------------------------------------
 
+
 def test_fresh_anchored_batches_hold_every_fresh_rollout():
     buf = rg.ReplayBuffer(capacity=8, sampling="fresh-anchored", seed=0)
     buf.push([rollout(i) for i in range(4)])
@@ -142,18 +181,26 @@ def test_priority_prefers_large_advantages_and_decays_with_age():
     """tau tiny: a rollout one version old has weight exp(-1/tau) = 0, so the fresh ones are drawn first;
     among them the larger |A| comes first at a large alpha."""
     buf = rg.ReplayBuffer(capacity=8, sampling="priority", priority_alpha=30.0, priority_tau=1e-3, seed=0)
-    buf.push([rollout(0, version=4, advantage=2.0), rollout(1, version=5, advantage=0.1),
-              rollout(2, version=5, advantage=-1.5), rollout(3, version=4, advantage=0.0)])
+    buf.push(
+        [
+            rollout(0, version=4, advantage=2.0),
+            rollout(1, version=5, advantage=0.1),
+            rollout(2, version=5, advantage=-1.5),
+            rollout(3, version=4, advantage=0.0),
+        ]
+    )
     assert ids(buf.sample(2, 5)[0]) == [2, 1]
 
 
 def test_priority_draws_in_proportion_to_its_weights():
     """A batch of one: P(i) = w_i / sum w, w = (|A| + eps)^alpha * exp(-age / tau)."""
     alpha, tau, step = 1.0, 4.0, 6
-    rollouts = [rollout(i, version=v, advantage=a) for i, (v, a) in enumerate([(6, 0.0), (6, 1.0), (4, 1.0),
-                                                                                (2, -2.0)])]
-    weights = [(abs(r.advantage) + rg.PRIORITY_EPS) ** alpha * math.exp(-(step - r.policy_version) / tau)
-               for r in rollouts]
+    rollouts = [
+        rollout(i, version=v, advantage=a) for i, (v, a) in enumerate([(6, 0.0), (6, 1.0), (4, 1.0), (2, -2.0)])
+    ]
+    weights = [
+        (abs(r.advantage) + rg.PRIORITY_EPS) ** alpha * math.exp(-(step - r.policy_version) / tau) for r in rollouts
+    ]
     buf = rg.ReplayBuffer(capacity=4, sampling="priority", priority_alpha=alpha, priority_tau=tau, seed=2)
     buf.push(rollouts)
     counts, trials = Counter(), 20000
@@ -183,14 +230,25 @@ def test_buffer_rules_survive_a_checkpoint():
 
 # --- the sequence-level ratio ------------------------------------------------------------------------
 
+
 def test_sequence_ratio_is_the_geometric_mean_of_its_token_ratios_clipped_per_sequence():
     logp = torch.tensor([-1.0, -2.0, -0.5, -0.3, -0.1], requires_grad=True)
     behaviour = torch.tensor([-1.2, -2.4, -0.5, -0.1, -0.2])
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
     lengths = torch.tensor([2, 3])
-    loss, ratio, clipped = rg.token_loss(loss="grpo", logp=logp, behaviour=behaviour, advantage=adv, reward=None,
-                                         group_mean=None, clip_low=0.2, clip_high=0.2, delta_v=0.0,
-                                         lengths=lengths, ratio_level="sequence")
+    loss, ratio, clipped = rg.token_loss(
+        loss="grpo",
+        logp=logp,
+        behaviour=behaviour,
+        advantage=adv,
+        reward=None,
+        group_mean=None,
+        clip_low=0.2,
+        clip_high=0.2,
+        delta_v=0.0,
+        lengths=lengths,
+        ratio_level="sequence",
+    )
     s1 = math.exp((0.2 + 0.4) / 2)  # 1.35: above 1 + 0.2, so clipped for A > 0
     s2 = math.exp((0.0 - 0.2 + 0.1) / 3)  # 0.967: inside the clip range
     assert ratio.tolist() == pytest.approx([s1, s1, s2, s2, s2])
@@ -203,18 +261,36 @@ def test_sequence_ratio_is_the_geometric_mean_of_its_token_ratios_clipped_per_se
 
 def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
     logp, behaviour = torch.tensor([-1.0, -0.2, -3.0]), torch.tensor([-0.8, -0.5, -3.0])
-    common = dict(loss="grpo", logp=logp, behaviour=behaviour, advantage=torch.tensor([1.0, -1.0, 0.5]),
-                  reward=None, group_mean=None, clip_low=0.2, clip_high=0.28, delta_v=0.0,
-                  lengths=torch.tensor([1, 1, 1]))
+    common = dict(
+        loss="grpo",
+        logp=logp,
+        behaviour=behaviour,
+        advantage=torch.tensor([1.0, -1.0, 0.5]),
+        reward=None,
+        group_mean=None,
+        clip_low=0.2,
+        clip_high=0.28,
+        delta_v=0.0,
+        lengths=torch.tensor([1, 1, 1]),
+    )
     for a, b in zip(rg.token_loss(ratio_level="sequence", **common), rg.token_loss(ratio_level="token", **common)):
         assert torch.equal(a, b)
 
 
 # --- metrics by staleness ----------------------------------------------------------------------------
 
+
 def test_staleness_buckets():
-    assert [rg.staleness_bucket(s) for s in (0, 1, 2, 3, 4, 7, 8, 50)] == ["0", "1", "2-3", "2-3", "4-7", "4-7",
-                                                                           "8+", "8+"]
+    assert [rg.staleness_bucket(s) for s in (0, 1, 2, 3, 4, 7, 8, 50)] == [
+        "0",
+        "1",
+        "2-3",
+        "2-3",
+        "4-7",
+        "4-7",
+        "8+",
+        "8+",
+    ]
 
 
 def test_metrics_by_staleness_from_the_ratios_of_each_bucket():
@@ -235,11 +311,19 @@ def test_metrics_by_staleness_from_the_ratios_of_each_bucket():
 
 def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_path):
     """Through the real CLI: every step's buckets add up to the batch; a replay run has stale buckets."""
-    rg.main(small_args(tmp_path, "--buffer-size", "32", "--prompts-per-step", "1", "--total-steps", "6",
-                       "--run-name", "r"))
+    rg.main(
+        small_args(tmp_path, "--buffer-size", "32", "--prompts-per-step", "1", "--total-steps", "6", "--run-name", "r")
+    )
     recs = metrics(tmp_path / "r")
-    assert recs[0]["rule"] == {"positive_bias": 0.0, "sampling": "uniform", "max_age": None, "max_uses": None,
-                               "priority_alpha": 0.0, "priority_tau": None, "ratio_level": "token"}
+    assert recs[0]["rule"] == {
+        "positive_bias": 0.0,
+        "sampling": "uniform",
+        "max_age": None,
+        "max_uses": None,
+        "priority_alpha": 0.0,
+        "priority_tau": None,
+        "ratio_level": "token",
+    }
     for rec in recs[1:]:
         assert sum(b["rollouts"] for b in rec["by_staleness"].values()) == 8
         assert sum(rec["staleness_hist"].values()) == 8
@@ -250,26 +334,36 @@ def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_pa
 
 # --- refused settings --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra, message", [
-    (["--sampling", "fresh-anchored", "--batch-size", "4", "--buffer-size", "16"],
-     "--sampling fresh-anchored: a batch holds every fresh rollout, so --batch-size 4 must be >= R = 8"),
-    (["--max-age", "0"], "--max-age 0: must be >= 1"),
-    (["--max-age", "1", "--publish-every", "4"], "--max-age 1: must be >= 1 and >= --publish-every - 1 = 3"),
-    (["--max-uses", "0"], "--max-uses 0: must be >= 1"),
-    (["--sampling", "priority", "--priority-alpha", "-1"], "--priority-alpha -1.0: must be >= 0"),
-    (["--sampling", "priority", "--priority-tau", "0"], "--priority-tau 0.0: must be a positive number"),
-    (["--sampling", "priority"], "--sampling priority needs --priority-alpha > 0 or --priority-tau"),
-    (["--priority-alpha", "0.5"], "only --sampling priority and fresh-anchored draw by priority"),
-    (["--sampling", "queue", "--positive-bias", "0.25"], "--sampling queue --positive-bias 0.25"),
-    (["--sampling", "queue", "--max-uses", "2"], "--max-age and --max-uses do not apply"),
-    (["--sampling", "queue", "--batch-size", "12"], "--batch-size 12 must be a multiple of R = 8"),
-    (["--sampling", "queue", "--mode", "async", "--zero-variance-groups", "drop"],
-     "--sampling queue --mode async needs --zero-variance-groups keep"),
-    (["--sampling", "without-replacement", "--batch-size", "16", "--positive-bias", "0.25"],
-     "leaving 12 for never-used ones, fewer than --batch-size 16"),
-    (["--ratio-level", "sequence", "--loss", "asymre"], "--ratio-level sequence: only --loss grpo has a ratio"),
-    (["--sampling", "sorted"], "sorted"),
-])
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--sampling", "fresh-anchored", "--batch-size", "4", "--buffer-size", "16"],
+            "--sampling fresh-anchored: a batch holds every fresh rollout, so --batch-size 4 must be >= R = 8",
+        ),
+        (["--max-age", "0"], "--max-age 0: must be >= 1"),
+        (["--max-age", "1", "--publish-every", "4"], "--max-age 1: must be >= 1 and >= --publish-every - 1 = 3"),
+        (["--max-uses", "0"], "--max-uses 0: must be >= 1"),
+        (["--sampling", "priority", "--priority-alpha", "-1"], "--priority-alpha -1.0: must be >= 0"),
+        (["--sampling", "priority", "--priority-tau", "0"], "--priority-tau 0.0: must be a positive number"),
+        (["--sampling", "priority"], "--sampling priority needs --priority-alpha > 0 or --priority-tau"),
+        (["--priority-alpha", "0.5"], "only --sampling priority and fresh-anchored draw by priority"),
+        (["--sampling", "queue", "--positive-bias", "0.25"], "--sampling queue --positive-bias 0.25"),
+        (["--sampling", "queue", "--max-uses", "2"], "--max-age and --max-uses do not apply"),
+        (["--sampling", "queue", "--batch-size", "12"], "--batch-size 12 must be a multiple of R = 8"),
+        (
+            ["--sampling", "queue", "--mode", "async", "--zero-variance-groups", "drop"],
+            "--sampling queue --mode async needs --zero-variance-groups keep",
+        ),
+        (
+            ["--sampling", "without-replacement", "--batch-size", "16", "--positive-bias", "0.25"],
+            "leaving 12 for never-used ones, fewer than --batch-size 16",
+        ),
+        (["--ratio-level", "sequence", "--loss", "asymre"], "--ratio-level sequence: only --loss grpo has a ratio"),
+        (["--sampling", "sorted"], "sorted"),
+    ],
+)
 def test_settings_a_rule_cannot_work_with_are_refused_in_one_line(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exc:
         rg.main(small_args(tmp_path, *extra))
@@ -315,8 +409,15 @@ def test_each_rule_trains_in_the_synchronous_loop(tmp_path, name):
 
 @pytest.mark.parametrize("name", RULES)
 def test_each_rule_trains_in_the_async_pipeline(tmp_path, name):
-    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), *small_args(tmp_path, *RULES[name], "--run-name", name),
-           "--mode", "async", "--num-generators", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "replay_grpo.py"),
+        *small_args(tmp_path, *RULES[name], "--run-name", name),
+        "--mode",
+        "async",
+        "--num-generators",
+        "1",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     check_rule_run(name, metrics(tmp_path / name))
@@ -325,9 +426,17 @@ def test_each_rule_trains_in_the_async_pipeline(tmp_path, name):
 def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path):
     """--mode async --sampling queue: nothing is evicted unused; what the trainer took from the generators is
     trained on once or still waits in the queue (the checkpoint's buffer, never used)."""
-    cmd = [sys.executable, str(ROOT / "replay_grpo.py"),
-           *small_args(tmp_path, "--sampling", "queue", "--prompts-per-step", "1", "--total-steps", "12",
-                       "--run-name", "q"), "--mode", "async", "--num-generators", "2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "replay_grpo.py"),
+        *small_args(
+            tmp_path, "--sampling", "queue", "--prompts-per-step", "1", "--total-steps", "12", "--run-name", "q"
+        ),
+        "--mode",
+        "async",
+        "--num-generators",
+        "2",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     last = metrics(tmp_path / "q")[-1]

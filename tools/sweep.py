@@ -42,9 +42,12 @@ from typing import Literal
 import numpy as np
 import tyro
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
+
 import run_folder
 
-TRAINER = Path(__file__).resolve().parent / "replay_grpo.py"
+TRAINER = ROOT / "replay_grpo.py"
 
 
 @dataclass
@@ -114,53 +117,105 @@ class PlotArgs:
 # paper's refinements (AsymRE, positive bias delta) matter most at large reuse, so they go there.
 # lrs: a trial scan of on-policy GRPO at 5e-5, 1e-4, 2e-4 found 2e-4 worse on every seed.
 LRS = [5e-5, 1e-4]
-DEFAULT_GRID = ["--preset", "cpu"], [
-    dict(buffer_size=128, prompts_per_step=8, lr=LRS),  # on-policy GRPO: N = B = R = 128
-    dict(buffer_size=256, prompts_per_step=4),  # N/R = 4, B/R = 2
-    dict(buffer_size=512, prompts_per_step=2, lr=LRS),  # N/R = 16, B/R = 4
-    dict(buffer_size=512, prompts_per_step=2, loss="asymre"),
-    dict(buffer_size=512, prompts_per_step=2, positive_bias=0.2),
-    dict(buffer_size=512, prompts_per_step=2, positive_bias=0.5),
-]
-SMOKE_GRID = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
-              "--batch-size", "8", "--buffer-size", "8", "--max-new-tokens", "4", "--eval-size", "8",
-              "--pass-k", "2", "--total-steps", "3", "--eval-every", "0"], [
-    dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
-    dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
-]
+DEFAULT_GRID = (
+    ["--preset", "cpu"],
+    [
+        dict(buffer_size=128, prompts_per_step=8, lr=LRS),  # on-policy GRPO: N = B = R = 128
+        dict(buffer_size=256, prompts_per_step=4),  # N/R = 4, B/R = 2
+        dict(buffer_size=512, prompts_per_step=2, lr=LRS),  # N/R = 16, B/R = 4
+        dict(buffer_size=512, prompts_per_step=2, loss="asymre"),
+        dict(buffer_size=512, prompts_per_step=2, positive_bias=0.2),
+        dict(buffer_size=512, prompts_per_step=2, positive_bias=0.5),
+    ],
+)
+SMOKE_GRID = (
+    [
+        "--preset",
+        "cpu",
+        "--sft-warmup-steps",
+        "0",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "8",
+        "--buffer-size",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "8",
+        "--pass-k",
+        "2",
+        "--total-steps",
+        "3",
+        "--eval-every",
+        "0",
+    ],
+    [
+        dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
+        dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
+    ],
+)
 # --preset cpu-study: B = 64 (the paper's 60 in whole groups), G = 16, R = 16 x prompts_per_step. Measured
 # mu ~ 1.0 there (HF generation, one thread per run), where the planner (alpha = rho = 0.1) puts the optimum
 # at N/R = 6.7, B/R = 2.0: N = 224, R = 32; for the paper's mu = 5.28: N/R = 14.3, B/R = 5.6: N = 240,
 # R = 16. Runs with less generated per step get more steps, so that every configuration can generate
 # as many tokens as on-policy does, with evaluations at the same generated-token intervals.
 STUDY_LRS = [1e-5, 3e-5, 1e-4]
-STUDY_GRID = ["--preset", "cpu-study"], [
-    dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
-    dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
-    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
-    # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
-    # accuracy 0.837 at lr 1e-5, against 0.825 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
-    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, loss="asymre", lr=[1e-5, 3e-5],
-         asymre_delta_v=[-0.05, -0.1]),
-    dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
-]
+STUDY_GRID = (
+    ["--preset", "cpu-study"],
+    [
+        dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
+        dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
+        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+        # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
+        # accuracy 0.837 at lr 1e-5, against 0.825 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
+        dict(
+            buffer_size=240,
+            prompts_per_step=1,
+            total_steps=800,
+            eval_every=80,
+            loss="asymre",
+            lr=[1e-5, 3e-5],
+            asymre_delta_v=[-0.05, -0.1],
+        ),
+        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
+    ],
+)
 # The buffer's rules on --preset cpu-study, each against the default (uniform sampling) at one schedule: the
 # study's optimum for the measured mu, N = 224, R = 32, B = 64, at the lr that configuration picked there on the
 # tune seeds (1e-5), for 400 steps. The queue is the no-buffer baseline: in this loop it trains on each step's
 # B = 64 fresh rollouts once. At this size the grid shows what each rule does to the data a step trains on.
-VARIANTS_GRID = ["--preset", "cpu-study", "--buffer-size", "224", "--prompts-per-step", "2", "--total-steps", "400",
-                 "--eval-every", "40", "--lr", "1e-5"], [
-    dict(),  # uniform, the paper's
-    dict(sampling="without-replacement"),
-    dict(sampling="at-least-once"),
-    dict(sampling="fresh-anchored"),
-    dict(sampling="priority", priority_alpha=1.0),
-    dict(sampling="priority", priority_alpha=1.0, priority_tau=4.0),  # FreshPER's age decay
-    dict(max_age=4),
-    dict(max_uses=2),
-    dict(ratio_level="sequence"),
-    dict(sampling="queue"),
-]
+VARIANTS_GRID = (
+    [
+        "--preset",
+        "cpu-study",
+        "--buffer-size",
+        "224",
+        "--prompts-per-step",
+        "2",
+        "--total-steps",
+        "400",
+        "--eval-every",
+        "40",
+        "--lr",
+        "1e-5",
+    ],
+    [
+        dict(),  # uniform, the paper's
+        dict(sampling="without-replacement"),
+        dict(sampling="at-least-once"),
+        dict(sampling="fresh-anchored"),
+        dict(sampling="priority", priority_alpha=1.0),
+        dict(sampling="priority", priority_alpha=1.0, priority_tau=4.0),  # FreshPER's age decay
+        dict(max_age=4),
+        dict(max_uses=2),
+        dict(ratio_level="sequence"),
+        dict(sampling="queue"),
+    ],
+)
 # The Pareto study on --preset cpu: on-policy against replay with N = 512 at B/R = 2, 4, 8 and the planner's
 # suggestion for the paper's mu = 5.28 (`plan --mu 5.28 --batch 128`: N = 240, R = 16), each at every lr of
 # PARETO_LRS, the report keeping the frontier over them. Every configuration generates PARETO_ROLLOUTS rollouts
@@ -172,24 +227,38 @@ EVAL_ROLLOUTS = 256
 
 def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
     R = prompts_per_step * 16  # the cpu preset's G
-    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, total_steps=PARETO_ROLLOUTS // R,
-                eval_every=EVAL_ROLLOUTS // R, lr=PARETO_LRS)
+    return dict(
+        buffer_size=buffer_size,
+        prompts_per_step=prompts_per_step,
+        total_steps=PARETO_ROLLOUTS // R,
+        eval_every=EVAL_ROLLOUTS // R,
+        lr=PARETO_LRS,
+    )
 
 
-PARETO_GRID = ["--preset", "cpu"], [
-    pareto_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
-    pareto_entry(buffer_size=512, prompts_per_step=4),  # B/R = 2
-    pareto_entry(buffer_size=512, prompts_per_step=2),  # B/R = 4, the README's replay example
-    pareto_entry(buffer_size=512, prompts_per_step=1),  # B/R = 8
-    pareto_entry(buffer_size=240, prompts_per_step=1),  # the planner's N/R = 15, B/R = 8 at mu = 5.28
-]
-GRIDS = {"study": STUDY_GRID, "cpu": DEFAULT_GRID, "smoke": SMOKE_GRID, "variants": VARIANTS_GRID,
-         "pareto": PARETO_GRID}
+PARETO_GRID = (
+    ["--preset", "cpu"],
+    [
+        pareto_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
+        pareto_entry(buffer_size=512, prompts_per_step=4),  # B/R = 2
+        pareto_entry(buffer_size=512, prompts_per_step=2),  # B/R = 4, the README's replay example
+        pareto_entry(buffer_size=512, prompts_per_step=1),  # B/R = 8
+        pareto_entry(buffer_size=240, prompts_per_step=1),  # the planner's N/R = 15, B/R = 8 at mu = 5.28
+    ],
+)
+GRIDS = {
+    "study": STUDY_GRID,
+    "cpu": DEFAULT_GRID,
+    "smoke": SMOKE_GRID,
+    "variants": VARIANTS_GRID,
+    "pareto": PARETO_GRID,
+}
 
 
 # ----------------------------------------------------------------------------------------------
 # run
 # ----------------------------------------------------------------------------------------------
+
 
 def flags(entry: dict) -> list[str]:
     """{"buffer_size": 512} -> ["--buffer-size", "512"] (booleans: --x / --no-x)."""
@@ -222,8 +291,14 @@ def config_name(cfg: dict) -> str:
     return name
 
 
-RULE_TAGS = {"sampling": "", "max_age": "age", "max_uses": "uses", "priority_alpha": "a", "priority_tau": "tau",
-             "ratio_level": ""}  # replay_grpo's rule flags, and their tags in a configuration's name
+RULE_TAGS = {
+    "sampling": "",
+    "max_age": "age",
+    "max_uses": "uses",
+    "priority_alpha": "a",
+    "priority_tau": "tau",
+    "ratio_level": "",
+}  # replay_grpo's rule flags, and their tags in a configuration's name
 
 
 VARIED = {"lr": "lr", "asymre_delta_v": "dv"}  # grid keys that may hold a list of values to try
@@ -244,6 +319,7 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
     argv and total steps. seeds: default --tune-seeds, or --seeds without them. picks: only the
     picked variant of each configuration ({config: variant tag})."""
     import replay_grpo
+
     base, entries = GRIDS[args.grid]
     seeds = seeds if seeds is not None else (args.tune_seeds or args.seeds)
     runs, owner = [], {}
@@ -260,19 +336,29 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
             if picks is not None and picks.get(config) != tag:
                 continue
             if owner.setdefault(config + tag, i) != i:
-                raise SystemExit(f"error: grid entries {owner[config + tag]} and {i} are both named "
-                                 f"{config + tag!r}: give one a 'name'")
+                raise SystemExit(
+                    f"error: grid entries {owner[config + tag]} and {i} are both named "
+                    f"{config + tag!r}: give one a 'name'"
+                )
             for seed in seeds:
                 name = f"{config}{tag}-s{seed}"
-                runs.append({"name": name, "config": config, "variant": tag, "seed": seed,
-                             "total_steps": cfg.total_steps,
-                             "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
+                runs.append(
+                    {
+                        "name": name,
+                        "config": config,
+                        "variant": tag,
+                        "seed": seed,
+                        "total_steps": cfg.total_steps,
+                        "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
+                    }
+                )
     return runs
 
 
 def checkpoint_state(run_dir: Path) -> dict | None:
     """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint."""
     import torch
+
     for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
         path = run_dir / ckpt / "trainer_state.pt"
         if path.exists():
@@ -297,6 +383,7 @@ def run_status(run_dir: Path, total_steps: int) -> str:
 def execute(args: RunArgs, runs: list[dict]) -> list[str]:
     """Train every run not finished yet (resuming interrupted ones); returns the failed names."""
     import replay_grpo
+
     failed = []
     for i, r in enumerate(runs, 1):
         run_dir, argv = Path(args.out_dir) / r["name"], r["argv"]
@@ -304,9 +391,16 @@ def execute(args: RunArgs, runs: list[dict]) -> list[str]:
             print(f"[{i}/{len(runs)}] {r['name']}: in use by another process, skipped", flush=True)
             continue
         status = run_status(run_dir, r["total_steps"])
-        print(f"[{i}/{len(runs)}] {r['name']}: " + {"new": "start", "done": "finished, skipped",
-              "partial": "resume from its checkpoint", "broken": "no checkpoint: delete and restart"}[status],
-              flush=True)
+        print(
+            f"[{i}/{len(runs)}] {r['name']}: "
+            + {
+                "new": "start",
+                "done": "finished, skipped",
+                "partial": "resume from its checkpoint",
+                "broken": "no checkpoint: delete and restart",
+            }[status],
+            flush=True,
+        )
         if status == "done":
             continue
         if status == "partial":
@@ -346,8 +440,11 @@ def record_sweep(out_dir: Path, args: RunArgs) -> None:
     except (OSError, ValueError):
         pass
     tmp = out_dir / f".sweep.json.{os.getpid()}"
-    tmp.write_text(json.dumps({"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds),
-                               "extra": args.extra}, indent=2))
+    tmp.write_text(
+        json.dumps(
+            {"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds), "extra": args.extra}, indent=2
+        )
+    )
     os.replace(tmp, path)
 
 
@@ -358,8 +455,10 @@ def run(args: RunArgs) -> None:
     runs = plan_runs(args)
     failed = execute(args, runs)
     if args.tune_seeds and not failed:
-        picks = {c: p["variant"] for c, p in pick_variants(load_runs(Path(args.out_dir), quiet=True),
-                                                            args.tune_seeds).items()}
+        picks = {
+            c: p["variant"]
+            for c, p in pick_variants(load_runs(Path(args.out_dir), quiet=True), args.tune_seeds).items()
+        }
         for config, tag in picks.items():
             print(f"{config}: {tag.lstrip('-') or 'its only variant'} picked on tune seeds {args.tune_seeds}")
         runs = plan_runs(args, seeds=args.seeds, picks=picks)
@@ -407,7 +506,7 @@ def read_metrics(path: Path) -> list[dict]:
         except ValueError:
             raise Damaged(f"{path}:{lineno}: not JSON (a cut or garbage line)") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise Damaged(f"{path}:{lineno}: not a record with an integer \"step\"")
+            raise Damaged(f'{path}:{lineno}: not a record with an integer "step"')
         records.append(record)
     return records
 
@@ -434,8 +533,16 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
         else:  # a folder from before sweep_run.json: its name says it
             m = RUN_NAME.fullmatch(run_dir.name)
             planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
-        runs.append({"name": run_dir.name, "config": planned["config"], "variant": planned["variant"],
-                     "seed": cfg["seed"], "cfg": cfg, "records": records})
+        runs.append(
+            {
+                "name": run_dir.name,
+                "config": planned["config"],
+                "variant": planned["variant"],
+                "seed": cfg["seed"],
+                "cfg": cfg,
+                "records": records,
+            }
+        )
     return runs
 
 
@@ -486,14 +593,27 @@ def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict
             groups.setdefault(r["config"], {}).setdefault(r["variant"], []).append(r)
     picks = {}
     for config, by_variant in groups.items():
-        score = {v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
-                 for v, rs in by_variant.items()}
-        order = sorted(by_variant, key=lambda v: (-score[v][0], -score[v][1], by_variant[v][0]["cfg"]["lr"],
-                                                    abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0))))
+        score = {
+            v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
+            for v, rs in by_variant.items()
+        }
+        order = sorted(
+            by_variant,
+            key=lambda v: (
+                -score[v][0],
+                -score[v][1],
+                by_variant[v][0]["cfg"]["lr"],
+                abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0)),
+            ),
+        )
         best = order[0]
-        picks[config] = {"variant": best, "cfg": by_variant[best][0]["cfg"], "n_variants": len(by_variant),
-                         "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
-                         "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs})}
+        picks[config] = {
+            "variant": best,
+            "cfg": by_variant[best][0]["cfg"],
+            "n_variants": len(by_variant),
+            "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
+            "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
+        }
     return picks
 
 
@@ -502,20 +622,32 @@ def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dic
     reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
     configs, choices = {}, {}
     for config, p in pick_variants(runs, tune_seeds).items():
-        kept = [r for r in runs if r["config"] == config and r["variant"] == p["variant"]
-                and not (tune_seeds and r["seed"] in tune_seeds)]
+        kept = [
+            r
+            for r in runs
+            if r["config"] == config and r["variant"] == p["variant"] and not (tune_seeds and r["seed"] in tune_seeds)
+        ]
         if not kept:
             continue
         configs[config] = sorted(kept, key=lambda r: r["seed"])
         if p["n_variants"] > 1:
-            choices[config] = {"picked": p["cfg"]["lr"], "label": variant_label(p["cfg"], p["variant"]),
-                               "asymre_delta_v": p["cfg"].get("asymre_delta_v"), "tuned_on": p["tune_seeds"],
-                               "median_final_greedy_acc": p["scores"]}
+            choices[config] = {
+                "picked": p["cfg"]["lr"],
+                "label": variant_label(p["cfg"], p["variant"]),
+                "asymre_delta_v": p["cfg"].get("asymre_delta_v"),
+                "tuned_on": p["tune_seeds"],
+                "median_final_greedy_acc": p["scores"],
+            }
     return configs, choices
 
 
-def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_seeds: list[int] | None = None,
-              saving_target: float = 30.0) -> dict:
+def summarize(
+    runs: list[dict],
+    reference: str | None,
+    paper_mu: float,
+    tune_seeds: list[int] | None = None,
+    saving_target: float = 30.0,
+) -> dict:
     """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
     seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
     configs, lr_choice = pick_lrs(runs, tune_seeds)
@@ -527,9 +659,11 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_see
     target = float(np.median(final(configs[reference], "eval/greedy_acc"))) if reference else None
     mus = [r["records"][-1]["mu"] for r in runs if "mu" in r["records"][-1]]
     mu_machine = float(np.median(mus)) if mus else float("nan")
-    axes = {"tokens": lambda r: r.get("total_generated_tokens", 0),
-            "compute_measured_mu": lambda r: compute(r, mu_machine),
-            "compute_paper_mu": lambda r: compute(r, paper_mu)}
+    axes = {
+        "tokens": lambda r: r.get("total_generated_tokens", 0),
+        "compute_measured_mu": lambda r: compute(r, mu_machine),
+        "compute_paper_mu": lambda r: compute(r, paper_mu),
+    }
     rows = {}
     for config, rs in configs.items():
         cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
@@ -538,15 +672,22 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_see
             for rec in r["records"]:
                 stale.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
         row = rows[config] = {
-            "lr": cfg["lr"], "seeds": [r["seed"] for r in rs], "steps": cfg["total_steps"],
-            "N": cfg["buffer_size"], "B": cfg["batch_size"], "R": cfg["prompts_per_step"] * cfg["group_size"],
-            "greedy_acc": quartiles(final(rs, "eval/greedy_acc")), "pass@1": quartiles(final(rs, "eval/pass@1")),
-            "k": cfg["pass_k"], "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}")),
-            "generated_tokens": float(np.median([l.get("total_generated_tokens", 0) for l in last])),
-            "mu": float(np.median([l["mu"] for l in last])) if all("mu" in l for l in last) else None,
-            "replay_ratio": float(np.mean([l.get("replay_ratio", 0) for l in last])),
+            "lr": cfg["lr"],
+            "seeds": [r["seed"] for r in rs],
+            "steps": cfg["total_steps"],
+            "N": cfg["buffer_size"],
+            "B": cfg["batch_size"],
+            "R": cfg["prompts_per_step"] * cfg["group_size"],
+            "greedy_acc": quartiles(final(rs, "eval/greedy_acc")),
+            "pass@1": quartiles(final(rs, "eval/pass@1")),
+            "k": cfg["pass_k"],
+            "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}")),
+            "generated_tokens": float(np.median([rec.get("total_generated_tokens", 0) for rec in last])),
+            "mu": float(np.median([rec["mu"] for rec in last])) if all("mu" in rec for rec in last) else None,
+            "replay_ratio": float(np.mean([rec.get("replay_ratio", 0) for rec in last])),
             "staleness": sum(s * n for s, n in stale.items()) / max(1, sum(stale.values())),
-            "by_staleness": staleness_buckets(rs)}
+            "by_staleness": staleness_buckets(rs),
+        }
         for axis, x in axes.items():
             row[f"{axis}_to_target"] = first_reach(curve(rs, "eval/greedy_acc", x), target) if reference else None
     for row in rows.values():
@@ -554,9 +695,16 @@ def summarize(runs: list[dict], reference: str | None, paper_mu: float, tune_see
             ours, ref = row[f"{axis}_to_target"], rows[reference][f"{axis}_to_target"] if reference else None
             row[f"{axis}_saving_pct"] = 100 * (1 - ours / ref) if ours is not None and ref else None
     order = sorted(configs, key=lambda c: (c != reference, rows[c]["N"], -rows[c]["R"], c))
-    out = {"reference": reference, "target_greedy_acc": target, "mu_measured": mu_machine,
-           "paper_mu": paper_mu, "lr_choice": lr_choice, "configs": {c: rows[c] for c in order},
-           "tune_seeds": sorted(tune_seeds or []), "_runs": {c: configs[c] for c in order}}
+    out = {
+        "reference": reference,
+        "target_greedy_acc": target,
+        "mu_measured": mu_machine,
+        "paper_mu": paper_mu,
+        "lr_choice": lr_choice,
+        "configs": {c: rows[c] for c in order},
+        "tune_seeds": sorted(tune_seeds or []),
+        "_runs": {c: configs[c] for c in order},
+    }
     if reference:
         out.update(bootstrap_costs(configs, reference, axes, saving_target))
         out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
@@ -588,8 +736,12 @@ def staleness_buckets(rs: list[dict]) -> dict | None:
     out = {}
     for label in sorted(sums, key=bucket_order):
         n, tokens, clipped, abs_log_ratio, ess = sums[label]
-        out[label] = {"share": n / rollouts, "clip_frac": clipped / tokens, "abs_log_ratio": abs_log_ratio / tokens,
-                      "ess_per_token": ess / tokens}
+        out[label] = {
+            "share": n / rollouts,
+            "clip_frac": clipped / tokens,
+            "abs_log_ratio": abs_log_ratio / tokens,
+            "ess_per_token": ess / tokens,
+        }
     return out
 
 
@@ -597,14 +749,21 @@ def per_seed(run: dict, target: float, axes: dict) -> dict:
     """One run's numbers: the warm start, the final accuracies, and its cost to the target on each axis."""
     first, last = run["records"][0], evals(run)[-1]
     reach = next((r for r in evals(run) if r["eval/greedy_acc"] >= target - 1e-9), None)
-    return {"seed": run["seed"], "name": run["name"], "warmstart_reached": first.get("warmstart_reached"),
-            "warmstart_pass@k": first.get("warmstart_pass@k"), "greedy_acc_start": first.get("eval/greedy_acc"),
-            "greedy_acc_final": last["eval/greedy_acc"], "pass@1_final": last["eval/pass@1"],
-            **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()}}
+    return {
+        "seed": run["seed"],
+        "name": run["name"],
+        "warmstart_reached": first.get("warmstart_reached"),
+        "warmstart_pass@k": first.get("warmstart_pass@k"),
+        "greedy_acc_start": first.get("eval/greedy_acc"),
+        "greedy_acc_final": last["eval/greedy_acc"],
+        "pass@1_final": last["eval/pass@1"],
+        **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()},
+    }
 
 
-def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: float, n: int = 2000,
-                    key: str = "eval/greedy_acc") -> dict:
+def bootstrap_costs(
+    configs: dict, reference: str, axes: dict, saving_target: float, n: int = 2000, key: str = "eval/greedy_acc"
+) -> dict:
     """Bootstrap over seeds (each configuration's seeds resampled with replacement, the target recomputed
     from each resample of the reference): 90% intervals of the cost to reach the reference's final median
     accuracy and 90% of it, of the saving against the reference, and of the median accuracy and pass@k
@@ -616,8 +775,10 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         steps = sorted(set.intersection(*({r["step"] for r in evals(run)} for run in rs)))
         by = [{r["step"]: r for r in evals(run)} for run in rs]
         k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
-        arrays[c] = {"acc": np.array([[b[t][key] for t in steps] for b in by], dtype=float),
-                     "passk": np.array([[b[t].get(k, np.nan) for t in steps] for b in by], dtype=float)}
+        arrays[c] = {
+            "acc": np.array([[b[t][key] for t in steps] for b in by], dtype=float),
+            "passk": np.array([[b[t].get(k, np.nan) for t in steps] for b in by], dtype=float),
+        }
         for axis, x in axes.items():
             arrays[c][axis] = np.array([[x(b[t]) for t in steps] for b in by], dtype=float)
     fracs = {"target": 1.0, "90% of target": 0.9}
@@ -643,8 +804,9 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         cost = {}  # every configuration's cost to each level, the reference's first
         for c in [reference] + [c for c in arrays if c != reference]:
             a, med = arrays[c], np.median(arrays[c]["acc"][draw[c]], axis=0)
-            cost[c] = {(axis, f): reach(a, draw[c], med, axis, frac * level)
-                       for axis in axes for f, frac in fracs.items()}
+            cost[c] = {
+                (axis, f): reach(a, draw[c], med, axis, frac * level) for axis in axes for f, frac in fracs.items()
+            }
         for c, a in arrays.items():
             for axis in axes:
                 for f in fracs:
@@ -674,6 +836,7 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         if isinstance(tree, dict):
             return {k: intervals_of(v) for k, v in tree.items()}
         return interval(tree)
+
     intervals = intervals_of(samples)
     decision = {}
     for c in configs:
@@ -682,11 +845,20 @@ def bootstrap_costs(configs: dict, reference: str, axes: dict, saving_target: fl
         verdicts = []
         for axis in ("tokens", "compute_paper_mu"):
             lo, _, hi = intervals[c]["saving"][axis]["target"]
-            verdicts.append("not resolvable" if lo is None else "met" if lo >= saving_target
-                            else "not met" if hi < saving_target else "not resolvable")
-        decision[c] = {"tokens": verdicts[0], "compute_paper_mu": verdicts[1],
-                       "both": "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts
-                       else "not resolvable"}
+            verdicts.append(
+                "not resolvable"
+                if lo is None
+                else "met"
+                if lo >= saving_target
+                else "not met"
+                if hi < saving_target
+                else "not resolvable"
+            )
+        decision[c] = {
+            "tokens": verdicts[0],
+            "compute_paper_mu": verdicts[1],
+            "both": "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts else "not resolvable",
+        }
     bootstrap = {"replicates": n, "intervals": intervals}
     return {"bootstrap": bootstrap, "decision": decision, "saving_target": saving_target}
 
@@ -735,7 +907,8 @@ def write_table(s: dict, path: Path) -> None:
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
     target = "—" if s["target_greedy_acc"] is None else f"{s['target_greedy_acc']:.3f}"
     lines = [
-        "# Replay-GRPO study", "",
+        "# Replay-GRPO study",
+        "",
         f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
         f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
         f"{target} is the target: "
@@ -744,32 +917,49 @@ def write_table(s: dict, path: Path) -> None:
         f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
         f"+ mu × generated rollouts. 'meas.' uses mu = {mu:.2f} (median of the runs' measured mu on this "
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
-        "optimizer steps between a rollout's generation and its use, averaged over every use.", "",
+        "optimizer steps between a rollout's generation and its use, averaged over every use.",
+        "",
         "| config | lr | seeds | steps | greedy acc | pass@1 | pass@k | gen. tokens | mu (meas.) | replay ratio "
         "| staleness | tokens to target | saving | compute (meas.) to target | saving "
         "| compute (paper) to target | saving |",
         "|" + "---|" * 17,
     ]
     for c, r in s["configs"].items():
-        cells = [c, f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""), len(r["seeds"]), r["steps"],
-                 fmt_q(r["greedy_acc"]), fmt_q(r["pass@1"]), f"pass@{r['k']} {fmt_q(r['pass@k'])}",
-                 fmt(r["generated_tokens"]), "—" if r["mu"] is None else f"{r['mu']:.2f}",
-                 f"{r['replay_ratio']:.2f}", f"{r['staleness']:.2f}"]
+        cells = [
+            c,
+            f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
+            len(r["seeds"]),
+            r["steps"],
+            fmt_q(r["greedy_acc"]),
+            fmt_q(r["pass@1"]),
+            f"pass@{r['k']} {fmt_q(r['pass@k'])}",
+            fmt(r["generated_tokens"]),
+            "—" if r["mu"] is None else f"{r['mu']:.2f}",
+            f"{r['replay_ratio']:.2f}",
+            f"{r['staleness']:.2f}",
+        ]
         for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
             cells += [fmt(r[f"{axis}_to_target"]), fmt_pct(r[f"{axis}_saving_pct"])]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
-        lines += ["", f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
-                      "so the savings are undefined: train longer or with a weaker warm start."]
+        lines += [
+            "",
+            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
+            "so the savings are undefined: train longer or with a weaker warm start.",
+        ]
     if "bootstrap" in s:
         iv = s["bootstrap"]["intervals"]
-        lines += ["", f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it", "",
-                  f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
-                  "configuration; the target recomputed from each resample of the reference). 'never': not reached "
-                  "within the run. Saving = 1 − ours / reference's.", "",
-                  "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) "
-                  "| saving |",
-                  "|" + "---|" * 8]
+        lines += [
+            "",
+            f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
+            "",
+            f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
+            "configuration; the target recomputed from each resample of the reference). 'never': not reached "
+            "within the run. Saving = 1 − ours / reference's.",
+            "",
+            "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
+            "|" + "---|" * 8,
+        ]
         for c in s["configs"]:
             for f in ("target", "90% of target"):
                 cells = [c, f]
@@ -777,49 +967,82 @@ def write_table(s: dict, path: Path) -> None:
                     saving = "—" if c == ref else fmt_interval(iv[c]["saving"][axis][f], fmt_saving)
                     cells += [fmt_interval(iv[c]["cost"][axis][f], fmt_cost), saving]
                 lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", f"## Accuracy at equal compute (the compute {ref} used in its whole run)", "",
-                  "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% "
-                  "interval.", "",
-                  "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
-                  "|" + "---|" * 5]
+        lines += [
+            "",
+            f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
+            "",
+            "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
+            "",
+            "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
+            "|" + "---|" * 5,
+        ]
         for c in s["configs"]:
-            cells = [fmt_interval(iv[c]["at_equal"][a][w], fmt3) for a in ("compute_measured_mu", "compute_paper_mu")
-                     for w in ("acc", "pass@k")]
+            cells = [
+                fmt_interval(iv[c]["at_equal"][a][w], fmt3)
+                for a in ("compute_measured_mu", "compute_paper_mu")
+                for w in ("acc", "pass@k")
+            ]
             lines.append("| " + " | ".join([c] + cells) + " |")
         target_pct = f"{s['saving_target']:g}%"
-        lines += ["", f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
-                  f"compute at the paper's mu, to {ref}'s final median accuracy", "",
-                  "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
-                  "below it; not resolvable: the interval straddles it (or the target was not reached).", ""]
+        lines += [
+            "",
+            f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
+            f"compute at the paper's mu, to {ref}'s final median accuracy",
+            "",
+            "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+            "below it; not resolvable: the interval straddles it (or the target was not reached).",
+            "",
+        ]
         for c, d in s["decision"].items():
             lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
-        lines += ["", "## What a step trains on, by staleness", "",
-                  "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
-                  "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
-                  "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
-                  "w^2 over the tokens: 1 when all ratios are equal).", "",
-                  "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
-                  "|" + "---|" * 6]
+        lines += [
+            "",
+            "## What a step trains on, by staleness",
+            "",
+            "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
+            "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
+            "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
+            "w^2 over the tokens: 1 when all ratios are equal).",
+            "",
+            "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
+            "|" + "---|" * 6,
+        ]
         for c, r in s["configs"].items():
             for label, b in (r.get("by_staleness") or {}).items():
-                lines.append(f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
-                             f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |")
+                lines.append(
+                    f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
+                    f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |"
+                )
     if s.get("per_seed"):
-        lines += ["", "## Seeds", "",
-                  "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
-                  "|" + "---|" * 6]
+        lines += [
+            "",
+            "## Seeds",
+            "",
+            "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
+            "|" + "---|" * 6,
+        ]
         for c, rows in s["per_seed"].items():
             for r in rows:
-                lines.append(f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
-                             f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |")
+                lines.append(
+                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
+                    f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |"
+                )
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
-        lines += ["", "## Learning rate (*)", "",
-                  "Configurations run with several learning rates (and delta_V) keep the one with the best median "
-                  "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
-                  + (f"on seeds {', '.join(map(str, tuned))}, which are not reported:" if tuned else
-                     "on the same seeds it is reported on:"), ""]
+        lines += [
+            "",
+            "## Learning rate (*)",
+            "",
+            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
+            "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
+            + (
+                f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
+                if tuned
+                else "on the same seeds it is reported on:"
+            ),
+            "",
+        ]
         for c in s["configs"]:
             if c in s["lr_choice"]:
                 note = s["lr_choice"][c]
@@ -832,6 +1055,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     """The figures: median over seeds, shaded IQR, one line per configuration (its best lr); the histograms of
     staleness and replay ratio; the metrics by staleness where the runs logged them."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -865,33 +1089,57 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
 
     def step(r):
         return r["step"]
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     lines(a, "eval/greedy_acc", step, "gradient steps", "held-out greedy accuracy")
-    lines(b, lambda c: f"eval/pass@{s['configs'][c]['k']}", step, "gradient steps",
-          "held-out pass@k (k samples, temperature 1)", show_target=False)
+    lines(
+        b,
+        lambda c: f"eval/pass@{s['configs'][c]['k']}",
+        step,
+        "gradient steps",
+        "held-out pass@k (k samples, temperature 1)",
+        show_target=False,
+    )
     fig.suptitle("Held-out accuracy vs gradient steps (median, IQR over seeds)")
     legend(b)
     save(fig, "accuracy_vs_steps.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(ax, "eval/greedy_acc", lambda r: r.get("total_generated_tokens", 0), "generated tokens",
-          "held-out greedy accuracy")
+    lines(
+        ax,
+        "eval/greedy_acc",
+        lambda r: r.get("total_generated_tokens", 0),
+        "generated tokens",
+        "held-out greedy accuracy",
+    )
     ax.set_title("Held-out accuracy vs generated tokens")
     legend(ax)
     save(fig, "accuracy_vs_tokens.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (mu, what) in zip(axes, [(s["mu_measured"], "measured on this machine"), (s["paper_mu"], "the paper's")]):
-        lines(ax, "eval/greedy_acc", lambda r, mu=mu: compute(r, mu),
-              "compute = trained + mu x generated rollouts", "held-out greedy accuracy")
+        lines(
+            ax,
+            "eval/greedy_acc",
+            lambda r, mu=mu: compute(r, mu),
+            "compute = trained + mu x generated rollouts",
+            "held-out greedy accuracy",
+        )
         ax.set_title(f"mu = {mu:.2f} ({what})")
     fig.suptitle("Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)")
     legend(axes[1])
     save(fig, "accuracy_vs_compute.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(ax, "entropy", step, "gradient steps", "policy entropy on the batch (nats/token)",
-          eval_only=False, show_target=False)
+    lines(
+        ax,
+        "entropy",
+        step,
+        "gradient steps",
+        "policy entropy on the batch (nats/token)",
+        eval_only=False,
+        show_target=False,
+    )
     ax.set_title("Training entropy")
     legend(ax)
     save(fig, "entropy.png")
@@ -900,8 +1148,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         n = len(runs)
         ncol = min(4, n)
         nrow = math.ceil(n / ncol)
-        fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.7 * nrow), squeeze=False, sharex=True,
-                                 sharey=True)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.7 * nrow), squeeze=False, sharex=True, sharey=True)
         for ax, (c, rs) in zip(axes.flat, runs.items()):
             counts = sum((counts_of(r) for r in rs), Counter())
             total = sum(counts.values()) or 1
@@ -920,12 +1167,20 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         fig.suptitle(title)
         save(fig, name)
 
-    hists("staleness_hist.png", "Staleness of each use (steps since generation), all steps and seeds",
-          "staleness (optimizer steps)",
-          lambda r: Counter([int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items()
-                             for _ in range(v)]))
-    hists("replay_ratio_hist.png", "Replay ratio per rollout: times each evicted rollout was trained on",
-          "uses", lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}))
+    hists(
+        "staleness_hist.png",
+        "Staleness of each use (steps since generation), all steps and seeds",
+        "staleness (optimizer steps)",
+        lambda r: Counter(
+            [int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items() for _ in range(v)]
+        ),
+    )
+    hists(
+        "replay_ratio_hist.png",
+        "Replay ratio per rollout: times each evicted rollout was trained on",
+        "uses",
+        lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}),
+    )
 
     by_config = {c: s["configs"][c]["by_staleness"] for c in runs if s["configs"][c].get("by_staleness")}
     if by_config:  # runs that logged the metrics by staleness
@@ -934,8 +1189,14 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         for ax, (key, ylabel) in zip(axes, BUCKET_PANELS):
             for c, d in by_config.items():
                 xs = [i for i, b in enumerate(buckets) if b in d]
-                ax.plot(xs, [d[buckets[i]][key] for i in xs], marker="o", color=color[c], lw=2.2 if c == ref else 1.4,
-                        label=label[c])
+                ax.plot(
+                    xs,
+                    [d[buckets[i]][key] for i in xs],
+                    marker="o",
+                    color=color[c],
+                    lw=2.2 if c == ref else 1.4,
+                    label=label[c],
+                )
             ax.set_xticks(range(len(buckets)), buckets)
             ax.set_xlabel("staleness (optimizer steps)")
             ax.set_ylabel(ylabel)
@@ -946,8 +1207,12 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-BUCKET_PANELS = [("share", "share of trained rollouts"), ("clip_frac", "clip fraction"),
-                 ("abs_log_ratio", "mean |log ratio| per token"), ("ess_per_token", "ESS per token")]
+BUCKET_PANELS = [
+    ("share", "share of trained rollouts"),
+    ("clip_frac", "clip fraction"),
+    ("abs_log_ratio", "mean |log ratio| per token"),
+    ("ess_per_token", "ESS per token"),
+]
 
 
 def strict_json(x):
@@ -997,9 +1262,11 @@ def write_report(dest: Path, s: dict, private: str, write_table, plot) -> None:
 # plot: one run's curves
 # ----------------------------------------------------------------------------------------------
 
+
 def save_run_figure(fig, title: str, out: Path) -> Path:
     """Title, lay out and write one of plot_run's figures; an unwritable folder stops with one line."""
     import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     try:
@@ -1016,12 +1283,15 @@ def plot_run(run_dir: Path) -> list[Path]:
     pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio; and
     staleness_vs_steps.png, the metrics by staleness bucket (rollouts, clip fraction, |log ratio|, ESS)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by "
-                         "replay_grpo.py)")
+        raise SystemExit(
+            f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by replay_grpo.py)"
+        )
     try:
         recs = read_metrics(path)
         cfg = read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else {}
@@ -1033,29 +1303,41 @@ def plot_run(run_dir: Path) -> list[Path]:
     k = cfg.get("pass_k", 8)
     R = cfg.get("prompts_per_step", 0) * cfg.get("group_size", 0)
     mu = steps[-1].get("mu")
-    title = (f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, "
-             f"B = {cfg.get('batch_size', '?')}, R = {R or '?'}, k = {cfg.get('publish_every', '?')}, "
-             f"lr {cfg.get('lr', '?')}"
-             + (f"; measured mu = {mu:.2f}" if mu is not None else ""))
-    panels = [("held-out accuracy", [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"),
-                                     (f"eval/pass@{k}", f"pass@{k} (T 1)")]),
-              ("reward", [("reward", "fresh rollouts"), ("reward_batch", "trained batch")]),
-              ("entropy (nats/token)", [("entropy", "trained tokens")]),
-              ("response length (tokens)", [("response_length", "mean"),
-                                            ("truncated_frac", "truncated fraction (right)")]),
-              ("staleness (steps)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
-              ("replay ratio", [("replay_ratio", "trained / generated rollouts")])]
+    title = (
+        f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, "
+        f"B = {cfg.get('batch_size', '?')}, R = {R or '?'}, k = {cfg.get('publish_every', '?')}, "
+        f"lr {cfg.get('lr', '?')}" + (f"; measured mu = {mu:.2f}" if mu is not None else "")
+    )
+    panels = [
+        (
+            "held-out accuracy",
+            [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"), (f"eval/pass@{k}", f"pass@{k} (T 1)")],
+        ),
+        ("reward", [("reward", "fresh rollouts"), ("reward_batch", "trained batch")]),
+        ("entropy (nats/token)", [("entropy", "trained tokens")]),
+        ("response length (tokens)", [("response_length", "mean"), ("truncated_frac", "truncated fraction (right)")]),
+        ("staleness (steps)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
+        ("replay ratio", [("replay_ratio", "trained / generated rollouts")]),
+    ]
     written = []
-    for xname, xkey, xlabel in (("steps", "step", "gradient steps"),
-                                ("tokens", "total_generated_tokens", "generated tokens")):
+    for xname, xkey, xlabel in (
+        ("steps", "step", "gradient steps"),
+        ("tokens", "total_generated_tokens", "generated tokens"),
+    ):
         fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
         for ax, (ylabel, series) in zip(axes.flat, panels):
             for key, label in series:
                 pts = [(r.get(xkey, 0), r[key]) for r in recs if r.get(key) is not None]
                 target = ax.twinx() if key == "truncated_frac" else ax
                 if pts:
-                    target.plot(*zip(*pts), marker="o" if key.startswith("eval/") else None, ms=3, label=label,
-                                color="grey" if key == "truncated_frac" else None, lw=1.4)
+                    target.plot(
+                        *zip(*pts),
+                        marker="o" if key.startswith("eval/") else None,
+                        ms=3,
+                        label=label,
+                        color="grey" if key == "truncated_frac" else None,
+                        lw=1.4,
+                    )
                 if key == "truncated_frac":
                     target.set_ylim(0, 1)
                     target.legend(loc="upper right", fontsize=8, frameon=False)
@@ -1068,8 +1350,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     if with_buckets:  # the metrics by staleness: one line per bucket
         buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
-        for ax, (key, ylabel) in zip(axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:3],
-                                            ("ess_per_token", "ESS per token")]):
+        for ax, (key, ylabel) in zip(
+            axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:3], ("ess_per_token", "ESS per token")]
+        ):
             for b in buckets:
                 pts = []
                 for r in with_buckets:
@@ -1092,10 +1375,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     extra = []
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     commands = {"run": RunArgs, "report": ReportArgs, "plot": PlotArgs}
-    args = tyro.extras.subcommand_cli_from_dict(commands, args=argv, prog="sweep.py",
-                                                description=__doc__.split("\n\n")[0])
+    args = tyro.extras.subcommand_cli_from_dict(
+        commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
+    )
     if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
     if isinstance(args, ReportArgs):

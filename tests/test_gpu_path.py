@@ -15,20 +15,47 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import bench_generation
 import numpy as np
 import pytest
 import torch
 
 import async_pipeline as ap
-import bench_generation
 import kernels
 import replay_grpo as rg
 
-ROOT = Path(__file__).resolve().parent
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-SMALL = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2",
-         "--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2",
-         "--total-steps", "4", "--eval-every", "0", "--loss", "asymre", "--lr", "1e-3"]
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(
+    os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+)
+SMALL = [
+    "--preset",
+    "cpu",
+    "--sft-warmup-steps",
+    "0",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--batch-size",
+    "8",
+    "--buffer-size",
+    "16",
+    "--max-new-tokens",
+    "4",
+    "--eval-size",
+    "8",
+    "--pass-k",
+    "2",
+    "--total-steps",
+    "4",
+    "--eval-every",
+    "0",
+    "--loss",
+    "asymre",
+    "--lr",
+    "1e-3",
+]
 
 
 @pytest.fixture
@@ -42,8 +69,10 @@ def metrics(run_dir):
 
 
 def training_records(run_dir):
-    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
-            for r in metrics(run_dir)]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+        for r in metrics(run_dir)
+    ]
 
 
 def random_batch(n=16, seed=0):
@@ -52,8 +81,18 @@ def random_batch(n=16, seed=0):
     for i in range(n):
         completion = torch.randint(0, 256, (3 + i % 4,), generator=g).tolist()
         prompt = torch.randint(0, 256, (4,), generator=g).tolist()
-        batch.append(rg.Rollout(prompt, completion, torch.zeros(len(completion)), reward=float(i % 2), advantage=0.0,
-                                group_mean=0.5, policy_version=0, group_id=i))
+        batch.append(
+            rg.Rollout(
+                prompt,
+                completion,
+                torch.zeros(len(completion)),
+                reward=float(i % 2),
+                advantage=0.0,
+                group_mean=0.5,
+                policy_version=0,
+                group_id=i,
+            )
+        )
     return batch
 
 
@@ -64,6 +103,7 @@ def fraction_changed(before: dict, model) -> float:
 
 
 # --- defect: pure bf16 training loses the updates -------------------------------------------------
+
 
 def test_bf16_compute_on_fp32_masters_moves_every_weight_at_the_gpu_presets_lr(bf16):
     """10 AdamW steps at lr 1e-6 (the gsm8k preset's) through load_policy and train_step under the bf16 policy:
@@ -100,6 +140,7 @@ def test_a_checkpoint_holds_the_fp32_masters_and_resume_continues_exactly(bf16, 
     full = rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "full", "--eval-every", "2"])
     rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--total-steps", "2"])
     from safetensors.torch import load_file
+
     saved = load_file(tmp_path / "cut" / "checkpoint" / "model.safetensors")
     assert {v.dtype for v in saved.values()} == {torch.float32}
     rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "cut", "--eval-every", "2", "--resume"])
@@ -111,6 +152,7 @@ def test_a_checkpoint_holds_the_fp32_masters_and_resume_continues_exactly(bf16, 
 
 # --- defect: vLLM's GPU runner samples from numpy's global stream ---------------------------------
 
+
 @pytest.fixture
 def numpy_seeded_sampling(monkeypatch):
     """HF generate seeded per request from numpy's global RNG, as vLLM's GPU model runner seeds its requests."""
@@ -119,6 +161,7 @@ def numpy_seeded_sampling(monkeypatch):
     def generate(self, *args, **kwargs):
         torch.manual_seed(int(np.random.randint(2**31)))
         return real(self, *args, **kwargs)
+
     monkeypatch.setattr(rg.HFGenerator, "generate", generate)
 
 
@@ -148,6 +191,7 @@ def test_each_generator_process_draws_its_own_numpy_stream():
 
 # --- defect: generators ignored an inherited CUDA_VISIBLE_DEVICES ---------------------------------
 
+
 def test_generator_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert ap.generator_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
@@ -157,7 +201,7 @@ def test_generator_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatc
 
 # --- defect: every rank read the full optimizer state on resume -----------------------------------
 
-OPTIMIZER_BROADCAST = r'''
+OPTIMIZER_BROADCAST = r"""
 import copy, torch, torch.distributed as dist
 import async_pipeline as ap, replay_grpo as rg
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -193,25 +237,36 @@ if rank == 0:
     print("BROADCAST-OK")
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_resume_on_two_ranks_reads_the_optimizer_state_on_rank_0_only(tmp_path):
     """T = 2 under gloo: rank 0 alone holds the saved optimizer state; after the broadcast the next step's weights
     equal the uninterrupted run's, bit for bit."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = tmp_path / "broadcast_check.py"
     script.write_text(OPTIMIZER_BROADCAST)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master-port", str(port), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--master-port",
+        str(port),
+        str(script),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "BROADCAST-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
 
 # --- defect: the warm-start cache ignored the precision -------------------------------------------
+
 
 def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, capsys):
     args = SMALL + ["--sft-warmup-steps", "2", "--total-steps", "1", "--out-dir", str(tmp_path)]
@@ -226,16 +281,19 @@ def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, ca
 
 # --- defect: the generation benchmark measured another precision than a run's --------------------
 
+
 def test_the_generation_benchmark_uses_the_run_precision(bf16):
     model, tok = rg.build_tiny_model(0)
     prompts = [rg.render_prompt(tok, f"{i}+1=") for i in range(4)]
-    rows = bench_generation.bench("tiny", model, tok, None, prompts, group=2, tokens=4, threads=None,
-                                  train_threads=None, vllm=False)
+    rows = bench_generation.bench(
+        "tiny", model, tok, None, prompts, group=2, tokens=4, threads=None, train_threads=None, vllm=False
+    )
     assert [r[1] for r in rows] == ["hf-bfloat16"]
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the trainer's side: fp32 masters
 
 
 # --- defect: the slow log-prob matmul path went unsaid ---------------------------------------------
+
 
 def test_the_slow_matmul_path_is_said_once_at_the_start(bf16, monkeypatch):
     monkeypatch.setitem(kernels._OUT_DTYPE_OK, "cuda", False)  # a torch whose mm refuses out_dtype=float32

@@ -11,6 +11,7 @@ Tolerances (all outputs vs fp64 of the same bf16/fp32-valued inputs):
     rounded once to bf16 and the gradient is stored in bf16: ~2e-3 expected; the bugs this
     guards against give errors of order 1).
 """
+
 import math
 import os
 import subprocess
@@ -31,8 +32,7 @@ GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # ragged token and vocab tiles (V = 517 -> 300 + 217, N = 193 -> 128 + 65 or 64 * 3 + 1)
 SMALL_TILES = dict(chunk_size=128, vocab_chunk_size=300) if INNER else dict(chunk_size=64, vocab_chunk_size=200)
 N_BIG = 97 if INNER else 193  # for the tests that run the op many times
-CHUNKS = ([(None, None), (40, 64), (97, 1000)] if INNER else
-          [(None, None), (13, 517), (16, 64), (193, 1000), (50, 123)])
+CHUNKS = [(None, None), (40, 64), (97, 1000)] if INNER else [(None, None), (13, 517), (16, 64), (193, 1000), (50, 123)]
 
 
 @pytest.fixture(autouse=True)
@@ -75,9 +75,11 @@ def reference(h, w, y, T=1.0, ignore_index=-100):
     ent = -(lsm.exp() * lsm).sum(-1) * valid
 
     def grads(gl, ge):
-        dh, dw = torch.autograd.grad((logp * gl.double()).sum() + (ent * ge.double()).sum(),
-                                     (h64, w64), retain_graph=True)
+        dh, dw = torch.autograd.grad(
+            (logp * gl.double()).sum() + (ent * ge.double()).sum(), (h64, w64), retain_graph=True
+        )
         return dh, dw
+
     return logp.detach(), ent.detach(), grads
 
 
@@ -222,8 +224,10 @@ def test_ignored_rows(backend):
     (lp.sum() + en.sum()).backward()
     assert (h1.grad[::3] == 0).all()
     ref_h, ref_w, _, _ = run(h[y != 7], w, y[y != 7], "eager")
-    (token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[0].sum()
-     + token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[1].sum()).backward()
+    (
+        token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[0].sum()
+        + token_logprobs(ref_h, ref_w, y[y != 7], return_entropy=True, backend="eager")[1].sum()
+    ).backward()
     torch.testing.assert_close(w1.grad, ref_w.grad, atol=1e-5, rtol=1e-5)
 
 
@@ -393,10 +397,12 @@ def test_compile_matches_eager_and_fp64(dtype):
 def test_compile_no_recompile_for_new_lengths():
     # bug 14: new batch lengths (and ragged last tiles) reuse the compiled graphs
     from torch._dynamo.utils import counters
+
     def fwd_bwd(N):
         h, w, y = make(N, 40, 517, seed=N, peaked=0.0)
         h1, w1, lp, en = run(h, w, y, "compile", **SMALL_TILES)
         (lp.sum() + en.sum()).backward()
+
     fwd_bwd(70)
     fwd_bwd(150)  # a second shape may turn a static graph dynamic once
     before = counters["stats"]["unique_graphs"]
@@ -465,13 +471,42 @@ def test_triton_compiles_for_sm90(dz_type):
     # interpreter cannot (typing, lowering); check no fp64 math and 64-bit row offsets
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     f32, common = "*fp32", {"INV_T": "constexpr", "BLOCK_V": "constexpr"}
     kernels_sigs = [
-        (kernels._fwd_stats_kernel, dict(z_ptr=f32, stride_z="i32", yl_ptr="*i64", m_ptr=f32, s_ptr=f32,
-                                         x_ptr=f32, t_ptr=f32, zy_ptr=f32, n_cols="i32", **common)),
-        (kernels._bwd_dz_kernel, dict(z_ptr=f32, stride_z="i32", dz_ptr="*" + dz_type, stride_dz="i32",
-                                      yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32,
-                                      g_ptr=f32, e_ptr=f32, n_cols="i32", **common)),
+        (
+            kernels._fwd_stats_kernel,
+            dict(
+                z_ptr=f32,
+                stride_z="i32",
+                yl_ptr="*i64",
+                m_ptr=f32,
+                s_ptr=f32,
+                x_ptr=f32,
+                t_ptr=f32,
+                zy_ptr=f32,
+                n_cols="i32",
+                **common,
+            ),
+        ),
+        (
+            kernels._bwd_dz_kernel,
+            dict(
+                z_ptr=f32,
+                stride_z="i32",
+                dz_ptr="*" + dz_type,
+                stride_dz="i32",
+                yl_ptr="*i64",
+                m_ptr=f32,
+                ls_ptr=f32,
+                tbar_ptr=f32,
+                q_ptr=f32,
+                g_ptr=f32,
+                e_ptr=f32,
+                n_cols="i32",
+                **common,
+            ),
+        ),
     ]
     for fn, sig in kernels_sigs:
         try:
@@ -487,20 +522,31 @@ def test_triton_compiles_for_sm90(dz_type):
 
 @pytest.mark.skipif(INNER, reason="outer process only")
 def test_import_without_triton():
-    code = ("import sys; sys.modules['triton'] = None; import torch, kernels; "
-            "assert not kernels.HAS_TRITON and kernels.resolve_backend('auto', 'cpu') == 'eager'; "
-            "print(kernels.token_logprobs(torch.randn(3, 8), torch.randn(11, 8), torch.tensor([1, 2, 3])).shape)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys; sys.modules['triton'] = None; import torch, kernels; "
+        "assert not kernels.HAS_TRITON and kernels.resolve_backend('auto', 'cpu') == 'eager'; "
+        "print(kernels.token_logprobs(torch.randn(3, 8), torch.randn(11, 8), torch.tensor([1, 2, 3])).shape)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 0 and "torch.Size([3])" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
 def test_triton_interpreter():
     """Run this whole file for the Triton kernels under TRITON_INTERPRET=1 in a subprocess."""
-    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_TEST_TRITON="1", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        __file__], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_TEST_TRITON="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

@@ -38,14 +38,14 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
 import torch
+from bench_kernels import measure, targets_met
 
 import kernels
 import replay_grpo as rg
-import vllm_engine
 
 ROWS = []  # (check, measured, target, verdict)
 
@@ -60,7 +60,7 @@ def check_kernels(dev: str, smoke: bool) -> None:
     N, V, ds = (256, 1031, (64, 128)) if smoke else (16384, 151936, (896, 3584))
     backends = ["triton", "compile"] if cuda and kernels.HAS_TRITON else ["eager"]
     for d, big in zip(ds, (False, True)):  # the targets of the larger width are those of d = 3584
-        m = kernels.measure(N, V, d, backends=["naive"] + backends, reps=2 if smoke else 5, dev=dev)
+        m = measure(N, V, d, backends=["naive"] + backends, reps=2 if smoke else 5, dev=dev)
         naive_ms = m["results"]["naive"][0] if m["results"]["naive"] else None
         path, slow = kernels.matmul_path(dev, torch.bfloat16)  # which GEMMs the bf16 tiles ran on
         for be in backends:
@@ -80,30 +80,22 @@ def check_kernels(dev: str, smoke: bool) -> None:
                 cuda=cuda,
             )
             speed = f"{ms / naive_ms:.2f}x naive" if naive_ms else "naive out of memory"
-            row(f"kernels {be} d={d}", f"{ms:.1f} ms = {speed}, +{extra:.2f} GiB, logp err {lp_err:.1e}, "
+            row(
+                f"kernels {be} d={d}",
+                f"{ms:.1f} ms = {speed}, +{extra:.2f} GiB, logp err {lp_err:.1e}, "
                 f"grad err {g_err:.1e}; matmuls: {path}" + (" (SLOW PATH)" if slow else ""),
-                f"<= {'1.0' if big else '0.6'}x naive" + (", <= 1.5 GiB" if big else "")
-                + f", logp <= 1e-5, grad <= {m['floor_err'] + 1e-3:.1e}", all(met.values()) if cuda else None)
-
-
-def targets_met(backend, d, ms, naive_ms, extra_gib, logp_err, grad_err, floor_err, cuda) -> dict[str, bool]:
-    """The kernels' targets, by name: time <= naive (d >= 3584) or <= 0.6x naive (smaller d) and <= 1.5 GiB extra
-    at d >= 3584 (GPU only), log-probs within 1e-5, gradients within 1e-3 above the bf16 storage floor."""
-    out = {}
-    if backend != "naive":
-        if naive_ms and cuda:  # the time targets are for the GPU shape
-            out["time"] = ms / naive_ms <= (1.0 if d >= 3584 else 0.6)
-        if cuda and d >= 3584:
-            out["mem"] = extra_gib <= 1.5
-    out["logp"] = logp_err <= 1e-5
-    out["grad"] = grad_err <= floor_err + 1e-3
-    return out
+                f"<= {'1.0' if big else '0.6'}x naive"
+                + (", <= 1.5 GiB" if big else "")
+                + f", logp <= 1e-5, grad <= {m['floor_err'] + 1e-3:.1e}",
+                all(met.values()) if cuda else None,
+            )
 
 
 def training_records(run_dir: Path) -> list[dict]:
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [{k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
-            for r in records]
+    return [
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))} for r in records
+    ]
 
 
 def check_trainer(out: Path, smoke: bool) -> None:
@@ -116,12 +108,32 @@ def check_trainer(out: Path, smoke: bool) -> None:
     records = map(json.loads, (out / "learns" / "metrics.jsonl").read_text().splitlines())
     recs = [r for r in records if "eval/greedy_acc" in r]
     gain = recs[-1]["eval/greedy_acc"] - recs[0]["eval/greedy_acc"]
-    row("learns: cpu preset", f"greedy {recs[0]['eval/greedy_acc']:.3f} -> {recs[-1]['eval/greedy_acc']:.3f} in "
-        f"{time.time() - t0:.0f} s", ">= +0.25", None if smoke else gain >= 0.25)
+    row(
+        "learns: cpu preset",
+        f"greedy {recs[0]['eval/greedy_acc']:.3f} -> {recs[-1]['eval/greedy_acc']:.3f} in {time.time() - t0:.0f} s",
+        ">= +0.25",
+        None if smoke else gain >= 0.25,
+    )
 
     # evaluation runs on forked generators (CPU and CUDA): it never changes training
-    common = ["--preset", "cpu", "--sft-warmup-steps", "0", "--total-steps", "6", "--prompts-per-step", "2",
-              "--buffer-size", "256", "--loss", "asymre", "--eval-size", "16", "--out-dir", str(out)]
+    common = [
+        "--preset",
+        "cpu",
+        "--sft-warmup-steps",
+        "0",
+        "--total-steps",
+        "6",
+        "--prompts-per-step",
+        "2",
+        "--buffer-size",
+        "256",
+        "--loss",
+        "asymre",
+        "--eval-size",
+        "16",
+        "--out-dir",
+        str(out),
+    ]
     rg.main(common + ["--eval-every", "1", "--run-name", "often"])
     rg.main(common + ["--eval-every", "0", "--run-name", "never"])
     same = training_records(out / "often") == training_records(out / "never")
@@ -129,15 +141,19 @@ def check_trainer(out: Path, smoke: bool) -> None:
 
     # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream)
     try:
-        vllm_engine.import_vllm()
-    except vllm_engine.VLLMUnavailable:
+        rg.import_vllm()
+    except rg.VLLMUnavailable:
         row("eval-rng (vLLM)", "skipped: vLLM not installed or unusable here", "", None)
     else:
         rg.main(common + ["--generator", "vllm", "--eval-every", "1", "--run-name", "often-vllm"])
         rg.main(common + ["--generator", "vllm", "--eval-every", "0", "--run-name", "never-vllm"])
         same = training_records(out / "often-vllm") == training_records(out / "never-vllm")
-        row("eval-rng (vLLM): --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"),
-            "identical", same)
+        row(
+            "eval-rng (vLLM): --eval-every 1 vs 0",
+            "training records " + ("identical" if same else "DIFFER"),
+            "identical",
+            same,
+        )
 
     # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16 compute. A random model over the
     # byte tokenizer earns reward 0 (ids past 258 decode to nothing): AsymRE's gradient is nonzero even then.
@@ -149,14 +165,43 @@ def check_trainer(out: Path, smoke: bool) -> None:
     try:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        rg.main(["--preset", "cpu", "--sft-warmup-steps", "0", "--total-steps", "6", "--prompts-per-step", "4",
-                 "--batch-size", "128", "--buffer-size", "256", "--max-new-tokens", "64", "--micro-batch-size", "32",
-                 "--eval-size", "8", "--eval-every", "0", "--loss", "asymre", "--lr", "1e-5", "--out-dir", str(out),
-                 "--run-name", "qwen"])
+        rg.main(
+            [
+                "--preset",
+                "cpu",
+                "--sft-warmup-steps",
+                "0",
+                "--total-steps",
+                "6",
+                "--prompts-per-step",
+                "4",
+                "--batch-size",
+                "128",
+                "--buffer-size",
+                "256",
+                "--max-new-tokens",
+                "64",
+                "--micro-batch-size",
+                "32",
+                "--eval-size",
+                "8",
+                "--eval-every",
+                "0",
+                "--loss",
+                "asymre",
+                "--lr",
+                "1e-5",
+                "--out-dir",
+                str(out),
+                "--run-name",
+                "qwen",
+            ]
+        )
         start = real_build(0, **shape)[0].state_dict()
     finally:
         rg.build_tiny_model = real_build
     from safetensors.torch import load_file
+
     final = load_file(out / "qwen" / "checkpoint" / "model.safetensors")
     moved = sum(int((final[k] != start[k]).sum()) for k in final) / sum(v.numel() for v in final.values())
     recs = [r for r in map(json.loads, (out / "qwen" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
@@ -165,12 +210,14 @@ def check_trainer(out: Path, smoke: bool) -> None:
     mismatch = max(r.get("logprob_mismatch_abs", 0.0) for r in recs)
     step_ms = 1e3 * statistics.median(r["train_seconds"] for r in recs[1:])
     peak = max(r["peak_memory_gib"] or float("nan") for r in recs)
-    row(f"qwen-0.5b: {shape['hidden_size']}x{shape['layers']}, vocab {shape['vocab_size']}",
+    row(
+        f"qwen-0.5b: {shape['hidden_size']}x{shape['layers']}, vocab {shape['vocab_size']}",
         f"train step {step_ms:.0f} ms ({recs[-1]['trained_tokens']} tokens), peak {peak:.1f} GiB, mismatch "
         f"{mismatch:.1e}, min grad norm {grad:.2e}, {100 * moved:.1f}% of weights moved, "
         f"{'no' if finite else 'some'} NaN/inf steps",
         f"mismatch < {rg.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
-        finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5)
+        finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5,
+    )
 
 
 @contextlib.contextmanager
@@ -191,10 +238,21 @@ def check_precision(dev: str, smoke: bool) -> None:
     """At the GPU presets' learning rates, a few optimizer steps under the run's precision policy move the weights
     as fp32 masters do (bf16 weights would lose nearly every update)."""
     import copy
+
     device = torch.device(dev)
-    batch = [rg.Rollout([1 + i, 2, 3], [40 + i, 50, 60 + i % 3], torch.zeros(3), reward=float(i % 2), advantage=0.0,
-                        group_mean=0.5, policy_version=0, group_id=i)
-             for i in range(16)]
+    batch = [
+        rg.Rollout(
+            [1 + i, 2, 3],
+            [40 + i, 50, 60 + i % 3],
+            torch.zeros(3),
+            reward=float(i % 2),
+            advantage=0.0,
+            group_mean=0.5,
+            policy_version=0,
+            group_id=i,
+        )
+        for i in range(16)
+    ]
     for lr in (1e-6, 6e-8):
         cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", str(lr), "--micro-batch-size", "8"])
         model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
@@ -213,25 +271,62 @@ def check_precision(dev: str, smoke: bool) -> None:
             moved[name] = (changed / sum(v.numel() for v in start.values()), norm)
         masters = {p.dtype for p in model.parameters()}
         ratio = moved["policy"][1] / moved["fp32"][1]
-        ok = compute == torch.bfloat16 and masters == {torch.float32} and moved["policy"][0] >= 0.99 \
+        ok = (
+            compute == torch.bfloat16
+            and masters == {torch.float32}
+            and moved["policy"][0] >= 0.99
             and 0.9 <= ratio <= 1.1
-        row(f"precision lr={lr:g}", f"compute {str(compute)[6:]}, masters {'/'.join(str(d)[6:] for d in masters)}, "
+        )
+        row(
+            f"precision lr={lr:g}",
+            f"compute {str(compute)[6:]}, masters {'/'.join(str(d)[6:] for d in masters)}, "
             f"{100 * moved['policy'][0]:.1f}% of weights moved (fp32: {100 * moved['fp32'][0]:.1f}%), update norm "
-            f"{ratio:.2f}x fp32's", "bf16 compute, fp32 masters, >= 99% moved, norm within 10%", ok)
+            f"{ratio:.2f}x fp32's",
+            "bf16 compute, fp32 masters, >= 99% moved, norm within 10%",
+            ok,
+        )
 
 
 def check_async(out: Path, smoke: bool) -> None:
-    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--mode", "async", "--num-generators", "1",
-           "--sft-warmup-steps", "0", "--total-steps", "12", "--eval-size", "8", "--eval-every", "0",
-           "--loss", "asymre", "--prompts-per-step", "2", "--batch-size", "32", "--buffer-size", "64",
-           "--out-dir", str(out), "--run-name", "async"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        str(ROOT / "replay_grpo.py"),
+        "--preset",
+        "cpu",
+        "--mode",
+        "async",
+        "--num-generators",
+        "1",
+        "--sft-warmup-steps",
+        "0",
+        "--total-steps",
+        "12",
+        "--eval-size",
+        "8",
+        "--eval-every",
+        "0",
+        "--loss",
+        "asymre",
+        "--prompts-per-step",
+        "2",
+        "--batch-size",
+        "32",
+        "--buffer-size",
+        "64",
+        "--out-dir",
+        str(out),
+        "--run-name",
+        "async",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         log, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         log = proc.communicate()[0]
+
     def in_session():  # live processes still in the run's session, from /proc (a zombie waiting to be reaped is gone)
         left = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -242,6 +337,7 @@ def check_async(out: Path, smoke: bool) -> None:
             if fields[3] == str(proc.pid) and fields[0] != "Z":
                 left.append(stat.parent.name)
         return left
+
     deadline = time.time() + 15
     while in_session() and time.time() < deadline:
         time.sleep(0.5)
@@ -252,16 +348,21 @@ def check_async(out: Path, smoke: bool) -> None:
         recs = [r for r in records if r["step"] > 0]
     newest = [max(r["fresh_versions"]) for r in recs if r.get("fresh_versions")]
     ok = proc.returncode == 0 and len(recs) == 12 and newest == sorted(newest) and newest[-1] > 0 and not left
-    row("async: T=1, W=1, one GPU", f"exit {proc.returncode}, {len(recs)} steps, newest versions "
-        f"{newest[:3]}..{newest[-1:]}, {len(left)} processes left", "exit 0, 12 steps, versions rise, none left", ok)
+    row(
+        "async: T=1, W=1, one GPU",
+        f"exit {proc.returncode}, {len(recs)} steps, newest versions "
+        f"{newest[:3]}..{newest[-1:]}, {len(left)} processes left",
+        "exit 0, 12 steps, versions rise, none left",
+        ok,
+    )
     if not ok:
         print(log[-3000:])
 
 
 def check_vllm(out: Path, smoke: bool) -> None:
     try:
-        vllm_engine.import_vllm()
-    except vllm_engine.VLLMUnavailable as e:
+        rg.import_vllm()
+    except rg.VLLMUnavailable as e:
         row("vllm", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
         return
     # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
@@ -271,7 +372,7 @@ def check_vllm(out: Path, smoke: bool) -> None:
     model = model.to(device)
     folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
     dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")
-    gen = vllm_engine.VLLMGenerator(
+    gen = rg.VLLMGenerator(
         model=model,
         tok=tok,
         model_dir=folder,
@@ -293,7 +394,10 @@ def check_vllm(out: Path, smoke: bool) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    free = lambda: torch.cuda.mem_get_info()[0] / 2 ** 30 if torch.cuda.is_available() else float("nan")
+
+    def free():
+        return torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else float("nan")
+
     awake = free()
     gen.sleep()
     asleep = free()
@@ -304,42 +408,66 @@ def check_vllm(out: Path, smoke: bool) -> None:
     row("vllm-sync: greedy after a publish", "equal to HF's" if hf == eng else "DIFFERS from HF's", "equal", hf == eng)
     samples = [s for g in gen.generate(prompts, 4, 16, 1.0) for s in g]
     with torch.no_grad():
-        ref = rg.completion_logprobs(model, [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)],
-                                     tok.pad_token_id, 1.0).float().cpu()
+        ref = (
+            rg.completion_logprobs(
+                model, [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)], tok.pad_token_id, 1.0
+            )
+            .float()
+            .cpu()
+        )
     diff = (torch.cat([s.logprobs for s in samples]) - ref).abs().mean().item()
-    row("vllm-logprobs: engine vs trainer", f"mean |d logp| {diff:.1e}", f"< {rg.MISMATCH_WARN}",
-        diff < rg.MISMATCH_WARN)
+    row(
+        "vllm-logprobs: engine vs trainer",
+        f"mean |d logp| {diff:.1e}",
+        f"< {rg.MISMATCH_WARN}",
+        diff < rg.MISMATCH_WARN,
+    )
     released, regained = asleep - awake, asleep - woken
-    row(f"vllm-sleep (level {gen.sleep_level}, {dtype}): memory released / regained",
+    row(
+        f"vllm-sleep (level {gen.sleep_level}, {dtype}): memory released / regained",
         f"free GiB awake {awake:.2f}, asleep {asleep:.2f}, woken {woken:.2f}",
         "asleep frees > 1 GiB, waking takes it back (within 1 GiB)",
-        None if smoke or not torch.cuda.is_available() else released > 1.0 and abs(regained - released) < 1.0)
+        None if smoke or not torch.cuda.is_available() else released > 1.0 and abs(regained - released) < 1.0,
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="toy sizes on any device (checks this script, measures nothing)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="toy sizes on any device (checks this script, measures nothing)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
-        print(f"skipped: no CUDA device here (torch {torch.__version__}, cuda {torch.version.cuda}); gpu_check.py "
-              "measures the GPU path and needs one (--smoke runs its checks at toy sizes on this device)")
+        print(
+            f"skipped: no CUDA device here (torch {torch.__version__}, cuda {torch.version.cuda}); gpu_check.py "
+            "measures the GPU path and needs one (--smoke runs its checks at toy sizes on this device)"
+        )
         return 0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke and dev == "cpu":  # a bf16 GPU's precision policy, simulated: bf16 compute on fp32 masters
         os.environ[kernels.COMPUTE_DTYPE_ENV] = "bfloat16"
     try:
         import triton
+
         tv = triton.__version__
     except Exception:
         tv = "missing"
     import transformers
-    print(f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}; torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, triton {tv}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+
+    print(
+        f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, triton {tv}; {time.strftime('%Y-%m-%d %H:%M')}",
+        flush=True,
+    )
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for name, check in (("kernels", check_kernels), ("precision", check_precision), ("trainer", check_trainer),
-                            ("async", check_async), ("vllm", check_vllm)):
+        for name, check in (
+            ("kernels", check_kernels),
+            ("precision", check_precision),
+            ("trainer", check_trainer),
+            ("async", check_async),
+            ("vllm", check_vllm),
+        ):
             sub = Path(tmp) / name
             sub.mkdir()
             try:
