@@ -416,7 +416,7 @@ class Dealer:
         """The rollouts of `msgs` for each rank, all of them in order, and why the run must stop (or None)."""
         parts, fresh, failure = [[] for _ in range(self.T)], [], None
         for m in msgs:
-            totals["gen_busy_seconds"] += m["busy_seconds"]
+            totals["gen_seconds"] += m["busy_seconds"]
             totals["gen_idle_seconds"] += m["idle_seconds"]
             rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
             self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
@@ -432,18 +432,6 @@ class Dealer:
         return parts, fresh, failure
 
 
-def add_step_totals(totals: dict, reports: list[dict], batch_size: int, sync_seconds: float) -> float:
-    """Rank 0: one step's trained rollouts and tokens, seconds and skipped-step count into the run totals; returns
-    the step's training seconds (the slowest rank's: it sets the pace)."""
-    train_seconds = max(r["train_seconds"] for r in reports)
-    totals["trained_rollouts"] += batch_size
-    totals["trained_tokens"] += sum(r["stats"]["trained_tokens"] for r in reports)
-    totals["train_seconds"] += train_seconds
-    totals["sync_seconds"] += sync_seconds
-    totals["nonfinite_steps"] += max(r["stats"]["nonfinite"] for r in reports)  # the ranks agree on skipping
-    return train_seconds
-
-
 def merge_sums(per_rank: list[dict]) -> dict:
     """The ranks' rg.batch_sums as the whole batch's."""
     merged = {"reward": 0, "length": 0, "truncated": 0, "staleness": []}
@@ -456,11 +444,15 @@ def merge_sums(per_rank: list[dict]) -> dict:
 def async_record(
     step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int, **extra
 ) -> dict:
-    """One step's record from the ranks' reports: rg.step_record, and what the pipeline adds."""
+    """One step's record from the ranks' reports (counted into the run totals: the slowest rank's seconds set the
+    pace): rg.step_record, and what the pipeline adds."""
+    stats, train_seconds = merge_stats([r["stats"] for r in reports]), max(r["train_seconds"] for r in reports)
+    rg.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
+    totals["sync_seconds"] += extra["sync_seconds"]
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     return rg.step_record(
         step=step,
-        stats=merge_stats([r["stats"] for r in reports]),
+        stats=stats,
         fresh=fresh,
         sums=merge_sums([r["sums"] for r in reports]),
         since_last=[s for r in reports for s in r["since_last"]],
@@ -468,18 +460,14 @@ def async_record(
         evicted_uses=sum((r["evicted_uses"] for r in reports), Counter()),
         batch_size=batch_size,
         totals=totals,
+        trainers=T,
         fresh_rollouts=len(fresh),
         fresh_versions=sorted({r.policy_version for r in fresh}),
         **extra,
-        **{k: totals[k] for k in ("trainer_idle_seconds", "gen_idle_seconds", "gen_busy_seconds")},
-        # busy seconds per rollout, generators over trainers (each trainer step trains B/T a rank): mu as the
-        # synchronous loop measures it
-        mu=rg.measured_mu(
-            totals["gen_busy_seconds"],
-            totals["generated_rollouts"],
-            totals["train_seconds"] * T,
-            totals["trained_rollouts"],
-        ),
+        train_seconds=train_seconds,
+        trainer_idle_seconds=totals["trainer_idle_seconds"],
+        gen_idle_seconds=totals["gen_idle_seconds"],
+        gen_busy_seconds=totals["gen_seconds"],
         mu_throughput=mu_throughput,
         gamma=gamma,
         num_generators=W,
@@ -491,18 +479,13 @@ def print_summary(totals: dict, T: int, W: int) -> None:
     """The run's mu both ways, gamma and the idle seconds of each side."""
     if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
         return
-    mu = rg.measured_mu(
-        totals["gen_busy_seconds"],
-        totals["generated_rollouts"],
-        totals["train_seconds"] * T,
-        totals["trained_rollouts"],
-    )
+    mu = rg.measured_mu(totals, T)
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     print(
         f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
         f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
         f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
-        f"(of {totals['gen_busy_seconds']:.1f} busy)"
+        f"(of {totals['gen_seconds']:.1f} busy)"
     )
 
 
@@ -564,6 +547,7 @@ def resume_async(
     rg.run_folder.set_rng_state(own["rng"])
     state = split_old_counters(state)
     totals.update(state["totals"])
+    totals["gen_seconds"] = totals.pop("gen_busy_seconds", totals["gen_seconds"])  # its older name
     return state["step"], state["dealing"]
 
 
@@ -616,7 +600,7 @@ def train_async(cfg: rg.Args) -> dict:
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         shard = rg.make_buffer(cfg, capacity=N // T, seed=cfg.seed + 1_000_003 * rank)
         # rank 0's run totals and dealing state (checkpointed)
-        totals = rg.new_totals(gen_busy_seconds=0.0, gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
+        totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
         step, dealing = 0, None
         if state is not None:
             step, dealing = resume_async(
@@ -692,7 +676,7 @@ def train_async(cfg: rg.Args) -> dict:
                 raise rg.nonfinite_stop(nonfinite_streak, step, ckpt)
 
             # 3. publish weights every k steps; rank 0's copy gets them to evaluate
-            evaluating = step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)
+            evaluating = rg.is_eval_step(cfg, step)
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
@@ -705,7 +689,6 @@ def train_async(cfg: rg.Args) -> dict:
             # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
             if rank == 0:
                 dealer.held = [r["buffer_size"] for r in reports]
-                train_seconds = add_step_totals(totals, reports, batch_size=B, sync_seconds=sync_seconds)
                 record = async_record(
                     step=step,
                     reports=reports,
@@ -718,24 +701,13 @@ def train_async(cfg: rg.Args) -> dict:
                     queue_depth=pool.depth(),
                     rollouts_per_rank=list(dealer.dealt),
                     wait_seconds=wait_seconds,
-                    train_seconds=train_seconds,
                     sync_seconds=sync_seconds,
                 )
-                samples = rg.sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
                 fresh, step_tokens = [], 0
-                if evaluating:
-                    last_eval, eval_samples = rg.evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
-                    record.update(last_eval)
-                    samples = samples + eval_samples
-                    rg.print_eval(bar.write, step, last_eval, eval_samples)
-                runlog.log(record, samples)
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{record['loss']:.3f}",
-                    stale=f"{record['staleness_mean']:.1f}",
-                    mu=f"{record['mu']:.2f}",
-                    queue=record["queue_depth"],
+                evaluation = rg.end_step(
+                    cfg, record, batch, tok, task, evaluator=evaluator if evaluating else None, runlog=runlog, bar=bar
                 )
+                last_eval = evaluation or last_eval
             if evaluating:
                 state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
                 save_async_checkpoint(

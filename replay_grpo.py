@@ -60,10 +60,6 @@ class PipelineError(RuntimeError):
 
 # ===== Config =====================================================================================
 
-# The buffer's sampling rules (ReplayBuffer.sample): uniform, the paper's; without-replacement and at-least-once,
-# its Fig. 18 variants; fresh-anchored and priority, arXiv 2606.04560; queue, the paper's no-buffer baseline.
-Sampling = Literal["uniform", "without-replacement", "at-least-once", "fresh-anchored", "priority", "queue"]
-
 
 @dataclass
 class Args:
@@ -81,7 +77,7 @@ class Args:
     clip_high: float = 0.2  # GRPO epsilon_high: ratios above 1 + clip_high are clipped
     asymre_delta_v: float = -0.05  # AsymRE delta_V (the paper's -0.1 for +-1 rewards; these rewards are {0, 1})
     positive_bias: float = 0.0  # delta: keep the (1-delta)N freshest plus the delta*N freshest correct older rollouts
-    sampling: Sampling = "uniform"  # how a batch is drawn: uniform is the paper's; the rules: ReplayBuffer below
+    sampling: Sampling = "uniform"  # how a batch is drawn: uniform is the paper's; the rules: ReplayBuffer.RULES
     max_age: int | None = None  # evict a rollout more than this many policy versions old before sampling (None: off)
     max_uses: int | None = None  # evict a rollout after this many uses (None: off)
     priority_alpha: float = 0.0  # priority and fresh-anchored: replayed rollouts drawn with weight (|A| + eps)^alpha
@@ -147,13 +143,12 @@ MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the mode
 SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
-PRESETS: dict[str, Args] = {
+PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores: the tiny model warm-started on a+b (0..99) from a demonstrator that answers
     # a+b+1 three times in four, for 2000 steps with --sft-lr decaying to 0, so that every seed settles on
     # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then
     # on-policy GRPO at lr 3e-6 (3e-5 and 1e-5 rose as fast, then fell back on some seeds).
     "cpu": Args(
-        preset="cpu",
         generator="hf",
         arith_demo_error=0.75,
         sft_warmup_steps=2000,
@@ -169,7 +164,6 @@ PRESETS: dict[str, Args] = {
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
     # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16).
     "cpu-study": Args(
-        preset="cpu-study",
         generator="hf",
         arith_terms=5,
         arith_max_operand=9,
@@ -189,7 +183,6 @@ PRESETS: dict[str, Args] = {
     # paper's for Qwen3-0.6B and Qwen2.5-7B (whose best buffer ran async on (W, T) = (5, 3) GPUs with
     # B = 60, N = 84: see the README), ours (untuned) for the others.
     "gsm8k-qwen2.5-0.5b": Args(
-        preset="gsm8k-qwen2.5-0.5b",
         model="Qwen/Qwen2.5-0.5B-Instruct",
         task="gsm8k",
         max_new_tokens=512,
@@ -198,7 +191,6 @@ PRESETS: dict[str, Args] = {
         **GPU,
     ),
     "math-qwen3-0.6b": Args(
-        preset="math-qwen3-0.6b",
         model="Qwen/Qwen3-0.6B",
         task="math",
         max_new_tokens=1024,
@@ -207,7 +199,6 @@ PRESETS: dict[str, Args] = {
         **GPU,
     ),
     "math-qwen2.5-1.5b": Args(
-        preset="math-qwen2.5-1.5b",
         model="Qwen/Qwen2.5-1.5B-Instruct",
         task="math",
         max_new_tokens=1024,
@@ -216,7 +207,6 @@ PRESETS: dict[str, Args] = {
         **GPU,
     ),
     "math-qwen2.5-7b": Args(
-        preset="math-qwen2.5-7b",
         model="Qwen/Qwen2.5-7B",
         task="math",
         max_new_tokens=1024,
@@ -225,6 +215,7 @@ PRESETS: dict[str, Args] = {
         **GPU,
     ),
 }
+PRESETS = {name: dataclasses.replace(args, preset=name) for name, args in PRESETS.items()}
 PresetName = Literal[tuple(PRESETS)]  # the --preset choices (Args reads its annotation when a command line is parsed)
 
 
@@ -240,30 +231,12 @@ def validate(cfg: Args) -> None:
 
     for names, test, valid in (
         (
-            (
-                "group_size",
-                "prompts_per_step",
-                "batch_size",
-                "buffer_size",
-                "total_steps",
-                "max_new_tokens",
-                "pass_k",
-                "micro_batch_size",
-                "publish_every",
-                "num_generators",
-                "eval_size",
-                "arith_terms",
-                "sft_patience",
-                "sft_check_prompts",
-            ),
+            "group_size prompts_per_step batch_size buffer_size total_steps max_new_tokens pass_k micro_batch_size "
+            "publish_every num_generators eval_size arith_terms sft_patience sft_check_prompts".split(),
             lambda v: v >= 1,
             ">= 1",
         ),
-        (
-            ("eval_every", "sft_warmup_steps", "arith_max_operand", "sample_every", "dist_timeout"),
-            lambda v: v >= 0,
-            ">= 0",
-        ),
+        ("eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout".split(), lambda v: v >= 0, ">= 0"),
         (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -662,55 +635,6 @@ def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT)
 # backward run under kernels.autocast in the compute dtype (bf16 on GPUs that support it), log-probs are fp32.
 
 
-def byte_tokenizer():
-    """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
-    through AutoTokenizer (and vLLM) with identical ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    # GPT-2's reversible byte -> printable character map, what ByteLevel pre-tokenizers use
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    chars = bs[:] + [256 + n for n in range(256 - len(bs))]
-    bs += [b for b in range(256) if b not in bs]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {chr(c): b for b, c in zip(bs, chars)} | {s: 256 + i for i, s in enumerate(specials)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt '12+7=' as it is
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=template
-    )
-
-
-def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
-    """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64, vLLM-compatible
-    shapes) on the byte tokenizer's 259 tokens; vocab_size pads the vocabulary (e.g. 151936, Qwen's)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = byte_tokenizer()
-    config = Qwen2Config(
-        vocab_size=max(vocab_size, len(tok)),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=hidden_size // 64,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    return model, tok
-
-
 def load_pretrained(name: str, dtype: torch.dtype):
     """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -788,7 +712,9 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
 def load_base_policy(cfg: Args, device: torch.device):
     """--model ('tiny', built in code, or pretrained) and its tokenizer, fp32 master weights on `device`."""
     if cfg.model == "tiny":
-        model, tok = build_tiny_model(cfg.seed)
+        import warm_start  # the toy: imported only when used
+
+        model, tok = warm_start.build_tiny_model(cfg.seed)
     else:
         model, tok = load_pretrained(cfg.model, torch.float32)
     tok.padding_side = "left"
@@ -915,15 +841,14 @@ class HFGenerator:
         else:
             sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         device = next(self.model.parameters()).device
-        seqs = self.model.generate(
+        generated = self.model.generate(  # pad and eos: the copy's generation config
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             num_return_sequences=n,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids,
             **sampling,
-        )[:, width:].tolist()
+        )
+        seqs = generated[:, width:].tolist()
         samples = []
         for row in seqs:  # keep the stop token (it was sampled and is trained on), drop the padding
             cut = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), None)
@@ -1211,7 +1136,7 @@ class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
     with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
     sample(B, step) draws B distinct rollouts and counts each use: uniformly, removing nothing (the paper's), or
-    by another rule (_draw): only never-used ones (without-replacement); never-used ones first (at-least-once);
+    by another rule (RULES): only never-used ones (without-replacement); never-used ones first (at-least-once);
     all those pushed since the last sample, the rest by priority (fresh-anchored); by priority (|A| + eps)^alpha
     x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
     rollouts older than that many policy versions before sampling, max_uses those used that many times."""
@@ -1280,10 +1205,8 @@ class ReplayBuffer:
         return [i for i, r in enumerate(self.items) if r.uses == 0]
 
     def _drawable(self) -> list[int]:
-        """Indices a batch may be drawn from: without-replacement draws only never-used rollouts."""
-        if self.sampling == "without-replacement":
-            return self._never_used()
-        return list(range(len(self.items)))
+        """Indices a batch may be drawn from: the rule's pool (every rollout, or the never-used ones)."""
+        return self._never_used() if self.RULES[self.sampling][1] else list(range(len(self.items)))
 
     def ready(self, batch_size: int, step: int) -> bool:
         """Whether sample(batch_size, step) can draw a batch (the age cap applied first)."""
@@ -1307,25 +1230,37 @@ class ReplayBuffer:
         order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
         return [pool[j] for j in order[:k]]
 
-    def _draw(self, k: int, step: int) -> list[int]:
-        """The indices of a batch of k, by the sampling rule."""
+    # The draws: each returns the indices of a batch of k from its pool (_drawable).
+    def _uniform(self, k: int, step: int) -> list[int]:
+        return self.rng.sample(self._drawable(), k)
+
+    def _at_least_once(self, k: int, step: int) -> list[int]:
+        unused = self._never_used()
+        if len(unused) >= k:
+            return self.rng.sample(unused, k)
+        return unused + self.rng.sample([i for i, r in enumerate(self.items) if r.uses > 0], k - len(unused))
+
+    def _fresh_anchored(self, k: int, step: int) -> list[int]:
         n = len(self.items)
-        if self.sampling == "queue":  # freshest first (the paper's transfer queue is a LIFO)
-            return list(range(n - 1, n - 1 - k, -1))
-        if self.sampling == "fresh-anchored":
-            fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
-            return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
-        if self.sampling == "at-least-once":
-            unused = self._never_used()
-            if len(unused) >= k:
-                return self.rng.sample(unused, k)
-            used = [i for i, r in enumerate(self.items) if r.uses > 0]
-            return unused + self.rng.sample(used, k - len(unused))
-        if self.sampling == "priority":
-            return self._weighted(list(range(n)), k, step)
-        if self.sampling == "without-replacement":
-            return self.rng.sample(self._never_used(), k)
-        return self.rng.sample(range(n), k)  # uniform
+        fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
+        return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
+
+    def _priority(self, k: int, step: int) -> list[int]:
+        return self._weighted(list(range(len(self.items))), k, step)
+
+    def _freshest(self, k: int, step: int) -> list[int]:  # the paper's transfer queue is a LIFO
+        return list(range(len(self.items) - 1, len(self.items) - 1 - k, -1))
+
+    # --sampling: rule -> (draw, draws only never-used rollouts, a drawn rollout leaves the buffer). A new rule is
+    # an entry here (its name becomes a --sampling choice) and, if it has constraints, a check in validate_rules.
+    RULES = {
+        "uniform": (_uniform, False, False),  # the paper's buffer
+        "without-replacement": (_uniform, True, False),  # the paper's Fig. 18 variants
+        "at-least-once": (_at_least_once, False, False),
+        "fresh-anchored": (_fresh_anchored, False, False),  # arXiv 2606.04560
+        "priority": (_priority, False, False),  # |A|-priority with FreshPER's age decay
+        "queue": (_freshest, False, True),  # the paper's no-buffer baseline: each rollout once
+    }
 
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
         """B distinct rollouts, and the steps since each reused one's previous use."""
@@ -1334,14 +1269,15 @@ class ReplayBuffer:
                 f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
                 f"--sampling {self.sampling}), a batch needs {batch_size}"
             )
-        indices = self._draw(batch_size, step)
+        draw, _, consumes = self.RULES[self.sampling]
+        indices = draw(self, batch_size, step)
         batch = [self.items[i] for i in indices]
         since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
         for r in batch:
             r.uses += 1
             r.last_use_step = step
         self.pushed = 0
-        if self.sampling == "queue":
+        if consumes:
             self._remove(indices)
         elif self.max_uses is not None:
             self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
@@ -1366,6 +1302,9 @@ class ReplayBuffer:
         old = state["evicted_uses"]  # older checkpoints: a list of use counts
         self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
         self.pushed = state.get("pushed", 0)
+
+
+Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args reads its annotation when parsed)
 
 
 def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
@@ -1594,12 +1533,7 @@ def evaluate(
         def generate_and_score(n: int, temperature: float, top_p: float, count: int):
             """n completions of each of the first `count` held-out prompts, and their rewards (a list per prompt)."""
             groups = generator.generate(
-                prompts[:count],
-                n=n,
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                logprobs=False,
+                prompts[:count], n, cfg.max_new_tokens, temperature, top_p=top_p, logprobs=False
             )
             rewards = []
             for group, ex in zip(groups, task.eval):
@@ -1612,16 +1546,8 @@ def evaluate(
             groups, greedy = generate_and_score(n=1, temperature=0.0, top_p=1.0, count=len(prompts))
             for ex, group, rewards in zip(task.eval[:SAMPLES], groups, greedy):
                 completion = tok.decode(group[0].completion_ids, skip_special_tokens=True)
-                samples.append(
-                    {
-                        "source": "eval (greedy)",
-                        "prompt": ex.prompt,
-                        "gold": ex.answer,
-                        "reward": rewards[0],
-                        "completion": completion,
-                        "truncated": group[0].truncated,
-                    }
-                )
+                row = dict(prompt=ex.prompt, gold=ex.answer, reward=rewards[0], completion=completion)
+                samples.append({"source": "eval (greedy)", **row, "truncated": group[0].truncated})
             _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
             out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
             out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
@@ -1640,19 +1566,14 @@ def seed_everything(seed: int) -> None:
 
 # ===== The run: loading, resuming, records (both loops) ===========================================
 
-COUNTED = (
-    "verifier_errors",
-    "verifier_timeouts",
-    "zero_variance_groups",
-    "nonfinite_steps",
-    "generated_rollouts",
-    "trained_rollouts",
-)
+COUNTED = "verifier_errors verifier_timeouts zero_variance_groups nonfinite_steps generated_rollouts trained_rollouts"
+COUNTED = tuple(COUNTED.split())  # the counts every record carries
 
 
 def new_totals(**extra) -> dict:
     """A run's totals (checkpointed): the counts of COUNTED, tokens and seconds, and `extra`."""
-    return dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0, "train_seconds": 0.0} | extra
+    seconds = {"gen_seconds": 0.0, "train_seconds": 0.0}  # async: the generators' busy seconds, summed over W
+    return dict.fromkeys(COUNTED, 0) | {"generated_tokens": 0, "trained_tokens": 0} | seconds | extra
 
 
 def add_counts(totals: dict, counts: dict) -> None:
@@ -1660,9 +1581,24 @@ def add_counts(totals: dict, counts: dict) -> None:
         totals[key] = totals.get(key, 0) + value
 
 
-def measured_mu(gen_seconds: float, generated: int, train_seconds: float, trained: int) -> float:
-    """mu, the planner's input: seconds to generate one rollout / seconds to train on one, on this machine."""
-    return (gen_seconds / generated) / (train_seconds / trained)
+def measured_mu(totals: dict, trainers: int = 1) -> float:
+    """mu, the planner's input: seconds to generate one rollout / seconds to train on one, on this machine (each of
+    T trainer ranks trains B/T rollouts of a step, so a step's seconds count T times)."""
+    generate = totals["gen_seconds"] / totals["generated_rollouts"]
+    return generate / (totals["train_seconds"] * trainers / totals["trained_rollouts"])
+
+
+def count_step(totals: dict, stats: dict, batch_size: int, train_seconds: float) -> None:
+    """One optimizer step into the run totals (async: the ranks' merged stats and the slowest rank's seconds)."""
+    totals["trained_rollouts"] += batch_size
+    totals["trained_tokens"] += stats["trained_tokens"]
+    totals["train_seconds"] += train_seconds
+    totals["nonfinite_steps"] += stats["nonfinite"]
+
+
+def is_eval_step(cfg: Args, step: int) -> bool:
+    """A held-out evaluation and a checkpoint every --eval-every steps and after the last step."""
+    return step == cfg.total_steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
 
 
 # Record keys measured on the clock or the device: they differ between two runs of the same seed.
@@ -1763,6 +1699,7 @@ def step_record(
     evicted_uses: Counter,
     batch_size: int,
     totals: dict,
+    trainers: int = 1,
     **extra,
 ) -> dict:
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
@@ -1781,11 +1718,36 @@ def step_record(
     record["steps_since_last_use"] = sum(since_last) / len(since_last) if since_last else None
     record["replay_ratio"] = totals["trained_rollouts"] / totals["generated_rollouts"]
     record["replay_hist"] = {str(u): n for u, n in sorted(evicted_uses.items())}  # uses of the evicted rollouts
+    record["mu"] = measured_mu(totals, trainers)
     record.update(extra)
     record.update({k: totals.get(k, 0) for k in COUNTED})
     record["total_generated_tokens"] = totals["generated_tokens"]
     record["total_trained_tokens"] = totals["trained_tokens"]
     return record
+
+
+def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, evaluator, runlog, bar) -> dict | None:
+    """Both loops' end of a step: a few trained rollouts every --sample-every steps; with an `evaluator` (at
+    evaluation steps) the held-out evaluation, into the record; the record written and the progress bar moved.
+    Returns the evaluation (None without one)."""
+    step, metrics = record["step"], None
+    samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
+    if evaluator is not None:
+        metrics, eval_samples = evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
+        record.update(metrics)
+        samples += eval_samples
+        print_eval(bar.write, step, metrics, eval_samples)
+    if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
+        bar.write(
+            f"warning: step {step}: sampler and trainer log-probs differ by {record['logprob_mismatch_abs']:.3g} "
+            f"per token on average (> {MISMATCH_WARN}); the importance ratio is biased"
+        )
+    runlog.log(record, samples)
+    bar.update(1)
+    shown = {"reward": "reward", "loss": "loss", "ent": "entropy", "stale": "staleness_mean", "mu": "mu"}
+    postfix = {name: f"{record[key]:.2f}" for name, key in shown.items() if record.get(key) is not None}
+    bar.set_postfix(postfix | ({"queue": record["queue_depth"]} if "queue_depth" in record else {}))
+    return metrics
 
 
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
@@ -1822,7 +1784,7 @@ def train(cfg: Args) -> dict:
     generator = make_generator(cfg, model, tok, model_dir)
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
-    totals = new_totals(gen_seconds=0.0)  # run totals (checkpointed)
+    totals = new_totals()  # run totals (checkpointed)
     step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -1880,7 +1842,6 @@ def train(cfg: Args) -> dict:
         sums = batch_sums(batch, step)
         step += 1  # the policy version of the updated weights
         nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
-        totals["nonfinite_steps"] += stats["nonfinite"]
         if nonfinite_streak >= MAX_NONFINITE_STEPS:
             raise nonfinite_stop(nonfinite_streak, step, ckpt)
 
@@ -1890,13 +1851,8 @@ def train(cfg: Args) -> dict:
             published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None
 
         # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
-        totals["trained_rollouts"] += B
-        totals["trained_tokens"] += stats["trained_tokens"]
+        count_step(totals, stats, batch_size=B, train_seconds=train_seconds)
         totals["gen_seconds"] += gen_seconds
-        totals["train_seconds"] += train_seconds
-        mu = measured_mu(
-            totals["gen_seconds"], totals["generated_rollouts"], totals["train_seconds"], totals["trained_rollouts"]
-        )
         peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         record = step_record(
             step=step,
@@ -1911,32 +1867,13 @@ def train(cfg: Args) -> dict:
             generated_tokens=totals["generated_tokens"] - tokens_before,
             gen_seconds=gen_seconds,
             train_seconds=train_seconds,
-            mu=mu,
             peak_memory_gib=peak_memory,
         )
-        evaluating = step == cfg.total_steps or (cfg.eval_every and step % cfg.eval_every == 0)
-        samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
-        if evaluating:
-            eval_gen = generator if generator.policy_version == step else HFGenerator(model, tok)  # trained weights
-            last_eval, eval_samples = evaluate(eval_gen, tok, task, cfg, seed=cfg.seed + step)
-            record.update(last_eval)
-            samples += eval_samples
-            print_eval(bar.write, step, last_eval, eval_samples)
-        if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
-            bar.write(
-                f"warning: step {step}: sampler and trainer log-probs differ by "
-                f"{record['logprob_mismatch_abs']:.3g} per token on average (> {MISMATCH_WARN}); the "
-                "importance ratio is biased"
-            )
-        runlog.log(record, samples)
-        bar.update(1)
-        bar.set_postfix(
-            reward=f"{record['reward']:.2f}",
-            loss=f"{stats['loss']:.3f}",
-            ent=f"{stats['entropy']:.2f}",
-            stale=f"{record['staleness_mean']:.1f}",
-            mu=f"{mu:.2f}",
-        )
+        evaluating = is_eval_step(cfg, step)
+        evaluator = None
+        if evaluating:  # the trained weights: the generator's when it has them
+            evaluator = generator if generator.policy_version == step else HFGenerator(model, tok)
+        last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
         if evaluating:
             lagging = generator.policy_version != step
             trainer_state = {
@@ -1955,6 +1892,7 @@ def train(cfg: Args) -> dict:
     bar.close()
     runlog.close()
     if step > start_step:
+        mu = measured_mu(totals)
         print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")
     return {**last_eval, "run_dir": str(run_dir)}
 

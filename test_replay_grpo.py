@@ -212,7 +212,7 @@ def test_token_weights_sum_to_one_over_the_batch():
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     return model, tok
 
 
@@ -644,7 +644,7 @@ def test_verifier_errors_and_timeouts_give_zero_and_are_counted():
 def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     again = AutoTokenizer.from_pretrained(tmp_path)
@@ -654,7 +654,7 @@ def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
 
 
 def test_prompts_use_the_chat_template():
-    _, tok = rg.build_tiny_model(0)
+    _, tok = warm_start.build_tiny_model(0)
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

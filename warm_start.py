@@ -1,4 +1,5 @@
-"""warm_start.py: the supervised warm start that replay_grpo.py runs before RL when --sft-warmup-steps > 0.
+"""warm_start.py: the toy (--model tiny: a Qwen2 built in code on a byte-level tokenizer) and the supervised warm
+start that replay_grpo.py runs before RL when --sft-warmup-steps > 0.
 
 A model built in code knows nothing, and RL from it earns no reward. Teacher forcing on gold solutions
 gives it the skill; with a demonstrator that is wrong by one in --arith-demo-error of the solutions, it
@@ -66,6 +67,55 @@ NOT_WARM_START = {
     "priority_tau",
     "ratio_level",
 }
+
+
+def byte_tokenizer():
+    """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
+    through AutoTokenizer (and vLLM) with identical ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's reversible byte -> printable character map, what ByteLevel pre-tokenizers use
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    chars = bs[:] + [256 + n for n in range(256 - len(bs))]
+    bs += [b for b in range(256) if b not in bs]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {chr(c): b for b, c in zip(bs, chars)} | {s: 256 + i for i, s in enumerate(specials)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt '12+7=' as it is
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=template
+    )
+
+
+def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
+    """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64, vLLM-compatible
+    shapes) on the byte tokenizer's 259 tokens; vocab_size pads the vocabulary (e.g. 151936, Qwen's)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = byte_tokenizer()
+    config = Qwen2Config(
+        vocab_size=max(vocab_size, len(tok)),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
 
 
 def warm_start_key(cfg: rg.Args, device: torch.device) -> str:

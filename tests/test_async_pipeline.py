@@ -22,6 +22,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 
 import async_pipeline as ap  # noqa: E402
 import replay_grpo as rg  # noqa: E402
+import warm_start  # noqa: E402
 
 TINY = [
     "--preset",
@@ -320,7 +321,7 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
 def test_weight_mailbox_hands_over_the_latest_weights_once():
     import multiprocessing as mp
 
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     gen = rg.HFGenerator(model, tok)
     box = ap.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
     new = {k: v + 1 for k, v in model.state_dict().items()}
@@ -359,7 +360,7 @@ def test_merge_stats_weights_by_tokens():
 
 def _pull_twice(box, out):
     """Child process: take the published weights, then the next publish; report what it holds."""
-    model, tok = rg.build_tiny_model(1)
+    model, tok = warm_start.build_tiny_model(1)
     gen = rg.HFGenerator(model, tok)
     for _ in range(2):
         while box.version.value == gen.policy_version:
@@ -373,7 +374,7 @@ def test_weight_publish_reaches_a_generator_process():
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    model, _ = rg.build_tiny_model(0)
+    model, _ = warm_start.build_tiny_model(0)
     first = model.state_dict()
     box, out = ap.WeightMailbox(ctx, first, 4), ctx.Queue()
     child = ctx.Process(target=_pull_twice, args=(box, out))
@@ -402,7 +403,7 @@ def fsdp_check(agg: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", agg, "--micro-batch-size", "2", "--lr", "1e-2"])
-    model, tok = rg.build_tiny_model(0)  # tied embeddings: the head is the embedding
+    model, tok = warm_start.build_tiny_model(0)  # tied embeddings: the head is the embedding
     g = torch.Generator().manual_seed(0)
     batch = []
     for i in range(8):
@@ -484,7 +485,7 @@ def test_spawned_generators_see_only_their_gpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cfg = rg.parse_args(TINY + ["--num-generators", "2", "--out-dir", str(tmp_path)])
-    model, _ = rg.build_tiny_model(0)
+    model, _ = warm_start.build_tiny_model(0)
     ctx = mp.get_context("spawn")
     box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
     pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=2)
@@ -512,7 +513,7 @@ def mailbox_with_a_reader(target):
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    model, _ = rg.build_tiny_model(0)
+    model, _ = warm_start.build_tiny_model(0)
     box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
     child = ctx.Process(target=target, args=(box, inside))
     child.start()

@@ -23,6 +23,7 @@ import torch
 import async_pipeline as ap
 import kernels
 import replay_grpo as rg
+import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(
@@ -113,7 +114,7 @@ def test_bf16_compute_on_fp32_masters_moves_every_weight_at_the_gpu_presets_lr(b
     model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert rg.HFGenerator(model, tok).model.dtype == torch.bfloat16  # the generator's copy computes in bf16
-    pure = rg.build_tiny_model(cfg.seed)[0].to(torch.bfloat16)
+    pure = warm_start.build_tiny_model(cfg.seed)[0].to(torch.bfloat16)
     moved = {}
     for name, m in (("masters", model), ("pure bf16", pure)):
         before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -203,14 +204,14 @@ def test_generator_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatc
 
 OPTIMIZER_BROADCAST = r"""
 import copy, torch, torch.distributed as dist
-import async_pipeline as ap, replay_grpo as rg
+import async_pipeline as ap, replay_grpo as rg, warm_start
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from test_gpu_path import random_batch
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = rg.parse_args(["--loss", "asymre", "--micro-batch-size", "4", "--lr", "1e-2"])
 device = torch.device("cpu")
-model, tok = rg.build_tiny_model(0)
+model, tok = warm_start.build_tiny_model(0)
 policy = ap.shard_policy(model, device)
 opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
 for step in range(2):
@@ -223,7 +224,7 @@ box = [weights]
 dist.broadcast_object_list(box, src=0)  # every rank loads the checkpoint's model
 rg.train_step(policy, opt, random_batch(n=8, seed=10 + rank), cfg, tok.pad_token_id, 2)
 uninterrupted = ap.full_weights(policy)
-resumed_model = rg.build_tiny_model(1)[0]
+resumed_model = warm_start.build_tiny_model(1)[0]
 resumed_model.load_state_dict(box[0])
 resumed = ap.shard_policy(resumed_model, device)
 opt2 = torch.optim.AdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -283,7 +284,7 @@ def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, ca
 
 
 def test_the_generation_benchmark_uses_the_run_precision(bf16):
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     prompts = [rg.render_prompt(tok, f"{i}+1=") for i in range(4)]
     rows = bench_generation.bench(
         "tiny", model, tok, None, prompts, group=2, tokens=4, threads=None, train_threads=None, vllm=False

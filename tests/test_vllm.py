@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import replay_grpo as rg
+import warm_start
 from replay_grpo import VLLMGenerator, VLLMUnavailable, export_plain_folder, import_vllm
 
 # Whether vLLM is there is decided without importing it: importing vLLM into the pytest process at
@@ -58,7 +59,7 @@ def sft(model, tok, steps: int, lr: float = 1e-2):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     folder = str(tmp_path_factory.mktemp("tiny"))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -171,7 +172,7 @@ def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wa
 def test_both_backends_stop_at_every_eos_id(tmp_path):
     """A model whose generation config lists two EOS ids (as Qwen's do): HF and vLLM both stop at
     whichever comes first, and agree token for token."""
-    model, tok = rg.build_tiny_model(3)
+    model, tok = warm_start.build_tiny_model(3)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.eos_token_id = [tok.eos_token_id, im_end]
     stops = [im_end if i % 2 else tok.eos_token_id for i in range(len(PAIRS))]
@@ -429,7 +430,7 @@ def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
     except rg.UserError as e:
         err = str(e)
     assert err and "0.15.1" in err and ">=0.16,<0.33" in err
-    model, tok = rg.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
+    model, tok = warm_start.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
     assert isinstance(rg.make_generator(rg.parse_args(["--generator", "auto"]), model, tok, "tiny"), rg.HFGenerator)
     assert "vLLM is not used: vLLM 0.15.1 is installed" in capsys.readouterr().out
 
@@ -495,7 +496,7 @@ def test_the_engine_leaves_the_trainer_its_torch_threads(tmp_path, monkeypatch):
             torch._C.set_num_threads(1)  # what Worker.load_model leaves behind on a GPU
 
     monkeypatch.setattr(vllm, "LLM", GPUWorkerLLM)
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     folder = export_plain_folder(model, tok, str(tmp_path / "m"))
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)

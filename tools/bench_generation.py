@@ -27,6 +27,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
+import warm_start
 from replay_grpo import VLLMGenerator, export_plain_folder, torch_threads
 
 
@@ -136,7 +137,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok = rg.build_tiny_model(0)
+        model, tok = warm_start.build_tiny_model(0)
         model = model.to(device)
         model.save_pretrained(f"{tmp}/tiny")
         tok.save_pretrained(f"{tmp}/tiny")

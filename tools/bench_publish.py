@@ -23,6 +23,7 @@ import torch
 
 import async_pipeline as ap
 import replay_grpo as rg
+import warm_start
 
 
 class SlowReload:
@@ -41,7 +42,7 @@ class SlowReload:
 
 def puller(box, shape, extra, stop, pulls):
     torch.set_num_threads(1)
-    model, tok = rg.build_tiny_model(0, **shape)
+    model, tok = warm_start.build_tiny_model(0, **shape)
     generator = SlowReload(model, tok, extra, pulls)
     while not stop.is_set():
         box.pull(generator)
@@ -67,7 +68,7 @@ def main():
     ap_.add_argument("--publishes", type=int, default=5)
     args = ap_.parse_args()
     shape = dict(hidden_size=args.hidden, layers=args.layers, vocab_size=args.vocab)
-    model, _ = rg.build_tiny_model(0, **shape)
+    model, _ = warm_start.build_tiny_model(0, **shape)
     state_dict = {k: v.detach() for k, v in model.state_dict().items()}
     size = sum(v.numel() * v.element_size() for v in state_dict.values()) / 2**30
     ctx = mp.get_context("spawn")

@@ -46,6 +46,7 @@ from bench_kernels import measure, targets_met
 
 import kernels
 import replay_grpo as rg
+import warm_start
 
 ROWS = []  # (check, measured, target, verdict)
 
@@ -157,11 +158,11 @@ def check_trainer(out: Path, smoke: bool) -> None:
 
     # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16 compute. A random model over the
     # byte tokenizer earns reward 0 (ids past 258 decode to nothing): AsymRE's gradient is nonzero even then.
-    real_build = rg.build_tiny_model
+    real_build = warm_start.build_tiny_model
     shape = dict(hidden_size=896, layers=24, vocab_size=151936)
     if smoke:
         shape = dict(hidden_size=128, layers=2, vocab_size=1024)
-    rg.build_tiny_model = lambda seed: real_build(seed, **shape)
+    warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -199,7 +200,7 @@ def check_trainer(out: Path, smoke: bool) -> None:
         )
         start = real_build(0, **shape)[0].state_dict()
     finally:
-        rg.build_tiny_model = real_build
+        warm_start.build_tiny_model = real_build
     from safetensors.torch import load_file
 
     final = load_file(out / "qwen" / "checkpoint" / "model.safetensors")
@@ -368,7 +369,7 @@ def check_vllm(out: Path, smoke: bool) -> None:
     # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
     # on GPUs), sleep level 2 (what a colocated engine published every step uses)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = rg.build_tiny_model(0)
+    model, tok = warm_start.build_tiny_model(0)
     model = model.to(device)
     folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
     dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")
