@@ -935,27 +935,3 @@ def test_a_run_logged_to_a_file_has_no_progress_bar(tmp_path):
     assert res.returncode == 0, text
     assert "\r" not in text and "it/s" not in text and "%|" not in text, text
     assert "step 5 eval:" in text  # the evaluations still show
-
-
-# --- the source rules CI checks -------------------------------------------------------------------
-
-
-def test_the_source_check_names_each_kind_of_violation():
-    """.ci/check_source.py (CI runs it before the tests): long lines, calls with six positional arguments in a source
-    file, citations of files outside the repository and of issue numbers."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
-    found = check.violations(Path("source.py"), code, set())
-    assert found == [
-        "source.py:2: 126 columns (at most 120)",
-        "source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)",
-    ]
-    assert check.violations(Path("test_x.py"), "f(1, 2, 3, 4, 5, 6)\n", set()) == []  # tests may
-    other, issue = "OTHER" + ".md", "issue" + " #12"  # split, or the check would find them in this file
-    found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})
-    assert found == [f"README.md:1: cites {other}, not in the repository", f"README.md:1: cites '{issue}'"]
-    assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []

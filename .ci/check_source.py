@@ -1,6 +1,6 @@
-"""The source rules CI checks before the tests, on every tracked file (python .ci/check_source.py):
+"""The source rules CI checks before the tests (python .ci/check_source.py), on every tracked file, beside ruff
+(format, pyflakes, import order, pycodestyle: pyproject.toml), which checks neither of these:
 
-- every Python file: lines of at most 120 columns;
 - the source files (not the tests): no call with six or more positional arguments (keywords say what each is;
   ctx.save_for_backward takes its tensors as positional arguments only);
 - code and docs cite no file outside the repository and no issue number (the project speaks for itself).
@@ -14,27 +14,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-MAX_COLUMNS = 120
 MAX_POSITIONAL = 5
 
 
 def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
     """What `path` (its contents `text`) breaks of the rules above."""
     out = []
-    if path.suffix == ".py":
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if len(line) > MAX_COLUMNS:
-                out.append(f"{path}:{lineno}: {len(line)} columns (at most {MAX_COLUMNS})")
-        if not path.name.startswith("test_"):
-            calls = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Call)]
-            for node in calls:
-                positional = [a for a in node.args if not isinstance(a, ast.Starred)]
-                variadic = isinstance(node.func, ast.Attribute) and node.func.attr == "save_for_backward"
-                if len(positional) > MAX_POSITIONAL and not variadic:
-                    out.append(
-                        f"{path}:{node.lineno}: a call with {len(positional)} positional arguments "
-                        f"(at most {MAX_POSITIONAL}: pass the others by keyword)"
-                    )
+    if path.suffix == ".py" and not path.name.startswith("test_"):
+        for node in ast.walk(ast.parse(text)):
+            positional = [a for a in node.args if not isinstance(a, ast.Starred)] if isinstance(node, ast.Call) else []
+            variadic = isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "save_for_backward"
+            if len(positional) > MAX_POSITIONAL and not variadic:
+                out.append(
+                    f"{path}:{node.lineno}: a call with {len(positional)} positional arguments "
+                    f"(at most {MAX_POSITIONAL}: pass the others by keyword)"
+                )
     if path.suffix in (".py", ".md") and not str(path).startswith(".ci"):
         for m in re.finditer(r"\b([A-Z][A-Z_]+\.md)\b", text):
             if m[1] not in tracked_names:

@@ -1,0 +1,22 @@
+"""The source rules CI checks before the tests (.ci/check_source.py), on code made to break each one."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_source_check_names_each_kind_of_violation():
+    """Calls with six positional arguments in a source file (not a test; not save_for_backward), citations of files
+    outside the repository and of issue numbers; line length and the rest are ruff's."""
+    spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
+    found = check.violations(Path("source.py"), code, set())
+    assert found == ["source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)"]
+    assert check.violations(Path("test_x.py"), "f(1, 2, 3, 4, 5, 6)\n", set()) == []  # tests may
+    other, issue = "OTHER" + ".md", "issue" + " #12"  # split, or the check would find them in this file
+    found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})
+    assert found == [f"README.md:1: cites {other}, not in the repository", f"README.md:1: cites '{issue}'"]
+    assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
