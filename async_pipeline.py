@@ -583,7 +583,7 @@ def train_async(cfg: rg.Args) -> dict:
     try:
         # 0. setup: the run folder (rank 0 creates it), the policy sharded over the T ranks, a buffer shard each
         check_sharding(cfg, T)
-        rg.seed_everything(cfg.seed)
+        run_folder.seed_everything(cfg.seed)
         if rank == 0:
             kernels.report_precision(device)
         box = [run_folder.open_run(cfg) if rank == 0 else None]

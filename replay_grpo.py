@@ -44,7 +44,6 @@ from typing import Literal
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
@@ -183,36 +182,16 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
     # paper's for Qwen3-0.6B and Qwen2.5-7B (whose best buffer ran async on (W, T) = (5, 3) GPUs with
     # B = 60, N = 84: see the README), ours (untuned) for the others.
     "gsm8k-qwen2.5-0.5b": Args(
-        model="Qwen/Qwen2.5-0.5B-Instruct",
-        task="gsm8k",
-        max_new_tokens=512,
-        lr=1e-6,
-        micro_batch_size=16,
-        **GPU,
+        model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU
     ),
     "math-qwen3-0.6b": Args(
-        model="Qwen/Qwen3-0.6B",
-        task="math",
-        max_new_tokens=1024,
-        lr=3.37e-7,
-        micro_batch_size=8,
-        **GPU,
+        model="Qwen/Qwen3-0.6B", task="math", max_new_tokens=1024, lr=3.37e-7, micro_batch_size=8, **GPU
     ),
     "math-qwen2.5-1.5b": Args(
-        model="Qwen/Qwen2.5-1.5B-Instruct",
-        task="math",
-        max_new_tokens=1024,
-        lr=5e-7,
-        micro_batch_size=8,
-        **GPU,
+        model="Qwen/Qwen2.5-1.5B-Instruct", task="math", max_new_tokens=1024, lr=5e-7, micro_batch_size=8, **GPU
     ),
     "math-qwen2.5-7b": Args(
-        model="Qwen/Qwen2.5-7B",
-        task="math",
-        max_new_tokens=1024,
-        lr=6e-8,
-        micro_batch_size=4,
-        **GPU,
+        model="Qwen/Qwen2.5-7B", task="math", max_new_tokens=1024, lr=6e-8, micro_batch_size=4, **GPU
     ),
 }
 PRESETS = {name: dataclasses.replace(args, preset=name) for name, args in PRESETS.items()}
@@ -545,20 +524,12 @@ def make_task(cfg: Args) -> Task:
         train = [gsm8k_example(row) for row in load_hf_rows(split="train", **gsm8k)]
         test = [gsm8k_example(row) for row in load_hf_rows(split="test", **gsm8k)]
         verifier = "numeric"
-    else:
-        columns = ("problem", "solution")
-        train_rows = load_hf_rows(
-            hub_id="DigitalLearningGmbH/MATH-lighteval",
-            config="default",
-            split="train",
-            local=cfg.data_path,
-            columns=columns,
-        )
-        test_rows = load_hf_rows(
-            hub_id="HuggingFaceH4/MATH-500", config=None, split="test", local=cfg.data_path, columns=columns
-        )
-        train = [math_example(row) for row in train_rows]
-        test = [math_example(row) for row in test_rows]
+    else:  # MATH: train on MATH-lighteval, evaluate on MATH-500
+        math = dict(local=cfg.data_path, columns=("problem", "solution"))
+        train = [
+            math_example(row) for row in load_hf_rows("DigitalLearningGmbH/MATH-lighteval", "default", "train", **math)
+        ]
+        test = [math_example(row) for row in load_hf_rows("HuggingFaceH4/MATH-500", None, "test", **math)]
         verifier = "math"
 
     def draw(rng: random.Random) -> Example:
@@ -1495,24 +1466,6 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
 # ===== Evaluation and checkpoints =================================================================
 
 
-@contextlib.contextmanager
-def forked_rng(seed: int):
-    """Run a block on its own random streams seeded with `seed`, then restore every stream: the CPU's and every
-    CUDA device's torch generators (HF sampling, vLLM's CPU runner), numpy's (vLLM's GPU runner seeds each
-    request from it) and `random`."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    state = random.getstate()
-    np_state = np.random.get_state()
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)  # the CPU and every CUDA device
-        np.random.seed(seed % 2**32)
-        try:
-            yield
-        finally:
-            random.setstate(state)
-            np.random.set_state(np_state)
-
-
 @torch.no_grad()
 def evaluate(
     generator,
@@ -1526,7 +1479,7 @@ def evaluate(
     """Held-out accuracy: greedy, pass@1 at temperature 0.1 / top-p 0.95 (the paper's), pass@k with k samples at
     temperature 1 / top-p 0.95; and SAMPLES greedy completions as rows for samples.jsonl. On forked random
     streams: evaluating (or not) never changes training."""
-    with forked_rng(seed):
+    with run_folder.forked_rng(seed):
         verifier = VERIFIERS[task.verifier]
         prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
 
@@ -1555,13 +1508,6 @@ def evaluate(
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)
         out["eval/acc_t1"] = sum(sum(g) / len(g) for g in passk) / len(passk)
         return out, samples
-
-
-def seed_everything(seed: int) -> None:
-    """torch (CPU and CUDA), numpy and `random`: every stream a run or an engine in it draws from."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 # ===== The run: loading, resuming, records (both loops) ===========================================
@@ -1664,19 +1610,12 @@ def report_skipped(skipped: dict, rank: int = 0) -> None:
 def sample_rows(tok, batch: list[Rollout]) -> list[dict]:
     """A few rollouts of the batch just trained on, as text, with what the loss saw of them (staleness: the step
     that used them, last_use_step, less the version that generated them)."""
-    return [
-        {
-            "source": "train",
-            "prompt": tok.decode(r.prompt_ids, skip_special_tokens=True),
-            "gold": r.answer,
-            "completion": tok.decode(r.completion_ids, skip_special_tokens=True),
-            "reward": r.reward,
-            "advantage": r.advantage,
-            "staleness": r.last_use_step - r.policy_version,
-            "truncated": r.truncated,
-        }
-        for r in batch[:SAMPLES]
-    ]
+    rows = []
+    for r in batch[:SAMPLES]:
+        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
+        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
+        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
+    return rows
 
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
@@ -1774,7 +1713,7 @@ def train(cfg: Args) -> dict:
     from tqdm import tqdm
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    seed_everything(cfg.seed)
+    run_folder.seed_everything(cfg.seed)
     kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = run_folder.open_run(cfg)

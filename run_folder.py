@@ -2,6 +2,7 @@
 samples.jsonl, wandb), and its safety: one process at a time, the saved configuration as the truth on resume,
 whole-or-nothing writes, and damaged files or a full disk said in one line (UserError)."""
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -279,6 +280,37 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """torch (CPU and CUDA), numpy and `random`: every stream a run or an engine in it draws from."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def forked_rng(seed: int):
+    """Run a block on its own random streams seeded with `seed`, then restore every stream: the CPU's and every
+    CUDA device's torch generators (HF sampling, vLLM's CPU runner), numpy's (vLLM's GPU runner seeds each
+    request from it) and `random`."""
+    import numpy as np
+    import torch
+
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    state = random.getstate()
+    np_state = np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)  # the CPU and every CUDA device
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(state)
+            np.random.set_state(np_state)
 
 
 class RunLog:
