@@ -97,6 +97,17 @@ class ReportArgs:
 
 
 @dataclass
+class RenderArgs:
+    """table.md rendered again from a report's summary.json (sweep.py report's or pareto.py's), e.g. after a change
+    to the table's layout: the table is a function of the summary alone."""
+
+    summary: tyro.conf.Positional[str]
+    """the report's summary.json."""
+    table: str | None = None
+    """where the table goes (default: table.md beside the summary)."""
+
+
+@dataclass
 class PlotArgs:
     """One run's curves against steps and generated tokens (curves_vs_steps.png, curves_vs_tokens.png), written
     into its folder."""
@@ -811,11 +822,7 @@ def bootstrap_costs(
             for axis in axes:
                 for f in fracs:
                     samples[c]["cost"][axis][f].append(cost[c][(axis, f)])
-                    rc = cost[reference][(axis, f)]
-                    saving = np.nan
-                    if 0 < rc < np.inf:
-                        saving = 100 * (1 - cost[c][(axis, f)] / rc)
-                    samples[c]["saving"][axis][f].append(saving)
+                    samples[c]["saving"][axis][f].append(saving(cost[c][(axis, f)], cost[reference][(axis, f)]))
                 if axis in equal_axes:  # accuracy at the last evaluation within the reference's final compute
                     within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
                     for what, arr in (("acc", a["acc"]), ("pass@k", a["passk"])):
@@ -824,20 +831,7 @@ def bootstrap_costs(
                             value = float(np.median(arr[draw[c]][:, within[-1]]))
                         samples[c]["at_equal"][axis][what].append(value)
 
-    def interval(values) -> list:
-        """5th, 50th and 95th percentiles (None where no replicate has a value)."""
-        v = np.asarray(values, dtype=float)
-        if np.all(np.isnan(v)):
-            return [None, None, None]
-        return [float(np.nanpercentile(v, p, method="nearest")) for p in (5, 50, 95)]
-
-    def intervals_of(tree):
-        """The same nesting as `tree`, each list of replicate values replaced by its interval."""
-        if isinstance(tree, dict):
-            return {k: intervals_of(v) for k, v in tree.items()}
-        return interval(tree)
-
-    intervals = intervals_of(samples)
+    intervals = intervals_of(samples, (5, 50, 95))
     decision = {}
     for c in configs:
         if c == reference:
@@ -863,6 +857,53 @@ def bootstrap_costs(
     return {"bootstrap": bootstrap, "decision": decision, "saving_target": saving_target}
 
 
+# ----------------------------------------------------------------------------------------------
+# The report engine, shared by this report and pareto.py's: the summary (what is computed from the runs) is
+# written as summary.json; table.md is rendered from that JSON alone, and the figures from the summary and
+# the runs. The helpers below have one meaning each, in every report.
+# ----------------------------------------------------------------------------------------------
+
+
+def saving(cost: float, reference_cost: float) -> float:
+    """Percent of the reference's cost saved: -inf when the level is never reached (cost inf); nan when the
+    reference's cost is 0 (reached before training: nothing to save) or inf (the reference never got there)."""
+    if not 0 < reference_cost < math.inf:
+        return math.nan
+    return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
+
+
+def percentiles(values, ps: tuple) -> list:
+    """The percentiles ps of a bootstrap quantity's replicates, each one of the replicates (method "nearest"); the
+    replicates where it is undefined (nan) are left out, and where every one is, each percentile is None."""
+    v = np.asarray(values, dtype=float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return [None] * len(ps)
+    return [float(np.percentile(v, p, method="nearest")) for p in ps]
+
+
+def intervals_of(tree, ps: tuple):
+    """The nesting of `tree` (dicts), each sequence of replicate values replaced by its percentiles ps."""
+    if isinstance(tree, dict):
+        return {k: intervals_of(v, ps) for k, v in tree.items()}
+    return percentiles(tree, ps)
+
+
+def strict_json(x):
+    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
+    "never", an undefined one (nan) is null."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else "never"
+    return x
+
+
+# The formatters take a value as summary.json holds it: a number, "never" (+-inf) or None (undefined, or nan).
+
+
 def fmt(x) -> str:
     """Token and compute amounts: 58.24, 6896, 13.3k, 1.25M."""
     if x is None:
@@ -874,38 +915,96 @@ def fmt(x) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
-def fmt_q(q) -> str:
-    return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
-
-
-def fmt_pct(x) -> str:
-    return "—" if x is None else f"{x:+.1f}%"
-
-
 def fmt_cost(x) -> str:
-    """A cost to a level: never reached is inf."""
-    return "never" if x == math.inf else fmt(x)
+    """A cost to a level, as fmt: never reached is "never"."""
+    return "never" if x in ("never", math.inf) else fmt(x)
 
 
-def fmt_saving(x) -> str:
-    """A saving in percent: -inf when the configuration never reached the level."""
-    return "never" if x == -math.inf else f"{x:+.0f}%"
-
-
-def fmt_interval(q, one) -> str:
-    """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]', each formatted by `one`."""
-    if q[1] is None:
+def fmt_saving(x, digits: int = 0) -> str:
+    """A saving in percent with its sign: never reached is "never", undefined "—"."""
+    if x is None or x != x:  # None or nan
         return "—"
-    return f"{one(q[1])} [{one(q[0])}, {one(q[2])}]"
+    return "never" if x in ("never", -math.inf) else f"{x:+.{digits}f}%"
 
 
-def fmt3(x) -> str:
+def fmt_acc(x) -> str:
+    """An accuracy (or another value in [0, 1]): 0.815."""
     return "—" if x is None else f"{x:.3f}"
 
 
-def write_table(s: dict, path: Path) -> None:
+def fmt_mu(x) -> str:
+    """A generation/training cost ratio mu: 1.37."""
+    return "—" if x is None else f"{x:.2f}"
+
+
+def fmt_diff(x) -> str:
+    """A difference of accuracies, with its sign: +0.012."""
+    return "—" if x is None else f"{x:+.3f}"
+
+
+def fmt_quartiles(q) -> str:
+    """Quartiles over seeds (25th, 50th, 75th) as 'median [25th–75th]'."""
+    return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
+
+
+def fmt_interval(value, ci, one) -> str:
+    """A value and its bootstrap interval [5th, 95th percentile] (the first and last of ci) as 'value [5th, 95th]',
+    each formatted by `one`."""
+    return f"{one(value)} [{one(ci[0])}, {one(ci[-1])}]"
+
+
+def save_figure(fig, path: Path, **savefig) -> Path:
+    """Lay out, write and close a report figure (dpi 110, and `savefig`'s options)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, **savefig)
+    plt.close(fig)
+    return path
+
+
+def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
+    """summary.json (s without its `private` key, as strict JSON), table.md (table_md of that JSON, as a reader
+    of summary.json has it) and the figures (plot of s) into dest; an unwritable folder stops with one line."""
+    text = json.dumps(strict_json({k: v for k, v in s.items() if k != private}), indent=2, allow_nan=False)
+    table = table_md(json.loads(text))
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "table.md").write_text(table)
+        (dest / "summary.json").write_text(text)
+        figures = plot(s, dest)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
+    print(table)
+    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+
+
+def render(summary_path: Path, table_path: Path) -> None:
+    """table.md rendered again from a report's summary.json (this report's or pareto.py's): the same bytes that
+    report wrote, as the table is a function of the summary alone."""
+    import pareto
+
+    try:
+        summary = read_json(summary_path)
+    except Damaged as e:
+        raise SystemExit(f"error: {e}") from None
+    render_table = pareto.table_md if "interval_90" in summary else table_md
+    try:
+        table_path.write_text(render_table(summary))
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {table_path} ({e.strerror or e})") from None
+    print("wrote", table_path)
+
+
+def table_md(s: dict) -> str:
+    """The study's table.md from its summary (summary.json's content)."""
+
+    def bootstrap(q, one) -> str:
+        """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]' ("—" where it is undefined)."""
+        return "—" if q[1] is None else fmt_interval(q[1], q, one)
+
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
-    target = "—" if s["target_greedy_acc"] is None else f"{s['target_greedy_acc']:.3f}"
+    target = fmt_acc(s["target_greedy_acc"])
     lines = [
         "# Replay-GRPO study",
         "",
@@ -915,7 +1014,7 @@ def write_table(s: dict, path: Path) -> None:
         "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
         "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
         f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
-        f"+ mu × generated rollouts. 'meas.' uses mu = {mu:.2f} (median of the runs' measured mu on this "
+        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt_mu(mu)} (median of the runs' measured mu on this "
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
         "optimizer steps between a rollout's generation and its use, averaged over every use.",
         "",
@@ -930,16 +1029,16 @@ def write_table(s: dict, path: Path) -> None:
             f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
             len(r["seeds"]),
             r["steps"],
-            fmt_q(r["greedy_acc"]),
-            fmt_q(r["pass@1"]),
-            f"pass@{r['k']} {fmt_q(r['pass@k'])}",
+            fmt_quartiles(r["greedy_acc"]),
+            fmt_quartiles(r["pass@1"]),
+            f"pass@{r['k']} {fmt_quartiles(r['pass@k'])}",
             fmt(r["generated_tokens"]),
-            "—" if r["mu"] is None else f"{r['mu']:.2f}",
+            fmt_mu(r["mu"]),
             f"{r['replay_ratio']:.2f}",
             f"{r['staleness']:.2f}",
         ]
         for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-            cells += [fmt(r[f"{axis}_to_target"]), fmt_pct(r[f"{axis}_saving_pct"])]
+            cells += [fmt(r[f"{axis}_to_target"]), fmt_saving(r[f"{axis}_saving_pct"], digits=1)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
@@ -964,8 +1063,8 @@ def write_table(s: dict, path: Path) -> None:
             for f in ("target", "90% of target"):
                 cells = [c, f]
                 for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    saving = "—" if c == ref else fmt_interval(iv[c]["saving"][axis][f], fmt_saving)
-                    cells += [fmt_interval(iv[c]["cost"][axis][f], fmt_cost), saving]
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt_saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt_cost), saving]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += [
             "",
@@ -978,7 +1077,7 @@ def write_table(s: dict, path: Path) -> None:
         ]
         for c in s["configs"]:
             cells = [
-                fmt_interval(iv[c]["at_equal"][a][w], fmt3)
+                bootstrap(iv[c]["at_equal"][a][w], fmt_acc)
                 for a in ("compute_measured_mu", "compute_paper_mu")
                 for w in ("acc", "pass@k")
             ]
@@ -1025,8 +1124,8 @@ def write_table(s: dict, path: Path) -> None:
         for c, rows in s["per_seed"].items():
             for r in rows:
                 lines.append(
-                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
-                    f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |"
+                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt_acc(r['warmstart_pass@k'])} | "
+                    f"{fmt_acc(r['greedy_acc_start'])} | {fmt_acc(r['greedy_acc_final'])} |"
                 )
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
@@ -1048,7 +1147,7 @@ def write_table(s: dict, path: Path) -> None:
                 note = s["lr_choice"][c]
                 tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
                 lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:
@@ -1067,10 +1166,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     written = []
 
     def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(out_dir / name)
+        written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
     def lines(ax, y, x, xlabel, ylabel, eval_only=True, show_target=True):
         for c, rs in runs.items():
@@ -1215,18 +1311,6 @@ BUCKET_PANELS = [
 ]
 
 
-def strict_json(x):
-    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
-    "never", an undefined one (nan) is null."""
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else "never"
-    return x
-
-
 def report(args: ReportArgs) -> dict:
     out = Path(args.out_dir)
     runs = load_runs(out) if out.is_dir() else []
@@ -1239,23 +1323,8 @@ def report(args: ReportArgs) -> dict:
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
-    write_report(Path(args.report_dir or out), s, private="_runs", write_table=write_table, plot=plot)
+    write_report(Path(args.report_dir or out), s, private="_runs", table_md=table_md, plot=plot)
     return s
-
-
-def write_report(dest: Path, s: dict, private: str, write_table, plot) -> None:
-    """table.md, summary.json (s without its `private` key, as strict JSON) and the figures into dest; an
-    unwritable folder stops with one line."""
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        write_table(s, dest / "table.md")
-        summary = strict_json({k: v for k, v in s.items() if k != private})
-        (dest / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
-        figures = plot(s, dest)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
-    print((dest / "table.md").read_text())
-    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1376,15 +1445,18 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1 :]
-    commands = {"run": RunArgs, "report": ReportArgs, "plot": PlotArgs}
+    commands = {"run": RunArgs, "report": ReportArgs, "render": RenderArgs, "plot": PlotArgs}
     args = tyro.extras.subcommand_cli_from_dict(
         commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
     )
+    if extra and not isinstance(args, RunArgs):
+        raise SystemExit("error: --extra is for sweep.py run (trainer flags)")
     if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
+    if isinstance(args, RenderArgs):
+        summary = Path(args.summary)
+        return render(summary, Path(args.table) if args.table else summary.with_name("table.md"))
     if isinstance(args, ReportArgs):
-        if extra:
-            raise SystemExit("error: --extra is for sweep.py run (trainer flags), not report")
         return report(args)
     args.extra = extra
     return run(args)
