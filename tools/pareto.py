@@ -2,8 +2,8 @@
 configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy accuracy
 against generated rollouts and against compute.
 
-    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
-    python pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
+    python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
+    python tools/pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
 
 Every configuration generates about the same rollouts and is evaluated every 256 of them, so curves are compared
 at nearly the same x without interpolating (a replay run's first step fills its buffer to B, which puts its
@@ -490,11 +490,11 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out_dir)
     runs = sweep.load_runs(out) if out.is_dir() else []
     if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --grid pareto --out-dir {out})")
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid pareto --out-dir {out})")
     s = analyse(runs, args)
     sweep.write_report(Path(args.report_dir or out), s, private="_cells", table_md=table_md, plot=plot)
     return s
 
 
 if __name__ == "__main__":
-    main()
+    sweep.cli(main)

@@ -1,11 +1,11 @@
 """sweep.py: run a grid of replay-GRPO configurations x seeds, then tabulate and plot the study.
 
-    python sweep.py run --out-dir runs/study --seeds 0 1 2            # the default grid, resumable
-    python sweep.py run --out-dir runs/smoke --grid smoke --seeds 0 1 # 2 tiny configs (seconds)
-    python sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
-    python sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
-    python sweep.py plot runs/NAME                                    # one run's curves, into its folder
-    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
+    python tools/sweep.py run --out-dir runs/study --seeds 0 1 2            # the default grid, resumable
+    python tools/sweep.py run --out-dir runs/smoke --grid smoke --seeds 0 1 # 2 tiny configs (seconds)
+    python tools/sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
+    python tools/sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
+    python tools/sweep.py plot runs/NAME                                    # one run's curves, into its folder
+    python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
 --subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
@@ -25,6 +25,7 @@ and with the paper's mu = 5.28 (Qwen2.5-7B).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import math
@@ -33,6 +34,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -356,9 +358,8 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                 runs.append(
                     {
                         "name": name,
-                        "config": config,
-                        "variant": tag,
-                        "seed": seed,
+                        "run_dir": Path(args.out_dir) / name,
+                        "planned": {"config": config, "variant": tag, "seed": seed},
                         "total_steps": cfg.total_steps,
                         "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
                     }
@@ -367,16 +368,21 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
 
 
 def checkpoint_state(run_dir: Path) -> dict | None:
-    """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint."""
+    """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint (one that cannot be
+    read, or holds no integer "step", is said in one line)."""
     import torch
 
     for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
         path = run_dir / ckpt / "trainer_state.pt"
         if path.exists():
             try:
-                return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             except Exception as e:
                 print(f"warning: cannot read {path}: {type(e).__name__}: {e}")
+                continue
+            if isinstance(state, dict) and isinstance(state.get("step"), int):
+                return state
+            print(f'warning: {path} holds no integer "step": not a trainer state')
     return None
 
 
@@ -391,92 +397,158 @@ def run_status(run_dir: Path, total_steps: int) -> str:
     return "done" if state["step"] >= total_steps and (run_dir / "config.json").exists() else "partial"
 
 
-def execute(args: RunArgs, runs: list[dict]) -> list[str]:
-    """Train every run not finished yet (resuming interrupted ones); returns the failed names."""
+CLAIMS = ".sweep_locks"  # beside run folders: a lock file per run that a runner process holds while it handles it
+
+
+def claim(path: Path, wait: bool = False) -> int | None:
+    """This process's claim on `path` (a run folder, or a file several runners rewrite): an flock on
+    <parent>/.sweep_locks/<name>, a file that is never deleted, so that it outlives a run folder deleted and made
+    again. Returns its descriptor (os.close releases it, as the process's end does), or None when another process
+    holds it (wait: block until it is free)."""
+    locks = path.parent / CLAIMS
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / path.name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+STATUS_LINES = {
+    "new": "start",
+    "done": "finished, skipped",
+    "partial": "resume from its checkpoint",
+    "broken": "no checkpoint: delete and restart",
+    "restart": "delete and run again from nothing",
+}
+
+
+def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
+    """The runner of every study tool. Each run: name, run_dir, argv (replay_grpo.py's flags, its --out-dir and
+    --run-name naming run_dir), total_steps, and optionally planned (written to run_dir/sweep_run.json), restart
+    (delete a run that is not new and train it from nothing, rather than resume it or skip it) and clear (more
+    paths deleted before a run is trained from nothing, e.g. its warm-start cache).
+
+    A run is handled under its claim (claim(run_dir)), so that two runner processes on one folder never both
+    train, delete or restart one run: a run another process claims, or whose folder a trainer holds (its lock),
+    is skipped. Otherwise it is skipped when finished, resumed from its checkpoint, or deleted and trained again
+    when it died before its first checkpoint. A run that fails does not stop the others; Ctrl-C does.
+    in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its stdout), else replay_grpo.main in
+    this process. on_trained(run, seconds) is called after each run trained without error, with its wall time.
+    Returns the names of the runs that failed and of those skipped as another process's."""
     import replay_grpo
 
-    failed = []
+    failed, skipped = [], []
     for i, r in enumerate(runs, 1):
-        run_dir, argv = Path(args.out_dir) / r["name"], r["argv"]
-        if run_dir.exists() and run_folder.in_use(run_dir):  # another sweep process trains it: leave it alone
-            print(f"[{i}/{len(runs)}] {r['name']}: in use by another process, skipped", flush=True)
+        run_dir, argv, head = Path(r["run_dir"]), r["argv"], f"[{i}/{len(runs)}] {r['name']}:"
+        fd = claim(run_dir)
+        if fd is None or run_dir.exists() and run_folder.in_use(run_dir):  # another process has it: leave it alone
+            print(f"{head} in use by another process, skipped", flush=True)
+            skipped.append(r["name"])
+            if fd is not None:
+                os.close(fd)
             continue
-        status = run_status(run_dir, r["total_steps"])
-        print(
-            f"[{i}/{len(runs)}] {r['name']}: "
-            + {
-                "new": "start",
-                "done": "finished, skipped",
-                "partial": "resume from its checkpoint",
-                "broken": "no checkpoint: delete and restart",
-            }[status],
-            flush=True,
-        )
-        if status == "done":
-            continue
-        if status == "partial":
-            argv = argv + ["--resume"]
-        if status == "broken":
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)  # what the report groups it by, written when it is planned
-        planned = {"config": r["config"], "variant": r["variant"], "seed": r["seed"]}
-        (run_dir / PLANNED).write_text(json.dumps(planned))
-        if args.subprocess:
-            code = subprocess.run([sys.executable, str(TRAINER), *argv]).returncode
-        else:
-            try:
-                replay_grpo.main(argv)
-                code = 0
-            except SystemExit as e:
-                code = e.code
-            except Exception:  # a crash fails this run only; the traceback is printed
-                traceback.print_exc()
-                code = 1
-        if code == 130:  # Ctrl-C: stop the sweep (the run keeps its last checkpoint)
-            raise SystemExit(130)
-        if code:
-            failed.append(r["name"])
-    return failed
+        try:
+            status = "restart" if r.get("restart") and run_dir.exists() else run_status(run_dir, r["total_steps"])
+            print(f"{head} {STATUS_LINES[status]}", flush=True)
+            if status == "done":
+                continue
+            if status == "partial":
+                argv = argv + ["--resume"]
+            else:  # trained from nothing: nothing of an earlier attempt is kept
+                for path in [run_dir, *r.get("clear", [])]:
+                    shutil.rmtree(path, ignore_errors=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if "planned" in r:  # what the report groups it by, written when it is planned
+                (run_dir / PLANNED).write_text(json.dumps(r["planned"]))
+            start = time.perf_counter()
+            if in_subprocess:
+                out = subprocess.DEVNULL if quiet else None
+                code = subprocess.run([sys.executable, str(TRAINER), *argv], stdout=out).returncode
+            else:
+                try:
+                    replay_grpo.main(argv)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+                except Exception:  # a crash fails this run only; the traceback is printed
+                    traceback.print_exc()
+                    code = 1
+            if code == 130:  # Ctrl-C: stop the runner (the run keeps its last checkpoint)
+                raise SystemExit(130)
+            if code:
+                failed.append(r["name"])
+            elif on_trained is not None:
+                on_trained(r, time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    return {"failed": failed, "skipped": skipped}
 
 
 def record_sweep(out_dir: Path, args: RunArgs) -> None:
     """sweep.json: the grid, and every seed and tune seed run into this folder so far (the report leaves the
-    tune seeds out). Several `run` processes share a folder (two at a time, say): seeds are merged, and the
-    file is replaced whole."""
+    tune seeds out). Several `run` processes share a folder: each merges its seeds under the file's claim, and the
+    file is replaced whole. A damaged sweep.json stops the run with one line (what it recorded is unknown)."""
     path, seeds, tune_seeds = out_dir / "sweep.json", set(args.seeds), set(args.tune_seeds)
+    fd = claim(path, wait=True)
     try:
-        before = json.loads(path.read_text())
-        seeds |= set(before.get("seeds", []))
-        tune_seeds |= set(before.get("tune_seeds", []))
-    except (OSError, ValueError):
-        pass
-    tmp = out_dir / f".sweep.json.{os.getpid()}"
-    tmp.write_text(
-        json.dumps(
-            {"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds), "extra": args.extra}, indent=2
-        )
-    )
-    os.replace(tmp, path)
+        if path.exists():
+            before = read_sweep_json(path)
+            seeds |= set(before["seeds"])
+            tune_seeds |= set(before["tune_seeds"])
+        tmp = out_dir / f".sweep.json.{os.getpid()}"
+        recorded = {"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds), "extra": args.extra}
+        tmp.write_text(json.dumps(recorded, indent=2))
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
+
+
+def read_sweep_json(path: Path) -> dict:
+    """sweep.json's record, its seeds and tune_seeds lists of integers; a damaged one stops with one line."""
+    keep = "it records which seeds only chose a learning rate: restore it, or delete it (report: give --tune-seeds)"
+    try:
+        recorded = read_json(path)
+    except Damaged as e:
+        raise SystemExit(f"error: {e}; {keep}") from None
+    seeds, tune_seeds = recorded.get("seeds", []), recorded.get("tune_seeds", [])
+    if not all(isinstance(x, list) and all(type(s) is int for s in x) for x in (seeds, tune_seeds)):
+        raise SystemExit(f"error: {path}: seeds and tune_seeds are not lists of integers; {keep}")
+    return {**recorded, "seeds": seeds, "tune_seeds": tune_seeds}
 
 
 def run(args: RunArgs) -> None:
     """Tune (every variant on --tune-seeds), pick per configuration, then the reported --seeds."""
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    record_sweep(Path(args.out_dir), args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record_sweep(out, args)
     runs = plan_runs(args)
-    failed = execute(args, runs)
-    if args.tune_seeds and not failed:
-        picks = {
-            c: p["variant"]
-            for c, p in pick_variants(load_runs(Path(args.out_dir), quiet=True), args.tune_seeds).items()
-        }
+    done = execute(runs, in_subprocess=args.subprocess)
+    if args.tune_seeds and not done["failed"] and not others_still_train(runs, done):
+        picks = {c: p["variant"] for c, p in pick_variants(load_runs(out, quiet=True), args.tune_seeds).items()}
         for config, tag in picks.items():
             print(f"{config}: {tag.lstrip('-') or 'its only variant'} picked on tune seeds {args.tune_seeds}")
         runs = plan_runs(args, seeds=args.seeds, picks=picks)
-        failed = execute(args, runs)
-    if failed:
-        raise SystemExit(f"error: {len(failed)} run(s) failed: {', '.join(failed)} (rerun to retry)")
-    print(f"all runs finished in {args.out_dir}; next: python sweep.py report --out-dir {args.out_dir}")
+        done = execute(runs, in_subprocess=args.subprocess)
+    if done["failed"]:
+        raise SystemExit(f"error: {len(done['failed'])} run(s) failed: {', '.join(done['failed'])} (rerun to retry)")
+    others = others_still_train(runs, done)
+    if others:
+        print(
+            f"{len(others)} run(s) are another process's, not finished yet: {', '.join(others)}; run this again "
+            f"when it ends{' (then the variants are picked and --seeds run)' if args.tune_seeds else ''}"
+        )
+        return
+    print(f"all runs finished in {args.out_dir}; next: python tools/sweep.py report --out-dir {args.out_dir}")
+
+
+def others_still_train(runs: list[dict], done: dict) -> list[str]:
+    """The runs execute skipped as another process's that are not finished now."""
+    return [
+        r["name"] for r in runs if r["name"] in done["skipped"] and run_status(r["run_dir"], r["total_steps"]) != "done"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,28 +594,68 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+# config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
+CONFIG_KEYS = {
+    "seed": int,
+    "lr": (int, float),
+    "total_steps": int,
+    "eval_every": int,
+    "buffer_size": int,
+    "batch_size": int,
+    "prompts_per_step": int,
+    "group_size": int,
+    "pass_k": int,
+    "loss": str,
+    "positive_bias": (int, float),
+}
+
+
+def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None, dict | None]:
+    """A run folder's settings (config.json with the resumes' changes), and when it is finished (its checkpoint at
+    total_steps) its records and planned configuration. Damaged names the file that is missing, unreadable, or
+    lacks what the report reads."""
+    path = run_dir / "config.json"
+    cfg = read_json(path)
+    for key, kind in CONFIG_KEYS.items():
+        if type(cfg.get(key)) is bool or not isinstance(cfg.get(key), kind):
+            what = {int: "an integer", str: "text"}.get(kind, "a number")
+            raise Damaged(f'{path}: "{key}" is missing or not {what}')
+    try:
+        cfg = run_folder.current_config(run_dir, cfg)
+    except ValueError as e:
+        raise Damaged(str(e)) from None
+    if state is None or state["step"] != cfg["total_steps"]:
+        return cfg, None, None
+    records, path = read_metrics(run_dir / "metrics.jsonl"), run_dir / "metrics.jsonl"
+    if not records or records[-1]["step"] < state["step"]:
+        raise Damaged(f"{path}: its records do not reach the checkpoint's step {state['step']} (cut)")
+    if not any("eval/greedy_acc" in r for r in records):
+        raise Damaged(f"{path}: it holds no evaluation")
+    if (run_dir / PLANNED).exists():
+        planned = read_json(run_dir / PLANNED)
+        if not all(isinstance(planned.get(k), str) for k in ("config", "variant")):
+            raise Damaged(f'{run_dir / PLANNED}: "config" and "variant" are not both text')
+    else:  # a folder from before sweep_run.json: its name says it
+        m = RUN_NAME.fullmatch(run_dir.name)
+        planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
+    return cfg, records, planned
+
+
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
-    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001),
-    seed, cfg and metric records."""
-    runs = []
+    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001), seed, cfg and
+    metric records. A run folder with a damaged file is left out, named in one line, and counted."""
+    runs, damaged = [], 0
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
-            cfg = run_folder.current_config(run_dir, read_json(run_dir / "config.json"))  # with resumes' changes
-            state = checkpoint_state(run_dir)
-            finished = state is not None and state["step"] == cfg.get("total_steps")
-            records = read_metrics(run_dir / "metrics.jsonl") if finished else None
-        except (Damaged, ValueError) as e:
+            cfg, records, planned = read_run(run_dir, checkpoint_state(run_dir))
+        except Damaged as e:
             print(f"report: {run_dir.name} left out, a file is damaged: {e}")
+            damaged += 1
             continue
-        if not finished:
+        if records is None:
             if not quiet:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
-        if (run_dir / PLANNED).exists():
-            planned = read_json(run_dir / PLANNED)
-        else:  # a folder from before sweep_run.json: its name says it
-            m = RUN_NAME.fullmatch(run_dir.name)
-            planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
         runs.append(
             {
                 "name": run_dir.name,
@@ -554,6 +666,8 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
                 "records": records,
             }
         )
+    if damaged:
+        print(f"report: {damaged} run folder(s) with a damaged file left out")
     return runs
 
 
@@ -1315,11 +1429,11 @@ def report(args: ReportArgs) -> dict:
     out = Path(args.out_dir)
     runs = load_runs(out) if out.is_dir() else []
     if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --out-dir {out})")
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --out-dir {out})")
     sweep_json = out / "sweep.json"  # the tune seeds that `run` used
     tune_seeds = args.tune_seeds
     if not tune_seeds and sweep_json.exists():
-        tune_seeds = json.loads(sweep_json.read_text()).get("tune_seeds")
+        tune_seeds = read_sweep_json(sweep_json)["tune_seeds"]
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
@@ -1462,5 +1576,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     return run(args)
 
 
+def cli(main) -> None:
+    """A tool's entry point: main's one-line error (a SystemExit with a message) goes to stderr with exit status 2,
+    as replay_grpo.py's errors do; any other exit keeps its status."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli(main)
