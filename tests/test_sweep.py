@@ -445,33 +445,36 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
 # --- seed_table.py: a preset on many seeds, as a new user runs it --------------------------------
 
 
+# a seed of seed_table.py in seconds: a 20-step warm start and 2 RL steps of the smoke model
+TINY_SEED = [
+    "--extra",
+    "--sft-warmup-steps",
+    "20",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--batch-size",
+    "8",
+    "--buffer-size",
+    "8",
+    "--max-new-tokens",
+    "4",
+    "--eval-size",
+    "8",
+    "--pass-k",
+    "2",
+    "--total-steps",
+    "2",
+    "--eval-every",
+    "0",
+]
+
+
 def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path, capsys):
     import seed_table
 
-    tiny = [
-        "--extra",
-        "--sft-warmup-steps",
-        "20",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "2",
-        "--eval-every",
-        "0",
-    ]
-    argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *tiny]
+    argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *TINY_SEED]
     rows = seed_table.main(argv)
     for row in rows:
         recs = records(tmp_path / str(row["seed"]) / "run")
@@ -497,7 +500,7 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path, caps
     again = seed_table.main(argv)
     out = capsys.readouterr().out
     assert f"seed 4: a file is damaged, the seed is run again: {metrics}:3: not JSON" in out
-    assert "seed 3: finished" not in out and "[1/1] seed 4: delete and run again from nothing" in out
+    assert "[1/1] seed 3: finished, skipped" in out and "[1/1] seed 4: delete and run again from nothing" in out
     after = json.loads((tmp_path / "seed_table.json").read_text())
     assert after["3"] == times["3"] and after["4"] != times["4"]
     assert again[1]["end"] == rows[1]["end"]
@@ -605,3 +608,20 @@ def test_seed_table_on_a_damaged_seed_table_json_says_so_in_one_line(tmp_path):
         (line,) = done.stderr.strip().splitlines()
         assert line.startswith(f"error: {tmp_path / 'seed_table.json'}") and "restore it" in line
         assert not (tmp_path / "3").exists()  # nothing was run
+
+
+def test_two_seed_tables_on_one_folder_run_each_seed_once_and_keep_each_others_times(tmp_path):
+    argv = [sys.executable, "tools/seed_table.py", "--seeds", "3", "4", "--out-dir", str(tmp_path), *TINY_SEED]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    both.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in both]
+    text = "".join(outs)
+    assert "Traceback" not in text and "failed" not in text and "delete" not in text, text
+    assert text.count("seed 3: start") == text.count("seed 4: start") == 1, text  # each seed trained once
+    for p, out in zip(both, outs):  # each process either tabulated both seeds or said which the other one had
+        assert p.returncode == 0 or p.returncode == 2 and "are another process's runs, not finished" in out, out
+    times = json.loads((tmp_path / "seed_table.json").read_text())
+    assert sorted(times) == ["3", "4"]  # neither process's write lost the other's seed
+    again = tool("tools/seed_table.py", *argv[2:])  # both finished: tabulated without running anything
+    assert again.returncode == 0 and ": start" not in again.stdout and "2 seeds: gain min" in again.stdout

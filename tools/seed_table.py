@@ -13,6 +13,7 @@ gain in points and the wall time; below it the minimum, median and maximum gain 
 """
 
 import json
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -74,29 +75,38 @@ def read_times(path: Path) -> dict:
     return times
 
 
-def run_seed(args: Args, seed: int, times: dict, times_file: Path) -> None:
-    """One seed's run from nothing (its run folder and warm-start cache deleted first) through sweep.py's runner;
-    its wall time goes into times and times_file."""
+def record_time(path: Path, seed: int, seconds: float) -> None:
+    """A seed's wall time into seed_table.json, merged under the file's claim with what other processes wrote
+    (two seed_table.py on one folder each keep the other's times), and replaced whole."""
+    fd = sweep.claim(path, wait=True)
+    try:
+        times = read_times(path)
+        times[str(seed)] = seconds
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(times, indent=1))
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
+
+
+def seed_run(args: Args, seed: int, times_file: Path) -> dict:
+    """One seed's run for sweep.py's runner: done when its run holds its final evaluation and seed_table.json its
+    wall time (decided under the run's claim), else run again from nothing, its warm-start cache deleted too."""
     folder = Path(args.out_dir) / str(seed)
-    run = {
+
+    def status(run: dict) -> str:
+        if not run["run_dir"].exists():
+            return "new"
+        return "done" if finished(seed, run["run_dir"]) and str(seed) in read_times(times_file) else "restart"
+
+    return {
         "name": f"seed {seed}",
         "run_dir": folder / "run",
         "clear": [folder / ".warmstart"],
-        "restart": True,
-        "total_steps": None,
+        "status": status,
         "argv": ["--preset", args.preset, "--seed", str(seed), "--out-dir", str(folder), "--run-name", "run"]
         + args.extra,
     }
-
-    def record(run: dict, seconds: float) -> None:
-        times[str(seed)] = seconds
-        times_file.write_text(json.dumps(times, indent=1))
-
-    done = sweep.execute([run], in_subprocess=True, quiet=True, on_trained=record)
-    if done["skipped"]:
-        raise SystemExit(f"error: seed {seed}: {folder / 'run'} is in use by another process: rerun when it ends")
-    if done["failed"]:  # the trainer printed why on stderr
-        raise SystemExit(f"error: seed {seed}: replay_grpo.py failed")
 
 
 def table_md(rows: list[dict]) -> str:
@@ -131,15 +141,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     times_file = out / "seed_table.json"
-    times = read_times(times_file)
-    rows = []
+    read_times(times_file)  # a damaged one stops here, before any seed runs
+    rows, others = [], []
     for seed in args.seeds:
-        records = finished(seed, out / str(seed) / "run")
+        done = sweep.execute(
+            [seed_run(args, seed, times_file)],
+            in_subprocess=True,
+            quiet=True,
+            on_trained=lambda run, seconds, seed=seed: record_time(times_file, seed, seconds),
+        )
+        if done["failed"]:  # the trainer printed why on stderr
+            raise SystemExit(f"error: seed {seed}: replay_grpo.py failed")
+        if done["skipped"]:  # another process trains it
+            others.append(seed)
+            continue
+        records, times = finished(seed, out / str(seed) / "run"), read_times(times_file)
         if records is None or str(seed) not in times:
-            run_seed(args, seed, times, times_file)
-            records = finished(seed, out / str(seed) / "run")
-            if records is None:
-                raise SystemExit(f"error: seed {seed}: the run ended without its final evaluation")
+            raise SystemExit(f"error: seed {seed}: the run ended without its final evaluation")
         start, end = records["first"]["eval/greedy_acc"], records["last"]["eval/greedy_acc"]
         rows.append(
             {
@@ -150,6 +168,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "gain": round(100 * (end - start), 1),
                 "seconds": times[str(seed)],
             }
+        )
+    if others:
+        raise SystemExit(
+            f"error: seeds {', '.join(map(str, others))} are another process's runs, not finished: the table needs "
+            "every seed, run this again when it ends"
         )
     text = table_md(rows)
     print(text, end="")
