@@ -5,13 +5,15 @@
     python tools/sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
     python tools/sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
     python tools/sweep.py plot runs/NAME                                    # one run's curves, into its folder
+    python tools/sweep.py render docs/study/summary.json                    # its table.md again, from the summary
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
 --subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
 N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
 `run` skips finished runs (checkpoint at total_steps), continues interrupted ones from their
-checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint.
+checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint. Several `run`
+processes may share a folder: each run is claimed by the one that trains it (.sweep_locks/), the others skip it.
 
 `report` reads every finished run under --out-dir, groups runs by configuration over seeds
 (median and IQR), keeps per configuration the learning rate with the best median final greedy
@@ -20,7 +22,7 @@ Compute, in the paper's normalisation: training on one rollout costs 1 unit and 
 costs mu units, so compute after t steps = trained_rollouts + mu * generated_rollouts
 (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs B(1 + mu) per update).
 It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
-and with the paper's mu = 5.28 (Qwen2.5-7B).
+and with the paper's mu = 5.28 (Qwen2.5-7B). table.md is rendered from summary.json's content alone (`render`).
 """
 
 from __future__ import annotations
