@@ -107,14 +107,14 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
             rs = cell.pop("runs")
             made = [sweep.evals(r) for r in rs]
             steps = set.intersection(*({e["step"] for e in ev} for ev in made))
-            evals = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
+            shared = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
             if any(len(ev) > len(steps) for ev in made):
                 print(f"pareto: {config} lr {lr:g}: evaluations that not every seed made are left out")
             cell["cfg"] = rs[0]["cfg"]
             cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
-            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
+            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in shared])
             cell["x"] = {
-                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0) for axis in AXES
+                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in shared], axis=0) for axis in AXES
             }
             trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
             length = min(len(t) for t in trained)  # a seed extended by a resume: its first steps only

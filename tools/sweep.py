@@ -1300,15 +1300,15 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     def legend(ax):
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
 
-    def step(r):
+    def step_of(r):
         return r["step"]
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    lines(a, "eval/greedy_acc", step, "gradient steps", "held-out greedy accuracy")
+    lines(a, "eval/greedy_acc", step_of, "gradient steps", "held-out greedy accuracy")
     lines(
         b,
         lambda c: f"eval/pass@{s['configs'][c]['k']}",
-        step,
+        step_of,
         "gradient steps",
         "held-out pass@k (k samples, temperature 1)",
         show_target=False,
@@ -1347,7 +1347,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     lines(
         ax,
         "entropy",
-        step,
+        step_of,
         "gradient steps",
         "policy entropy on the batch (nats/token)",
         eval_only=False,
