@@ -285,6 +285,7 @@ def fake_run(out, name, *, seed, lr, N, P, accs, mu=1.0, stale=None, total=4, ck
         lr=lr,
         seed=seed,
         total_steps=total,
+        eval_every=2,
         pass_k=2,
     )
     (run_dir / "config.json").write_text(json.dumps(cfg))
@@ -444,33 +445,36 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
 # --- seed_table.py: a preset on many seeds, as a new user runs it --------------------------------
 
 
-def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
+# a seed of seed_table.py in seconds: a 20-step warm start and 2 RL steps of the smoke model
+TINY_SEED = [
+    "--extra",
+    "--sft-warmup-steps",
+    "20",
+    "--group-size",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--batch-size",
+    "8",
+    "--buffer-size",
+    "8",
+    "--max-new-tokens",
+    "4",
+    "--eval-size",
+    "8",
+    "--pass-k",
+    "2",
+    "--total-steps",
+    "2",
+    "--eval-every",
+    "0",
+]
+
+
+def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path, capsys):
     import seed_table
 
-    tiny = [
-        "--extra",
-        "--sft-warmup-steps",
-        "20",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "2",
-        "--eval-every",
-        "0",
-    ]
-    argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *tiny]
+    argv = ["--seeds", "3", "4", "--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md"), *TINY_SEED]
     rows = seed_table.main(argv)
     for row in rows:
         recs = records(tmp_path / str(row["seed"]) / "run")
@@ -485,13 +489,18 @@ def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path):
     ] and "2 seeds: gain min" in table
     doc = tmp_path / "doc.md"  # a document with the markers gets the table in place, its prose kept
     doc.write_text("prose\n<!-- seed_table -->\nold table\n<!-- /seed_table -->\nmore prose\n")
-    seed_table.write_table(doc, table)
+    seed_table.place_table(doc, table)
     assert doc.read_text() == f"prose\n<!-- seed_table -->\n{table}<!-- /seed_table -->\nmore prose\n"
-    # a finished seed is not run again; one whose run lost its final record is run again from nothing
+    # a finished seed is not run again; one whose run lost its final record (its last line cut, as a kill in a
+    # write leaves it) is named and run again from nothing
     times = json.loads((tmp_path / "seed_table.json").read_text())
     metrics = tmp_path / "4" / "run" / "metrics.jsonl"
-    metrics.write_text(metrics.read_text().splitlines()[0] + "\n")
+    metrics.write_text(metrics.read_text()[:-20])
+    capsys.readouterr()
     again = seed_table.main(argv)
+    out = capsys.readouterr().out
+    assert f"seed 4: a file is damaged, the seed is run again: {metrics}:3: not JSON" in out
+    assert "[1/1] seed 3: finished, skipped" in out and "[1/1] seed 4: delete and run again from nothing" in out
     after = json.loads((tmp_path / "seed_table.json").read_text())
     assert after["3"] == times["3"] and after["4"] != times["4"]
     assert again[1]["end"] == rows[1]["end"]
@@ -511,3 +520,108 @@ def test_compare_metrics_counts_differences_skipping_the_clock_and_the_keys_new_
     changed = [[{"step": 1, "loss": 0.25, "train_seconds": 1.0}]] * len(compare_metrics.COMMANDS)
     assert compare_metrics.compare(old, changed, added={"replay_hist"}) == len(compare_metrics.COMMANDS)
     assert "step 1: loss: 0.5 -> 0.25" in capsys.readouterr().out
+
+
+# --- the tools on damaged or shared state ---------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tool(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`python tools/NAME.py ...` from the root, as a user runs it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def test_two_sweeps_on_one_folder_train_each_run_once_and_report_no_failure(tmp_path):
+    """Two `sweep.py run --subprocess` started together on one folder: each run is trained by one of them, never
+    deleted by the other while it starts, and neither reports a failure."""
+    argv = [sys.executable, "tools/sweep.py", "run", "--out-dir", str(tmp_path), "--grid", "smoke", "--seeds", "0"]
+    argv += ["--only", "onpolicy", "--subprocess"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    both.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in both]
+    assert [p.returncode for p in both] == [0, 0], outs
+    text = "".join(outs)
+    assert "failed" not in text and "delete" not in text and "in use by process" not in text, text
+    assert text.count("onpolicy-s0: start") == 1, text  # trained once; the other process skipped it
+    assert sweep.run_status(tmp_path / "onpolicy-s0", 3) == "done"
+    assert [r["step"] for r in records(tmp_path / "onpolicy-s0")] == [0, 1, 2, 3]
+
+
+def test_report_and_pareto_leave_out_a_damaged_run_folder_and_name_its_file(tmp_path, capsys):
+    for s in range(3):
+        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+        fake_run(tmp_path, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+    fake_run(tmp_path, "onpolicy-s3", seed=3, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    cfg = json.loads((tmp_path / "onpolicy-s3" / "config.json").read_text())
+    del cfg["seed"]  # valid JSON, without a key the reports read
+    (tmp_path / "onpolicy-s3" / "config.json").write_text(json.dumps(cfg))
+    fake_run(tmp_path, "N16-R4-grpo-s3", seed=3, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+    (tmp_path / "N16-R4-grpo-s3" / sweep.PLANNED).write_text('{"config": ')  # cut
+    fake_run(tmp_path, "onpolicy-s4", seed=4, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    metrics = tmp_path / "onpolicy-s4" / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # records end at step 1 of 4
+    fake_run(tmp_path, "N16-R4-grpo-s4", seed=4, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+    torch.save({"steps": 4}, tmp_path / "N16-R4-grpo-s4" / "checkpoint" / "trainer_state.pt")  # no "step"
+
+    s = sweep.main(["report", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert s["configs"]["onpolicy"]["seeds"] == s["configs"]["N16-R4-grpo"]["seeds"] == [0, 1, 2]
+    assert f'{tmp_path / "onpolicy-s3" / "config.json"}: "seed" is missing' in out
+    assert f"{tmp_path / 'N16-R4-grpo-s3' / sweep.PLANNED}: JSONDecodeError" in out
+    assert f"{metrics}: its records do not reach the checkpoint's step 4" in out
+    assert "N16-R4-grpo-s4 is not finished" in out and 'trainer_state.pt holds no integer "step"' in out
+    assert "report: 3 run folder(s) with a damaged file left out" in out
+    argv = [
+        "--out-dir",
+        str(tmp_path),
+        "--report-dir",
+        str(tmp_path / "p"),
+        "--primary",
+        "N16-R4-grpo",
+        "--same-lr",
+        "1e-4",
+    ]
+    s = pareto.main(argv)
+    assert s["seeds"] == [0, 1, 2] and '"seed" is missing' in capsys.readouterr().out
+
+
+def test_a_damaged_sweep_json_is_named_in_one_line(tmp_path):
+    fake_run(tmp_path, "onpolicy-s0", seed=0, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    for damage in ['{"grid": "smoke", "tune_seeds": [1', '{"tune_seeds": "1"}']:
+        (tmp_path / "sweep.json").write_text(damage)
+        for argv in (["report"], ["run", "--grid", "smoke", "--only", "nothing"]):  # run: before it plans a run
+            done = tool("tools/sweep.py", *argv, "--out-dir", str(tmp_path))
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            (line,) = done.stderr.strip().splitlines()
+            assert line.startswith(f"error: {tmp_path / 'sweep.json'}") and "--tune-seeds" in line
+        assert (tmp_path / "sweep.json").read_text() == damage  # kept for the user to restore
+
+
+def test_seed_table_on_a_damaged_seed_table_json_says_so_in_one_line(tmp_path):
+    for damage in ['{"3": 171.2', "[171.2]", '{"3": "171 s"}']:
+        (tmp_path / "seed_table.json").write_text(damage)
+        done = tool("tools/seed_table.py", "--seeds", "3", "--out-dir", str(tmp_path))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"error: {tmp_path / 'seed_table.json'}") and "restore it" in line
+        assert not (tmp_path / "3").exists()  # nothing was run
+
+
+def test_two_seed_tables_on_one_folder_run_each_seed_once_and_keep_each_others_times(tmp_path):
+    argv = [sys.executable, "tools/seed_table.py", "--seeds", "3", "4", "--out-dir", str(tmp_path), *TINY_SEED]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    both.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in both]
+    text = "".join(outs)
+    assert "Traceback" not in text and "failed" not in text and "delete" not in text, text
+    assert text.count("seed 3: start") == text.count("seed 4: start") == 1, text  # each seed trained once
+    for p, out in zip(both, outs):  # each process either tabulated both seeds or said which the other one had
+        assert p.returncode == 0 or p.returncode == 2 and "are another process's runs, not finished" in out, out
+    times = json.loads((tmp_path / "seed_table.json").read_text())
+    assert sorted(times) == ["3", "4"]  # neither process's write lost the other's seed
+    again = tool("tools/seed_table.py", *argv[2:])  # both finished: tabulated without running anything
+    assert again.returncode == 0 and ": start" not in again.stdout and "2 seeds: gain min" in again.stdout

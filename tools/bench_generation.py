@@ -1,6 +1,6 @@
 """Generation throughput of the HF and vLLM backends, and mu = generation / training seconds per rollout.
 
-    HF_HUB_OFFLINE=1 python bench_generation.py [--smol-prompts 64 --smol-group 2 --smol-tokens 32]
+    HF_HUB_OFFLINE=1 python tools/bench_generation.py [--smol-prompts 64 --smol-group 2 --smol-tokens 32]
 
 Both backends generate, and the trainer trains, in the precision a run uses on this device
 (kernels.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +

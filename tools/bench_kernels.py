@@ -7,6 +7,7 @@ log-probs and of both gradients against an fp32 reference, and the verdict of th
 (targets_met). gpu_check.py runs `measure` at a smaller size as one of its checks.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -141,6 +142,7 @@ def _measure(N, V, d, backends, reps, dev):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help says so
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     if cuda:

@@ -1,6 +1,6 @@
 """How long rank 0's weight publish takes while a generator is reloading weights (--mode async's hand-off).
 
-    python bench_publish.py [--hidden 896 --layers 24 --vocab 151936 --load-seconds 2 --publishes 5]
+    python tools/bench_publish.py [--hidden 896 --layers 24 --vocab 151936 --load-seconds 2 --publishes 5]
 
 A model built in code at Qwen2.5-0.5B's width (by default) is published into async_pipeline.WeightMailbox
 --publishes times: first with no reader (the baseline: the copy into shared memory alone), then while a

@@ -4,9 +4,9 @@ Runs the same training commands with the code of a git revision and with the wor
 compares every metrics.jsonl record field by field, except wall-clock seconds and the mu computed
 from them. Exit code 0 when every record matches.
 
-    python compare_metrics.py REV                 # the two default commands below
-    python compare_metrics.py REV --keep /tmp/cmp # keep both run folders
-    python compare_metrics.py REV --added KEY     # KEY is new in the working tree's records
+    python tools/compare_metrics.py REV                 # the two default commands below
+    python tools/compare_metrics.py REV --keep /tmp/cmp # keep both run folders
+    python tools/compare_metrics.py REV --added KEY     # KEY is new in the working tree's records
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """gpu_check.py: verify the GPU path of replay_grpo.py on one CUDA GPU, offline, in minutes.
 
-    python gpu_check.py            # on a CUDA machine: every check, one table, exit 1 if one fails
-    python gpu_check.py --smoke    # on a CPU: the same checks at toy sizes (tests this script)
+    python tools/gpu_check.py            # on a CUDA machine: every check, one table, exit 1 if one fails
+    python tools/gpu_check.py --smoke    # on a CPU: the same checks at toy sizes (tests this script)
 
 Needs torch, transformers, triton and the project's pure-Python dependencies; the vLLM checks run
 when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. --smoke on a CPU

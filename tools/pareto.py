@@ -2,8 +2,8 @@
 configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy accuracy
 against generated rollouts and against compute.
 
-    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
-    python pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
+    python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
+    python tools/pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
 
 Every configuration generates about the same rollouts and is evaluated every 256 of them, so curves are compared
 at nearly the same x without interpolating (a replay run's first step fills its buffer to B, which puts its
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import sweep
 import tyro
+from sweep import fmt_acc, fmt_cost, fmt_diff, fmt_interval, fmt_mu, fmt_saving
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -106,14 +107,14 @@ def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]
             rs = cell.pop("runs")
             made = [sweep.evals(r) for r in rs]
             steps = set.intersection(*({e["step"] for e in ev} for ev in made))
-            evals = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
+            shared = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
             if any(len(ev) > len(steps) for ev in made):
                 print(f"pareto: {config} lr {lr:g}: evaluations that not every seed made are left out")
             cell["cfg"] = rs[0]["cfg"]
             cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
-            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in evals])
+            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in shared])
             cell["x"] = {
-                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in evals], axis=0) for axis in AXES
+                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in shared], axis=0) for axis in AXES
             }
             trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
             length = min(len(t) for t in trained)  # a seed extended by a resume: its first steps only
@@ -152,14 +153,6 @@ def frontier_at(by_lr: dict, medians: dict, axis: str) -> dict:
     return out
 
 
-def saving(cost: float, reference_cost: float) -> float:
-    """Percent of the reference's cost saved (-inf: the level was never reached; nan: the reference was there
-    before it trained, so there is nothing to save)."""
-    if reference_cost == 0:
-        return math.nan
-    return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
-
-
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
     """Every number of the report on the seeds at positions idx (a resample may repeat some)."""
     med = {c: {lr: np.median(cell["acc"][idx], axis=0) for lr, cell in by_lr.items()} for c, by_lr in cells.items()}
@@ -193,10 +186,10 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     ref = out["configs"][reference]
     for row in out["configs"].values():
         for axis in AXES:
-            row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
+            row["saving"][axis] = {n: sweep.saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
             if axis in row["same_lr_cost"]:
                 row["same_lr_saving"][axis] = {
-                    n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
+                    n: sweep.saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
                 }
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
@@ -209,18 +202,6 @@ def stack(trees: list):
     if isinstance(trees[0], dict):
         return {k: stack([t[k] for t in trees]) for k in trees[0]}
     return np.array(trees, dtype=float)
-
-
-def interval(values: np.ndarray) -> list:
-    """The 5th and 95th percentiles of a bootstrap quantity (None where it is undefined in every replicate)."""
-    v = values[~np.isnan(values)]
-    if not len(v):
-        return [None, None]
-    return [float(np.percentile(v, p, method="nearest")) for p in (5, 95)]
-
-
-def intervals_of(tree):
-    return {k: intervals_of(v) for k, v in tree.items()} if isinstance(tree, dict) else interval(tree)
 
 
 def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds: int) -> dict:
@@ -281,7 +262,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
         for _ in range(args.replicates)
     ]
-    ci = intervals_of(stack(replicates))
+    ci = sweep.intervals_of(stack(replicates), (5, 95))
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {
         "seeds": seeds,
@@ -309,29 +290,6 @@ def analyse(runs: list[dict], args: Args) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def fmt_x(x) -> str:
-    return "never" if x == math.inf or x is None else sweep.fmt(x)
-
-
-def fmt_pct(x) -> str:
-    if x is None or math.isnan(x):
-        return "—"
-    return "never" if x == -math.inf else f"{x:+.0f}%"
-
-
-def with_ci(value, ci, one) -> str:
-    """'value [5th, 95th]', each formatted by one."""
-    return f"{one(value)} [{one(ci[0])}, {one(ci[1])}]"
-
-
-def acc(x) -> str:
-    return "—" if x is None else f"{x:.3f}"
-
-
-def diff(x) -> str:
-    return "—" if x is None else f"{x:+.3f}"
-
-
 def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
     """The rows of costs and savings (keys `cost`, `saving` of each configuration) per level and axis."""
     lines = [
@@ -345,13 +303,14 @@ def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
             parts = []
             for axis in AXES:
                 rci = ci["configs"][c]
-                parts.append(with_ci(row[cost][axis][level], rci[cost][axis][level], fmt_x))
-                parts.append(with_ci(row[saving][axis][level], rci[saving][axis][level], fmt_pct))
+                parts.append(fmt_interval(row[cost][axis][level], rci[cost][axis][level], fmt_cost))
+                parts.append(fmt_interval(row[saving][axis][level], rci[saving][axis][level], fmt_saving))
             lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
     return lines
 
 
-def write_table(s: dict, path: Path) -> None:
+def table_md(s: dict) -> str:
+    """The Pareto study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
     seeds = ", ".join(map(str, s["seeds"]))
     lines = [
@@ -360,9 +319,9 @@ def write_table(s: dict, path: Path) -> None:
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
-        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{acc(ci['target'][0])}, "
-        f"{acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
-        f"rollouts, at the measured mu = {s['mu_measured']:.2f} and at the paper's mu = {s['paper_mu']:g}. A point "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt_acc(ci['target'][0])}, "
+        f"{fmt_acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rollouts, at the measured mu = {fmt_mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
         "",
@@ -381,7 +340,7 @@ def write_table(s: dict, path: Path) -> None:
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {k['mu']:.2f} |"
+            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt_mu(k['mu'])} |"
         )
     lines += [
         "",
@@ -397,7 +356,7 @@ def write_table(s: dict, path: Path) -> None:
     ]
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [with_ci(sv[a]["90%"], sci[a]["90%"], fmt_pct) for a in ("rollouts", "compute_paper_mu")]
+        by_axis = [fmt_interval(sv[a]["90%"], sci[a]["90%"], fmt_saving) for a in ("rollouts", "compute_paper_mu")]
         name = f"**{c}**" if c == s["primary"] else c
         lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
@@ -406,7 +365,7 @@ def write_table(s: dict, path: Path) -> None:
         "",
         f"## At one learning rate, {s['same_lr']:g}",
         "",
-        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {acc(p['same_lr_target'])}.",
+        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt_acc(p['same_lr_target'])}.",
         "",
     ]
     lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
@@ -429,19 +388,19 @@ def write_table(s: dict, path: Path) -> None:
             delta = (
                 "—"
                 if c == ref or "final_minus_reference" not in at
-                else with_ci(at["final_minus_reference"], aci["final_minus_reference"], diff)
+                else fmt_interval(at["final_minus_reference"], aci["final_minus_reference"], fmt_diff)
             )
             lines.append(
-                f"| {c} | {lr:g} | {with_ci(at['final'], aci['final'], acc)} | {delta} | "
-                f"{with_ci(at['best'], aci['best'], acc)} | {at['entropy_start']:.3f} → "
+                f"| {c} | {float(lr):g} | {fmt_interval(at['final'], aci['final'], fmt_acc)} | {delta} | "
+                f"{fmt_interval(at['best'], aci['best'], fmt_acc)} | {at['entropy_start']:.3f} → "
                 f"{at['entropy_end']:.3f} |"
             )
     lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
         lines.append(
-            f"| {c} | {with_ci(row['best'], rci['best'], acc)} | "
-            f"{with_ci(row['best_minus_reference'], rci['best_minus_reference'], diff)} |"
+            f"| {c} | {fmt_interval(row['best'], rci['best'], fmt_acc)} | "
+            f"{fmt_interval(row['best_minus_reference'], rci['best_minus_reference'], fmt_diff)} |"
         )
     lines += [
         "",
@@ -452,9 +411,9 @@ def write_table(s: dict, path: Path) -> None:
         "",
         "| seed | " + " | ".join(map(str, s["seeds"])) + " |",
         "|---|" + "---|" * len(s["seeds"]),
-        "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][k]:.3f}" for k in s["seeds"]) + " |",
+        "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"]) + " |",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
@@ -468,10 +427,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
 
     def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(dest / name, dpi=110)
-        plt.close(fig)
-        written.append(dest / name)
+        written.append(sweep.save_figure(fig, dest / name))
 
     fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
     for ax, (axis, label) in zip(axes, AXES.items()):
@@ -534,11 +490,11 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out_dir)
     runs = sweep.load_runs(out) if out.is_dir() else []
     if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --grid pareto --out-dir {out})")
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid pareto --out-dir {out})")
     s = analyse(runs, args)
-    sweep.write_report(Path(args.report_dir or out), s, private="_cells", write_table=write_table, plot=plot)
+    sweep.write_report(Path(args.report_dir or out), s, private="_cells", table_md=table_md, plot=plot)
     return s
 
 
 if __name__ == "__main__":
-    main()
+    sweep.cli(main)

@@ -1,10 +1,11 @@
 """seed_table.py: run a preset on many seeds as a new user would, and tabulate what each seed gained.
 
-    python seed_table.py --seeds 0 1 2 3 4                        # --preset cpu, into runs/seeds
-    python seed_table.py --preset cpu --seeds $(seq 0 19) --table docs/cpu_seeds.md
+    python tools/seed_table.py --seeds 0 1 2 3 4                        # --preset cpu, into runs/seeds
+    python tools/seed_table.py --preset cpu --seeds $(seq 0 19) --table docs/cpu_seeds.md
 
-Each seed is `python replay_grpo.py --preset P --seed S` in a subprocess, one after another, with its own
-warm-start cache (under --out-dir/S), so every wall time includes the warm start as a first run's does.
+Each seed is `python replay_grpo.py --preset P --seed S` in a subprocess, one after another, run by sweep.py's
+runner (the same claims, locks and failures as a sweep's runs), with its own warm-start cache (under --out-dir/S),
+so every wall time includes the warm start as a first run's does.
 A seed whose run finished (its record at --total-steps and its wall time in seed_table.json) is not run
 again; a partial one is deleted and run again (a resumed run's wall time would not be a whole run's).
 The table gives, per seed, the warm start's steps, held-out greedy accuracy at step 0 and at the end, the
@@ -12,17 +13,14 @@ gain in points and the wall time; below it the minimum, median and maximum gain 
 """
 
 import json
-import shutil
+import os
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import sweep
 import tyro
-
-TRAINER = Path(__file__).resolve().parent.parent / "replay_grpo.py"
 
 
 @dataclass
@@ -43,42 +41,75 @@ class Args:
     it is passed to replay_grpo.py as it is."""
 
 
-def finished(record_file: Path) -> dict | None:
-    """The run's first and last records if its metrics.jsonl holds its final evaluation, else None."""
-    if not record_file.exists():
+def finished(seed: int, run_dir: Path) -> dict | None:
+    """The run's first and last records if its metrics.jsonl holds its final evaluation, else None (a damaged file
+    is said in one line: the seed is then run again)."""
+    if not (run_dir / "metrics.jsonl").exists():
         return None
-    records = [json.loads(line) for line in record_file.read_text().splitlines() if line.strip()]
-    config = json.loads((record_file.parent / "config.json").read_text())
-    last = [r for r in records if r.get("step") == config["total_steps"] and "eval/greedy_acc" in r]
-    return {"first": records[0], "last": last[0]} if last else None
+    try:
+        records = sweep.read_metrics(run_dir / "metrics.jsonl")
+        total_steps = sweep.read_json(run_dir / "config.json").get("total_steps")
+    except sweep.Damaged as e:
+        print(f"seed {seed}: a file is damaged, the seed is run again: {e}", flush=True)
+        return None
+    last = [r for r in records if r["step"] == total_steps and "eval/greedy_acc" in r]
+    if not last or "eval/greedy_acc" not in records[0]:  # records[0]: step 0, evaluated after the warm start
+        return None
+    return {"first": records[0], "last": last[0]}
 
 
-def run_seed(args: Args, seed: int) -> float:
-    """One seed's run from nothing (its folder deleted first); returns its wall time in seconds."""
+def read_times(path: Path) -> dict:
+    """seed_table.json: each finished seed's wall time in seconds ({} before the first); a damaged one stops with
+    one line, as the wall times it holds cannot be measured again without running every seed again."""
+    if not path.exists():
+        return {}
+    try:
+        times = sweep.read_json(path)
+    except sweep.Damaged as e:
+        times = str(e)
+    if isinstance(times, str) or not all(type(v) in (int, float) for v in times.values()):
+        raise SystemExit(
+            f"error: {times if isinstance(times, str) else f'{path}: not a wall time in seconds per seed'}: "
+            "restore it, or delete it to run every seed again"
+        )
+    return times
+
+
+def record_time(path: Path, seed: int, seconds: float) -> None:
+    """A seed's wall time into seed_table.json, merged under the file's claim with what other processes wrote
+    (two seed_table.py on one folder each keep the other's times), and replaced whole."""
+    fd = sweep.claim(path, wait=True)
+    try:
+        times = read_times(path)
+        times[str(seed)] = seconds
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(times, indent=1))
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
+
+
+def seed_run(args: Args, seed: int, times_file: Path) -> dict:
+    """One seed's run for sweep.py's runner: done when its run holds its final evaluation and seed_table.json its
+    wall time (decided under the run's claim), else run again from nothing, its warm-start cache deleted too."""
     folder = Path(args.out_dir) / str(seed)
-    shutil.rmtree(folder, ignore_errors=True)
-    command = [
-        sys.executable,
-        str(TRAINER),
-        "--preset",
-        args.preset,
-        "--seed",
-        str(seed),
-        "--out-dir",
-        str(folder),
-        "--run-name",
-        "run",
-        *args.extra,
-    ]
-    print(f"seed {seed}: {' '.join(command[1:])}", flush=True)
-    start = time.perf_counter()
-    code = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
-    if code:  # the trainer printed why on stderr
-        raise SystemExit(f"error: seed {seed}: replay_grpo.py exited with code {code}")
-    return time.perf_counter() - start
+
+    def status(run: dict) -> str:
+        if not run["run_dir"].exists():
+            return "new"
+        return "done" if finished(seed, run["run_dir"]) and str(seed) in read_times(times_file) else "restart"
+
+    return {
+        "name": f"seed {seed}",
+        "run_dir": folder / "run",
+        "clear": [folder / ".warmstart"],
+        "status": status,
+        "argv": ["--preset", args.preset, "--seed", str(seed), "--out-dir", str(folder), "--run-name", "run"]
+        + args.extra,
+    }
 
 
-def table(rows: list[dict]) -> str:
+def table_md(rows: list[dict]) -> str:
     """The per-seed markdown table and its summary line."""
     lines = [
         "| seed | warm-start steps | held-out greedy accuracy, step 0 -> end | gain | wall time |",
@@ -110,14 +141,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     times_file = out / "seed_table.json"
-    times = json.loads(times_file.read_text()) if times_file.exists() else {}
-    rows = []
+    read_times(times_file)  # a damaged one stops here, before any seed runs
+    rows, others = [], []
     for seed in args.seeds:
-        records = finished(out / str(seed) / "run" / "metrics.jsonl")
+        done = sweep.execute(
+            [seed_run(args, seed, times_file)],
+            in_subprocess=True,
+            quiet=True,
+            on_trained=lambda run, seconds, seed=seed: record_time(times_file, seed, seconds),
+        )
+        if done["failed"]:  # the trainer printed why on stderr
+            raise SystemExit(f"error: seed {seed}: replay_grpo.py failed")
+        if done["skipped"]:  # another process trains it
+            others.append(seed)
+            continue
+        records, times = finished(seed, out / str(seed) / "run"), read_times(times_file)
         if records is None or str(seed) not in times:
-            times[str(seed)] = run_seed(args, seed)
-            times_file.write_text(json.dumps(times, indent=1))
-            records = finished(out / str(seed) / "run" / "metrics.jsonl")
+            raise SystemExit(f"error: seed {seed}: the run ended without its final evaluation")
         start, end = records["first"]["eval/greedy_acc"], records["last"]["eval/greedy_acc"]
         rows.append(
             {
@@ -129,14 +169,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "seconds": times[str(seed)],
             }
         )
-    text = table(rows)
+    if others:
+        raise SystemExit(
+            f"error: seeds {', '.join(map(str, others))} are another process's runs, not finished: the table needs "
+            "every seed, run this again when it ends"
+        )
+    text = table_md(rows)
     print(text, end="")
     if args.table:
-        write_table(Path(args.table), text)
+        place_table(Path(args.table), text)
     return rows
 
 
-def write_table(path: Path, text: str) -> None:
+def place_table(path: Path, text: str) -> None:
     """The table into its place in `path` (between the markers), or as the whole file."""
     start, end = "<!-- seed_table -->\n", "<!-- /seed_table -->"
     old = path.read_text() if path.exists() else ""
@@ -146,4 +191,4 @@ def write_table(path: Path, text: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sweep.cli(main)

@@ -1,17 +1,19 @@
 """sweep.py: run a grid of replay-GRPO configurations x seeds, then tabulate and plot the study.
 
-    python sweep.py run --out-dir runs/study --seeds 0 1 2            # the default grid, resumable
-    python sweep.py run --out-dir runs/smoke --grid smoke --seeds 0 1 # 2 tiny configs (seconds)
-    python sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
-    python sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
-    python sweep.py plot runs/NAME                                    # one run's curves, into its folder
-    python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
+    python tools/sweep.py run --out-dir runs/study --seeds 0 1 2            # the default grid, resumable
+    python tools/sweep.py run --out-dir runs/smoke --grid smoke --seeds 0 1 # 2 tiny configs (seconds)
+    python tools/sweep.py run --out-dir runs/study --seeds 0 --extra --total-steps 50 --eval-every 10
+    python tools/sweep.py report --out-dir runs/study                       # table.md, summary.json, PNGs
+    python tools/sweep.py plot runs/NAME                                    # one run's curves, into its folder
+    python tools/sweep.py render docs/study/summary.json                    # its table.md again, from the summary
+    python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
 --subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
 N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
 `run` skips finished runs (checkpoint at total_steps), continues interrupted ones from their
-checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint.
+checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint. Several `run`
+processes may share a folder: each run is claimed by the one that trains it (.sweep_locks/), the others skip it.
 
 `report` reads every finished run under --out-dir, groups runs by configuration over seeds
 (median and IQR), keeps per configuration the learning rate with the best median final greedy
@@ -20,11 +22,12 @@ Compute, in the paper's normalisation: training on one rollout costs 1 unit and 
 costs mu units, so compute after t steps = trained_rollouts + mu * generated_rollouts
 (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs B(1 + mu) per update).
 It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
-and with the paper's mu = 5.28 (Qwen2.5-7B).
+and with the paper's mu = 5.28 (Qwen2.5-7B). table.md is rendered from summary.json's content alone (`render`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import math
@@ -33,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -94,6 +98,17 @@ class ReportArgs:
     saving_target: float = 30.0
     """the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu) whose
     attainment the report decides with bootstrap 90% intervals."""
+
+
+@dataclass
+class RenderArgs:
+    """table.md rendered again from a report's summary.json (sweep.py report's or pareto.py's), e.g. after a change
+    to the table's layout: the table is a function of the summary alone."""
+
+    summary: tyro.conf.Positional[str]
+    """the report's summary.json."""
+    table: str | None = None
+    """where the table goes (default: table.md beside the summary)."""
 
 
 @dataclass
@@ -345,9 +360,8 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                 runs.append(
                     {
                         "name": name,
-                        "config": config,
-                        "variant": tag,
-                        "seed": seed,
+                        "run_dir": Path(args.out_dir) / name,
+                        "planned": {"config": config, "variant": tag, "seed": seed},
                         "total_steps": cfg.total_steps,
                         "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
                     }
@@ -356,16 +370,21 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
 
 
 def checkpoint_state(run_dir: Path) -> dict | None:
-    """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint."""
+    """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint (one that cannot be
+    read, or holds no integer "step", is said in one line)."""
     import torch
 
     for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
         path = run_dir / ckpt / "trainer_state.pt"
         if path.exists():
             try:
-                return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
             except Exception as e:
                 print(f"warning: cannot read {path}: {type(e).__name__}: {e}")
+                continue
+            if isinstance(state, dict) and isinstance(state.get("step"), int):
+                return state
+            print(f'warning: {path} holds no integer "step": not a trainer state')
     return None
 
 
@@ -380,92 +399,159 @@ def run_status(run_dir: Path, total_steps: int) -> str:
     return "done" if state["step"] >= total_steps and (run_dir / "config.json").exists() else "partial"
 
 
-def execute(args: RunArgs, runs: list[dict]) -> list[str]:
-    """Train every run not finished yet (resuming interrupted ones); returns the failed names."""
+CLAIMS = ".sweep_locks"  # beside run folders: a lock file per run that a runner process holds while it handles it
+
+
+def claim(path: Path, wait: bool = False) -> int | None:
+    """This process's claim on `path` (a run folder, or a file several runners rewrite): an flock on
+    <parent>/.sweep_locks/<name>, a file that is never deleted, so that it outlives a run folder deleted and made
+    again. Returns its descriptor (os.close releases it, as the process's end does), or None when another process
+    holds it (wait: block until it is free)."""
+    locks = path.parent / CLAIMS
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / path.name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+STATUS_LINES = {
+    "new": "start",
+    "done": "finished, skipped",
+    "partial": "resume from its checkpoint",
+    "broken": "no checkpoint: delete and restart",
+    "restart": "delete and run again from nothing",
+}
+
+
+def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
+    """The runner of every study tool. Each run: name, run_dir, argv (replay_grpo.py's flags, its --out-dir and
+    --run-name naming run_dir), and total_steps for run_status, or status(run), a function that returns one of
+    STATUS_LINES' keys in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths
+    deleted before a run is trained from nothing, e.g. its warm-start cache).
+
+    A run is handled under its claim (claim(run_dir)), so that two runner processes on one folder never both
+    decide on, train, delete or restart one run: a run another process claims, or whose folder a trainer holds
+    (its lock), is skipped. Otherwise it is skipped when done, resumed from its checkpoint (partial), or deleted
+    and trained from nothing (broken: it died before its first checkpoint; restart). A run that fails does not
+    stop the others; Ctrl-C does. in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its
+    stdout), else replay_grpo.main in this process. on_trained(run, seconds) is called after each run trained
+    without error, with its wall time, under the run's claim. Returns the names of the runs that failed and of
+    those skipped as another process's."""
     import replay_grpo
 
-    failed = []
+    failed, skipped = [], []
     for i, r in enumerate(runs, 1):
-        run_dir, argv = Path(args.out_dir) / r["name"], r["argv"]
-        if run_dir.exists() and run_folder.in_use(run_dir):  # another sweep process trains it: leave it alone
-            print(f"[{i}/{len(runs)}] {r['name']}: in use by another process, skipped", flush=True)
+        run_dir, argv, head = Path(r["run_dir"]), r["argv"], f"[{i}/{len(runs)}] {r['name']}:"
+        fd = claim(run_dir)
+        if fd is None or run_dir.exists() and run_folder.in_use(run_dir):  # another process has it: leave it alone
+            print(f"{head} in use by another process, skipped", flush=True)
+            skipped.append(r["name"])
+            if fd is not None:
+                os.close(fd)
             continue
-        status = run_status(run_dir, r["total_steps"])
-        print(
-            f"[{i}/{len(runs)}] {r['name']}: "
-            + {
-                "new": "start",
-                "done": "finished, skipped",
-                "partial": "resume from its checkpoint",
-                "broken": "no checkpoint: delete and restart",
-            }[status],
-            flush=True,
-        )
-        if status == "done":
-            continue
-        if status == "partial":
-            argv = argv + ["--resume"]
-        if status == "broken":
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)  # what the report groups it by, written when it is planned
-        planned = {"config": r["config"], "variant": r["variant"], "seed": r["seed"]}
-        (run_dir / PLANNED).write_text(json.dumps(planned))
-        if args.subprocess:
-            code = subprocess.run([sys.executable, str(TRAINER), *argv]).returncode
-        else:
-            try:
-                replay_grpo.main(argv)
-                code = 0
-            except SystemExit as e:
-                code = e.code
-            except Exception:  # a crash fails this run only; the traceback is printed
-                traceback.print_exc()
-                code = 1
-        if code == 130:  # Ctrl-C: stop the sweep (the run keeps its last checkpoint)
-            raise SystemExit(130)
-        if code:
-            failed.append(r["name"])
-    return failed
+        try:
+            status = r["status"](r) if "status" in r else run_status(run_dir, r["total_steps"])
+            print(f"{head} {STATUS_LINES[status]}", flush=True)
+            if status == "done":
+                continue
+            if status == "partial":
+                argv = argv + ["--resume"]
+            else:  # trained from nothing: nothing of an earlier attempt is kept
+                for path in [run_dir, *r.get("clear", [])]:
+                    shutil.rmtree(path, ignore_errors=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if "planned" in r:  # what the report groups it by, written when it is planned
+                (run_dir / PLANNED).write_text(json.dumps(r["planned"]))
+            start = time.perf_counter()
+            if in_subprocess:
+                out = subprocess.DEVNULL if quiet else None
+                code = subprocess.run([sys.executable, str(TRAINER), *argv], stdout=out).returncode
+            else:
+                try:
+                    replay_grpo.main(argv)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+                except Exception:  # a crash fails this run only; the traceback is printed
+                    traceback.print_exc()
+                    code = 1
+            if code == 130:  # Ctrl-C: stop the runner (the run keeps its last checkpoint)
+                raise SystemExit(130)
+            if code:
+                failed.append(r["name"])
+            elif on_trained is not None:
+                on_trained(r, time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    return {"failed": failed, "skipped": skipped}
 
 
 def record_sweep(out_dir: Path, args: RunArgs) -> None:
     """sweep.json: the grid, and every seed and tune seed run into this folder so far (the report leaves the
-    tune seeds out). Several `run` processes share a folder (two at a time, say): seeds are merged, and the
-    file is replaced whole."""
+    tune seeds out). Several `run` processes share a folder: each merges its seeds under the file's claim, and the
+    file is replaced whole. A damaged sweep.json stops the run with one line (what it recorded is unknown)."""
     path, seeds, tune_seeds = out_dir / "sweep.json", set(args.seeds), set(args.tune_seeds)
+    fd = claim(path, wait=True)
     try:
-        before = json.loads(path.read_text())
-        seeds |= set(before.get("seeds", []))
-        tune_seeds |= set(before.get("tune_seeds", []))
-    except (OSError, ValueError):
-        pass
-    tmp = out_dir / f".sweep.json.{os.getpid()}"
-    tmp.write_text(
-        json.dumps(
-            {"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds), "extra": args.extra}, indent=2
-        )
-    )
-    os.replace(tmp, path)
+        if path.exists():
+            before = read_sweep_json(path)
+            seeds |= set(before["seeds"])
+            tune_seeds |= set(before["tune_seeds"])
+        tmp = out_dir / f".sweep.json.{os.getpid()}"
+        recorded = {"grid": args.grid, "seeds": sorted(seeds), "tune_seeds": sorted(tune_seeds), "extra": args.extra}
+        tmp.write_text(json.dumps(recorded, indent=2))
+        os.replace(tmp, path)
+    finally:
+        os.close(fd)
+
+
+def read_sweep_json(path: Path) -> dict:
+    """sweep.json's record, its seeds and tune_seeds lists of integers; a damaged one stops with one line."""
+    keep = "it records which seeds only chose a learning rate: restore it, or delete it (report: give --tune-seeds)"
+    try:
+        recorded = read_json(path)
+    except Damaged as e:
+        raise SystemExit(f"error: {e}; {keep}") from None
+    seeds, tune_seeds = recorded.get("seeds", []), recorded.get("tune_seeds", [])
+    if not all(isinstance(x, list) and all(type(s) is int for s in x) for x in (seeds, tune_seeds)):
+        raise SystemExit(f"error: {path}: seeds and tune_seeds are not lists of integers; {keep}")
+    return {**recorded, "seeds": seeds, "tune_seeds": tune_seeds}
 
 
 def run(args: RunArgs) -> None:
     """Tune (every variant on --tune-seeds), pick per configuration, then the reported --seeds."""
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    record_sweep(Path(args.out_dir), args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record_sweep(out, args)
     runs = plan_runs(args)
-    failed = execute(args, runs)
-    if args.tune_seeds and not failed:
-        picks = {
-            c: p["variant"]
-            for c, p in pick_variants(load_runs(Path(args.out_dir), quiet=True), args.tune_seeds).items()
-        }
+    done = execute(runs, in_subprocess=args.subprocess)
+    if args.tune_seeds and not done["failed"] and not others_still_train(runs, done):
+        picks = {c: p["variant"] for c, p in pick_variants(load_runs(out, quiet=True), args.tune_seeds).items()}
         for config, tag in picks.items():
             print(f"{config}: {tag.lstrip('-') or 'its only variant'} picked on tune seeds {args.tune_seeds}")
         runs = plan_runs(args, seeds=args.seeds, picks=picks)
-        failed = execute(args, runs)
-    if failed:
-        raise SystemExit(f"error: {len(failed)} run(s) failed: {', '.join(failed)} (rerun to retry)")
-    print(f"all runs finished in {args.out_dir}; next: python sweep.py report --out-dir {args.out_dir}")
+        done = execute(runs, in_subprocess=args.subprocess)
+    if done["failed"]:
+        raise SystemExit(f"error: {len(done['failed'])} run(s) failed: {', '.join(done['failed'])} (rerun to retry)")
+    others = others_still_train(runs, done)
+    if others:
+        print(
+            f"{len(others)} run(s) are another process's, not finished yet: {', '.join(others)}; run this again "
+            f"when it ends{' (then the variants are picked and --seeds run)' if args.tune_seeds else ''}"
+        )
+        return
+    print(f"all runs finished in {args.out_dir}; next: python tools/sweep.py report --out-dir {args.out_dir}")
+
+
+def others_still_train(runs: list[dict], done: dict) -> list[str]:
+    """The runs execute skipped as another process's that are not finished now."""
+    return [
+        r["name"] for r in runs if r["name"] in done["skipped"] and run_status(r["run_dir"], r["total_steps"]) != "done"
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,28 +597,68 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+# config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
+CONFIG_KEYS = {
+    "seed": int,
+    "lr": (int, float),
+    "total_steps": int,
+    "eval_every": int,
+    "buffer_size": int,
+    "batch_size": int,
+    "prompts_per_step": int,
+    "group_size": int,
+    "pass_k": int,
+    "loss": str,
+    "positive_bias": (int, float),
+}
+
+
+def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None, dict | None]:
+    """A run folder's settings (config.json with the resumes' changes), and when it is finished (its checkpoint at
+    total_steps) its records and planned configuration. Damaged names the file that is missing, unreadable, or
+    lacks what the report reads."""
+    path = run_dir / "config.json"
+    cfg = read_json(path)
+    for key, kind in CONFIG_KEYS.items():
+        if type(cfg.get(key)) is bool or not isinstance(cfg.get(key), kind):
+            what = {int: "an integer", str: "text"}.get(kind, "a number")
+            raise Damaged(f'{path}: "{key}" is missing or not {what}')
+    try:
+        cfg = run_folder.current_config(run_dir, cfg)
+    except ValueError as e:
+        raise Damaged(str(e)) from None
+    if state is None or state["step"] != cfg["total_steps"]:
+        return cfg, None, None
+    records, path = read_metrics(run_dir / "metrics.jsonl"), run_dir / "metrics.jsonl"
+    if not records or records[-1]["step"] < state["step"]:
+        raise Damaged(f"{path}: its records do not reach the checkpoint's step {state['step']} (cut)")
+    if not any("eval/greedy_acc" in r for r in records):
+        raise Damaged(f"{path}: it holds no evaluation")
+    if (run_dir / PLANNED).exists():
+        planned = read_json(run_dir / PLANNED)
+        if not all(isinstance(planned.get(k), str) for k in ("config", "variant")):
+            raise Damaged(f'{run_dir / PLANNED}: "config" and "variant" are not both text')
+    else:  # a folder from before sweep_run.json: its name says it
+        m = RUN_NAME.fullmatch(run_dir.name)
+        planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
+    return cfg, records, planned
+
+
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
-    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001),
-    seed, cfg and metric records."""
-    runs = []
+    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001), seed, cfg and
+    metric records. A run folder with a damaged file is left out, named in one line, and counted."""
+    runs, damaged = [], 0
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
-            cfg = run_folder.current_config(run_dir, read_json(run_dir / "config.json"))  # with resumes' changes
-            state = checkpoint_state(run_dir)
-            finished = state is not None and state["step"] == cfg.get("total_steps")
-            records = read_metrics(run_dir / "metrics.jsonl") if finished else None
-        except (Damaged, ValueError) as e:
+            cfg, records, planned = read_run(run_dir, checkpoint_state(run_dir))
+        except Damaged as e:
             print(f"report: {run_dir.name} left out, a file is damaged: {e}")
+            damaged += 1
             continue
-        if not finished:
+        if records is None:
             if not quiet:
                 print(f"report: {run_dir.name} is not finished, left out")
             continue
-        if (run_dir / PLANNED).exists():
-            planned = read_json(run_dir / PLANNED)
-        else:  # a folder from before sweep_run.json: its name says it
-            m = RUN_NAME.fullmatch(run_dir.name)
-            planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
         runs.append(
             {
                 "name": run_dir.name,
@@ -543,6 +669,8 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
                 "records": records,
             }
         )
+    if damaged:
+        print(f"report: {damaged} run folder(s) with a damaged file left out")
     return runs
 
 
@@ -811,11 +939,7 @@ def bootstrap_costs(
             for axis in axes:
                 for f in fracs:
                     samples[c]["cost"][axis][f].append(cost[c][(axis, f)])
-                    rc = cost[reference][(axis, f)]
-                    saving = np.nan
-                    if 0 < rc < np.inf:
-                        saving = 100 * (1 - cost[c][(axis, f)] / rc)
-                    samples[c]["saving"][axis][f].append(saving)
+                    samples[c]["saving"][axis][f].append(saving(cost[c][(axis, f)], cost[reference][(axis, f)]))
                 if axis in equal_axes:  # accuracy at the last evaluation within the reference's final compute
                     within = np.nonzero(np.median(a[axis][draw[c]], axis=0) <= budget[axis] + 1e-6)[0]
                     for what, arr in (("acc", a["acc"]), ("pass@k", a["passk"])):
@@ -824,20 +948,7 @@ def bootstrap_costs(
                             value = float(np.median(arr[draw[c]][:, within[-1]]))
                         samples[c]["at_equal"][axis][what].append(value)
 
-    def interval(values) -> list:
-        """5th, 50th and 95th percentiles (None where no replicate has a value)."""
-        v = np.asarray(values, dtype=float)
-        if np.all(np.isnan(v)):
-            return [None, None, None]
-        return [float(np.nanpercentile(v, p, method="nearest")) for p in (5, 50, 95)]
-
-    def intervals_of(tree):
-        """The same nesting as `tree`, each list of replicate values replaced by its interval."""
-        if isinstance(tree, dict):
-            return {k: intervals_of(v) for k, v in tree.items()}
-        return interval(tree)
-
-    intervals = intervals_of(samples)
+    intervals = intervals_of(samples, (5, 50, 95))
     decision = {}
     for c in configs:
         if c == reference:
@@ -863,6 +974,53 @@ def bootstrap_costs(
     return {"bootstrap": bootstrap, "decision": decision, "saving_target": saving_target}
 
 
+# ----------------------------------------------------------------------------------------------
+# The report engine, shared by this report and pareto.py's: the summary (what is computed from the runs) is
+# written as summary.json; table.md is rendered from that JSON alone, and the figures from the summary and
+# the runs. The helpers below have one meaning each, in every report.
+# ----------------------------------------------------------------------------------------------
+
+
+def saving(cost: float, reference_cost: float) -> float:
+    """Percent of the reference's cost saved: -inf when the level is never reached (cost inf); nan when the
+    reference's cost is 0 (reached before training: nothing to save) or inf (the reference never got there)."""
+    if not 0 < reference_cost < math.inf:
+        return math.nan
+    return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
+
+
+def percentiles(values, ps: tuple) -> list:
+    """The percentiles ps of a bootstrap quantity's replicates, each one of the replicates (method "nearest"); the
+    replicates where it is undefined (nan) are left out, and where every one is, each percentile is None."""
+    v = np.asarray(values, dtype=float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return [None] * len(ps)
+    return [float(np.percentile(v, p, method="nearest")) for p in ps]
+
+
+def intervals_of(tree, ps: tuple):
+    """The nesting of `tree` (dicts), each sequence of replicate values replaced by its percentiles ps."""
+    if isinstance(tree, dict):
+        return {k: intervals_of(v, ps) for k, v in tree.items()}
+    return percentiles(tree, ps)
+
+
+def strict_json(x):
+    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
+    "never", an undefined one (nan) is null."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else "never"
+    return x
+
+
+# The formatters take a value as summary.json holds it: a number, "never" (+-inf) or None (undefined, or nan).
+
+
 def fmt(x) -> str:
     """Token and compute amounts: 58.24, 6896, 13.3k, 1.25M."""
     if x is None:
@@ -874,38 +1032,96 @@ def fmt(x) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
-def fmt_q(q) -> str:
-    return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
-
-
-def fmt_pct(x) -> str:
-    return "—" if x is None else f"{x:+.1f}%"
-
-
 def fmt_cost(x) -> str:
-    """A cost to a level: never reached is inf."""
-    return "never" if x == math.inf else fmt(x)
+    """A cost to a level, as fmt: never reached is "never"."""
+    return "never" if x in ("never", math.inf) else fmt(x)
 
 
-def fmt_saving(x) -> str:
-    """A saving in percent: -inf when the configuration never reached the level."""
-    return "never" if x == -math.inf else f"{x:+.0f}%"
-
-
-def fmt_interval(q, one) -> str:
-    """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]', each formatted by `one`."""
-    if q[1] is None:
+def fmt_saving(x, digits: int = 0) -> str:
+    """A saving in percent with its sign: never reached is "never", undefined "—"."""
+    if x is None or x != x:  # None or nan
         return "—"
-    return f"{one(q[1])} [{one(q[0])}, {one(q[2])}]"
+    return "never" if x in ("never", -math.inf) else f"{x:+.{digits}f}%"
 
 
-def fmt3(x) -> str:
+def fmt_acc(x) -> str:
+    """An accuracy (or another value in [0, 1]): 0.815."""
     return "—" if x is None else f"{x:.3f}"
 
 
-def write_table(s: dict, path: Path) -> None:
+def fmt_mu(x) -> str:
+    """A generation/training cost ratio mu: 1.37."""
+    return "—" if x is None else f"{x:.2f}"
+
+
+def fmt_diff(x) -> str:
+    """A difference of accuracies, with its sign: +0.012."""
+    return "—" if x is None else f"{x:+.3f}"
+
+
+def fmt_quartiles(q) -> str:
+    """Quartiles over seeds (25th, 50th, 75th) as 'median [25th–75th]'."""
+    return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
+
+
+def fmt_interval(value, ci, one) -> str:
+    """A value and its bootstrap interval [5th, 95th percentile] (the first and last of ci) as 'value [5th, 95th]',
+    each formatted by `one`."""
+    return f"{one(value)} [{one(ci[0])}, {one(ci[-1])}]"
+
+
+def save_figure(fig, path: Path, **savefig) -> Path:
+    """Lay out, write and close a report figure (dpi 110, and `savefig`'s options)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, **savefig)
+    plt.close(fig)
+    return path
+
+
+def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
+    """summary.json (s without its `private` key, as strict JSON), table.md (table_md of that JSON, as a reader
+    of summary.json has it) and the figures (plot of s) into dest; an unwritable folder stops with one line."""
+    text = json.dumps(strict_json({k: v for k, v in s.items() if k != private}), indent=2, allow_nan=False)
+    table = table_md(json.loads(text))
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "table.md").write_text(table)
+        (dest / "summary.json").write_text(text)
+        figures = plot(s, dest)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
+    print(table)
+    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+
+
+def render(summary_path: Path, table_path: Path) -> None:
+    """table.md rendered again from a report's summary.json (this report's or pareto.py's): the same bytes that
+    report wrote, as the table is a function of the summary alone."""
+    import pareto
+
+    try:
+        summary = read_json(summary_path)
+    except Damaged as e:
+        raise SystemExit(f"error: {e}") from None
+    render_table = pareto.table_md if "interval_90" in summary else table_md
+    try:
+        table_path.write_text(render_table(summary))
+    except OSError as e:
+        raise SystemExit(f"error: cannot write {table_path} ({e.strerror or e})") from None
+    print("wrote", table_path)
+
+
+def table_md(s: dict) -> str:
+    """The study's table.md from its summary (summary.json's content)."""
+
+    def bootstrap(q, one) -> str:
+        """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]' ("—" where it is undefined)."""
+        return "—" if q[1] is None else fmt_interval(q[1], q, one)
+
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
-    target = "—" if s["target_greedy_acc"] is None else f"{s['target_greedy_acc']:.3f}"
+    target = fmt_acc(s["target_greedy_acc"])
     lines = [
         "# Replay-GRPO study",
         "",
@@ -915,7 +1131,7 @@ def write_table(s: dict, path: Path) -> None:
         "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
         "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
         f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
-        f"+ mu × generated rollouts. 'meas.' uses mu = {mu:.2f} (median of the runs' measured mu on this "
+        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt_mu(mu)} (median of the runs' measured mu on this "
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
         "optimizer steps between a rollout's generation and its use, averaged over every use.",
         "",
@@ -930,16 +1146,16 @@ def write_table(s: dict, path: Path) -> None:
             f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
             len(r["seeds"]),
             r["steps"],
-            fmt_q(r["greedy_acc"]),
-            fmt_q(r["pass@1"]),
-            f"pass@{r['k']} {fmt_q(r['pass@k'])}",
+            fmt_quartiles(r["greedy_acc"]),
+            fmt_quartiles(r["pass@1"]),
+            f"pass@{r['k']} {fmt_quartiles(r['pass@k'])}",
             fmt(r["generated_tokens"]),
-            "—" if r["mu"] is None else f"{r['mu']:.2f}",
+            fmt_mu(r["mu"]),
             f"{r['replay_ratio']:.2f}",
             f"{r['staleness']:.2f}",
         ]
         for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-            cells += [fmt(r[f"{axis}_to_target"]), fmt_pct(r[f"{axis}_saving_pct"])]
+            cells += [fmt(r[f"{axis}_to_target"]), fmt_saving(r[f"{axis}_saving_pct"], digits=1)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
@@ -964,8 +1180,8 @@ def write_table(s: dict, path: Path) -> None:
             for f in ("target", "90% of target"):
                 cells = [c, f]
                 for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    saving = "—" if c == ref else fmt_interval(iv[c]["saving"][axis][f], fmt_saving)
-                    cells += [fmt_interval(iv[c]["cost"][axis][f], fmt_cost), saving]
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt_saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt_cost), saving]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += [
             "",
@@ -978,7 +1194,7 @@ def write_table(s: dict, path: Path) -> None:
         ]
         for c in s["configs"]:
             cells = [
-                fmt_interval(iv[c]["at_equal"][a][w], fmt3)
+                bootstrap(iv[c]["at_equal"][a][w], fmt_acc)
                 for a in ("compute_measured_mu", "compute_paper_mu")
                 for w in ("acc", "pass@k")
             ]
@@ -1025,8 +1241,8 @@ def write_table(s: dict, path: Path) -> None:
         for c, rows in s["per_seed"].items():
             for r in rows:
                 lines.append(
-                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt3(r['warmstart_pass@k'])} | "
-                    f"{fmt3(r['greedy_acc_start'])} | {fmt3(r['greedy_acc_final'])} |"
+                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt_acc(r['warmstart_pass@k'])} | "
+                    f"{fmt_acc(r['greedy_acc_start'])} | {fmt_acc(r['greedy_acc_final'])} |"
                 )
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
@@ -1048,7 +1264,7 @@ def write_table(s: dict, path: Path) -> None:
                 note = s["lr_choice"][c]
                 tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
                 lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:
@@ -1067,10 +1283,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     written = []
 
     def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(out_dir / name)
+        written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
     def lines(ax, y, x, xlabel, ylabel, eval_only=True, show_target=True):
         for c, rs in runs.items():
@@ -1087,15 +1300,15 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     def legend(ax):
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
 
-    def step(r):
+    def step_of(r):
         return r["step"]
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    lines(a, "eval/greedy_acc", step, "gradient steps", "held-out greedy accuracy")
+    lines(a, "eval/greedy_acc", step_of, "gradient steps", "held-out greedy accuracy")
     lines(
         b,
         lambda c: f"eval/pass@{s['configs'][c]['k']}",
-        step,
+        step_of,
         "gradient steps",
         "held-out pass@k (k samples, temperature 1)",
         show_target=False,
@@ -1134,7 +1347,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     lines(
         ax,
         "entropy",
-        step,
+        step_of,
         "gradient steps",
         "policy entropy on the batch (nats/token)",
         eval_only=False,
@@ -1215,47 +1428,20 @@ BUCKET_PANELS = [
 ]
 
 
-def strict_json(x):
-    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
-    "never", an undefined one (nan) is null."""
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else "never"
-    return x
-
-
 def report(args: ReportArgs) -> dict:
     out = Path(args.out_dir)
     runs = load_runs(out) if out.is_dir() else []
     if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python sweep.py run --out-dir {out})")
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --out-dir {out})")
     sweep_json = out / "sweep.json"  # the tune seeds that `run` used
     tune_seeds = args.tune_seeds
     if not tune_seeds and sweep_json.exists():
-        tune_seeds = json.loads(sweep_json.read_text()).get("tune_seeds")
+        tune_seeds = read_sweep_json(sweep_json)["tune_seeds"]
     s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
     if not s["configs"]:
         raise SystemExit(f"error: {out} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds")
-    write_report(Path(args.report_dir or out), s, private="_runs", write_table=write_table, plot=plot)
+    write_report(Path(args.report_dir or out), s, private="_runs", table_md=table_md, plot=plot)
     return s
-
-
-def write_report(dest: Path, s: dict, private: str, write_table, plot) -> None:
-    """table.md, summary.json (s without its `private` key, as strict JSON) and the figures into dest; an
-    unwritable folder stops with one line."""
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        write_table(s, dest / "table.md")
-        summary = strict_json({k: v for k, v in s.items() if k != private})
-        (dest / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
-        figures = plot(s, dest)
-    except OSError as e:
-        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
-    print((dest / "table.md").read_text())
-    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1376,19 +1562,34 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1 :]
-    commands = {"run": RunArgs, "report": ReportArgs, "plot": PlotArgs}
+    commands = {"run": RunArgs, "report": ReportArgs, "render": RenderArgs, "plot": PlotArgs}
     args = tyro.extras.subcommand_cli_from_dict(
         commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
     )
+    if extra and not isinstance(args, RunArgs):
+        raise SystemExit("error: --extra is for sweep.py run (trainer flags)")
     if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
+    if isinstance(args, RenderArgs):
+        summary = Path(args.summary)
+        return render(summary, Path(args.table) if args.table else summary.with_name("table.md"))
     if isinstance(args, ReportArgs):
-        if extra:
-            raise SystemExit("error: --extra is for sweep.py run (trainer flags), not report")
         return report(args)
     args.extra = extra
     return run(args)
 
 
+def cli(main) -> None:
+    """A tool's entry point: main's one-line error (a SystemExit with a message) goes to stderr with exit status 2,
+    as replay_grpo.py's errors do; any other exit keeps its status."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    cli(main)
