@@ -1700,9 +1700,12 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     def torch_load(path: Path):
         return torch.load(path, weights_only=False)
 
-    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load)
+    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
+    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load, keys=("step", *sync_keys))
     if rank == 0 and "optimizer" not in state:  # older checkpoints kept it in trainer_state.pt
-        state["optimizer"] = run_folder.read_checkpoint_file(ckpt, "optimizer.pt", torch_load)
+        state["optimizer"] = run_folder.read_checkpoint_file(
+            ckpt, "optimizer.pt", torch_load, ("state", "param_groups")
+        )
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
         raise UserError(
             f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
@@ -2093,7 +2096,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME", file=sys.stderr)
+        print(run_folder.interrupted_line(), file=sys.stderr)
         raise SystemExit(130)
     finally:
         run_folder.release_runs()

@@ -94,6 +94,51 @@ def test_a_resume_may_change_the_run_length_and_records_it(tmp_path):
     assert record["changed"] == {"--total-steps": [3, 6]}
 
 
+def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_path, capsys):
+    """A run folder older than a flag: config.json does not hold it, so the run had its default."""
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["sampling"], saved["loss_agg"]
+    config.write_text(json.dumps(saved))
+    resume = small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4")
+    err = user_error(capsys, [*resume, "--sampling", "at-least-once", "--loss-agg", "seq-mean"])
+    assert f"{config} does not hold 2 flag(s)" in err, err
+    assert "--sampling at-least-once (default: uniform); --loss-agg seq-mean (default: token-mean)" in err
+    assert not (tmp_path / "r" / "resumes.jsonl").exists()  # a refused resume writes nothing
+    rg.main(resume)
+    changed = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])["changed"]
+    assert changed == {"--sampling": [None, "uniform"], "--loss-agg": [None, "token-mean"], "--total-steps": [3, 4]}
+    assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
+
+
+@pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt"])
+def test_a_checkpoint_file_with_other_content_is_named_in_one_line(tmp_path, capsys, damage):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    ckpt = tmp_path / "r" / "checkpoint"
+    if damage == "swap":  # two files swapped: each a valid torch file
+        (ckpt / "optimizer.pt").rename(ckpt / "x")
+        (ckpt / "trainer_state.pt").rename(ckpt / "optimizer.pt")
+        (ckpt / "x").rename(ckpt / "trainer_state.pt")
+        damage = "trainer_state.pt"
+    else:  # a valid torch file without the expected keys
+        torch.save({"weights": 1}, ckpt / damage)
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
+    assert f"{ckpt / damage} does not hold what that file holds" in err and "start the run again" in err, err
+
+
+# --- a run folder stays inside --out-dir --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/../..", "ABSOLUTE"])
+def test_a_run_name_that_leaves_the_out_dir_is_refused(tmp_path, capsys, name):
+    out = tmp_path / "runs"
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    err = user_error(capsys, small_args(out, "--run-name", name))
+    assert f"--run-name {name}: a run folder must be a folder inside --out-dir {out}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, --out-dir included
+
+
 # --- 2. one process per run folder ------------------------------------------------------------------
 
 
@@ -239,6 +284,40 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
     assert state["step"] == 2
 
 
+def fill(disk: Path) -> None:
+    """Fill a tmpfs to its last byte."""
+    with (disk / "filler").open("wb", buffering=0) as f:
+        for size in (2**20, 2**12, 1):
+            try:
+                while True:
+                    f.write(b"x" * size)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("file", ["metrics.jsonl", "resumes.jsonl"])
+def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_nothing_partial(
+    small_disk, capsys, file
+):
+    run = small_disk / "r"
+    rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2"))
+    if file == "metrics.jsonl":  # resumes.jsonl already holds a line, so its next one fits in its page
+        rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2", "--resume"))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    fill(small_disk)
+    capsys.readouterr()
+    err = user_error(
+        capsys, small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "4", "--resume")
+    )
+    assert err.startswith("error: disk full") and f"could not write {run / file}" in err, err
+    assert "the checkpoint and the records up to it are kept" in err
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    resumes = after.pop("resumes.jsonl", b"").decode().splitlines()
+    assert after == {k: v for k, v in before.items() if k != "resumes.jsonl"}  # no .tmp, records whole
+    assert all(json.loads(line)["changed"] is not None for line in resumes)  # no cut line
+    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+
+
 # --- 5. settings that would hang or exhaust memory are refused at once -----------------------------
 
 
@@ -375,3 +454,51 @@ def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_
     with pytest.raises(SystemExit) as exc:
         sweep.main(["plot", str(copy)])
     assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value
+
+
+# --- messages that name the real cause ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eval_every", ["0", "2"])
+def test_ctrl_c_says_whether_a_checkpoint_is_kept(tmp_path, capsys, monkeypatch, eval_every):
+    real, calls = rg.train_step, iter(range(100))
+
+    def interrupted_at_step_3(*args, **kwargs):
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "train_step", interrupted_at_step_3)
+    with pytest.raises(SystemExit) as exc:
+        rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", eval_every))
+    err = capsys.readouterr().err
+    assert exc.value.code == 130 and err.count("\n") == 1, err
+    if eval_every == "0":
+        assert f"interrupted: {tmp_path / 'r'} holds no checkpoint yet" in err and "is kept" not in err, err
+        assert f"rm -r {tmp_path / 'r'}" in err
+    else:
+        assert f"interrupted: the last checkpoint in {tmp_path / 'r'} is kept" in err, err
+
+
+def test_a_lock_path_that_is_a_directory_is_named(tmp_path, capsys):
+    (tmp_path / "r" / "lock").mkdir(parents=True)
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r"))
+    assert f"{tmp_path / 'r' / 'lock'} is a directory, not the run's lock file" in err, err
+    assert "--out-dir" not in err
+
+
+def test_a_read_only_run_folder_is_named_not_the_out_dir(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    if os.geteuid() == 0:  # root ignores a read-only mode: a read-only mount
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run)], capture_output=True)
+        if res.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    else:
+        run.chmod(0o555)
+    try:
+        err = user_error(capsys, small_args(tmp_path, "--run-name", "r"))
+    finally:
+        subprocess.run(["umount", "-l", str(run)]) if os.geteuid() == 0 else run.chmod(0o755)
+    assert f"{run}: cannot write in the run folder" in err and f"its lock file {run / 'lock'}" in err, err
+    assert "--out-dir" not in err
