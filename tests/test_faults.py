@@ -6,6 +6,7 @@ checkpoint or mixes two configurations. docs/reference.md's table of faults list
 import json
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -332,12 +333,27 @@ def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_
         (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
         (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
         (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
+        (["--temperature", "1e-300"], "--temperature 1e-300: must be in [0.01, 100]"),
+        (["--group-size", "100000000", "--buffer-size", "200000000"], "--group-size 100000000: must be <= 65536"),
+        (["--batch-size", "100000000", "--buffer-size", "100000000"], "--batch-size 100000000: must be <= 65536"),
+        (["--arith-terms", "1000000"], "--arith-terms 1000000: must be <= 4096"),
+        (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
     ],
 )
 def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
     t0 = time.time()
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
     assert needle in err and time.time() - t0 < 20, err
+
+
+def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
+    calls = iter(range(10**9))
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda completion, gold: next(calls) % 2 == 0)  # |A| = 1
+    extra = ["--loss", "grpo", "--sampling", "priority", "--buffer-size", "16", "--total-steps", "3"]
+    rg.main(small_args(tmp_path, "--run-name", "a", *extra, "--priority-alpha", "1e300"))  # (1 + eps)^1e300
+    rg.main(small_args(tmp_path, "--run-name", "t", *extra, "--priority-alpha", "1e300", "--priority-tau", "1e-300"))
+    for run in ("a", "t"):
+        assert [json.loads(line)["step"] for line in lines(tmp_path / run / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys, monkeypatch):
@@ -363,6 +379,13 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
         (b'{"prompt": "1+1=", "answer": null}', ':2: "answer" must be str or int or float, got null'),
         (b'{"prompt": {"text": "1+1="}, "answer": "2"}', ':2: "prompt" must be str, got {"text"'),
         (b'{"prompt": "1+1=", "answer": ["2"]}', ':2: "answer" must be str or int or float, got ["2"]'),
+        (b'{"prompt": "1+1=", "answer": NaN}', ":2: not valid JSON (NaN is not a JSON number)"),
+        (b'{"prompt": "1+1=", "answer": -Infinity}', ":2: not valid JSON (-Infinity is not a JSON number)"),
+        (b'{"prompt": "1+1=", "answer": 1e400}', ':2: "answer" is empty or not a finite number: Infinity'),
+        (b'{"prompt": "", "answer": 2}', ':2: "prompt" is empty or not a finite number: ""'),
+        (b'{"prompt": "1+1=", "answer": " "}', ':2: "answer" is empty or not a finite number: " "'),
+        (b'{"prompt": "1+1=", "answer": 2, "solution": ""}', ':2: "solution" is empty or not a finite number'),
+        (b'{"prompt": "1+1=", "answer": 1' + b"0" * 5000 + b"}", ":2: not valid JSON (Exceeds the limit"),
     ],
 )
 def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
@@ -376,7 +399,8 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, capsy
     data = tmp_path / "d.jsonl"
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(30)] + [{"prompt": "9" * 600, "answer": 1}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rg.main(small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--run-name", "j", "--total-steps", "1"))
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "3")  # a tenth of 31
+    rg.main([*args, "--run-name", "j", "--total-steps", "1"])
     out = capsys.readouterr().out
     assert "prompts longer than the model's context less --max-new-tokens are skipped: 1 train" in out
 
@@ -478,6 +502,50 @@ def test_ctrl_c_says_whether_a_checkpoint_is_kept(tmp_path, capsys, monkeypatch,
         assert f"rm -r {tmp_path / 'r'}" in err
     else:
         assert f"interrupted: the last checkpoint in {tmp_path / 'r'} is kept" in err, err
+
+
+def write_rows(path: Path, prompts) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": 1}) + "\n" for p in prompts))
+    return path
+
+
+def test_data_whose_every_prompt_exceeds_the_context_names_the_file_not_max_new_tokens(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [f"{i}" * 600 for i in range(20)])  # the tiny model's context: 512
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert f"{data}: every eval prompt is longer than the model's context (512 positions)" in err, err
+    assert "--max-new-tokens" not in err
+    data = write_rows(tmp_path / "d.jsonl", [chr(97 + i) * 510 for i in range(20)])  # fits with --max-new-tokens 2
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert "--max-new-tokens 4: no eval prompt fits" in err and "use at most 2" in err, err
+
+
+def test_data_that_holds_out_fewer_rows_than_eval_size_is_refused(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [f"{i}+1=" for i in range(25)])
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "8"))
+    assert f"--eval-size 8: {data} holds out only 2 of its 25 rows (a tenth): use at most 2" in err, err
+    row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"}
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    err = user_error(capsys, small_args(tmp_path, "--task", "gsm8k", "--data-path", str(tmp_path), "--eval-size", "8"))
+    assert "--eval-size 8: the gsm8k test split holds only 1 prompt(s)" in err, err
+
+
+def test_training_rows_that_repeat_a_held_out_prompt_are_left_out_and_counted(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", ["1+1="] * 20)
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert f"{data}: every training row repeats a held-out prompt" in err, err
+    prompts = [f"{i % 10}+1=" for i in range(30)]  # each prompt three times
+    data = write_rows(tmp_path / "d.jsonl", prompts)
+    order = list(range(30))
+    random.Random(0).shuffle(order)  # the task's split (--seed 0): the first 3 are held out
+    held = {prompts[i] for i in order[:3]}
+    repeats = sum(prompts[i] in held for i in order[3:])
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "3", "--run-name", "j")
+    rg.main([*args, "--total-steps", "1"])
+    assert (
+        f"{data}: {repeats} training row(s) repeat a held-out prompt: left out of training" in capsys.readouterr().out
+    )
+    assert repeats >= 3
 
 
 def test_a_lock_path_that_is_a_directory_is_named(tmp_path, capsys):
