@@ -275,7 +275,7 @@ def validate(cfg: Args) -> None:
         (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
         (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
         (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
-        (("asymre_delta_v",), math.isfinite, "a number"),
+        (("asymre_delta_v",), lambda v: -1 <= v <= 1, "in [-1, 1] (rewards are 0 or 1)"),
     ):
         for name in names:
             need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
@@ -1560,7 +1560,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
             raise UserError(
                 f"the weights are not finite after the optimizer step at policy version {version} "
-                "(the loss and gradient were): lower --lr; the last checkpoint is kept"
+                f"(the loss and gradient were): lower --lr; {run_folder.kept()}"
             )
     m = sums.pop("mismatch_tokens")
     stats = {
@@ -1831,8 +1831,8 @@ def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> Non
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
     return UserError(
-        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
-        f"checkpoint is in {ckpt} (lower --lr)"
+        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped (lower --lr): "
+        f"{run_folder.kept(ckpt.parent)}"
     )
 
 
@@ -1856,8 +1856,8 @@ def train(cfg: Args) -> dict:
     task_rng = random.Random(cfg.seed)
     totals = new_totals(gen_seconds=0.0)  # run totals (checkpointed)
     step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if state is not None:  # an optimizer state of another model raises ValueError: named
+        run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
         buffer.load_state_dict(state["buffer"])
         if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
             published = state["generator_weights"]
@@ -2125,7 +2125,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print(run_folder.interrupted_line(), file=sys.stderr)
+        print(f"interrupted: {run_folder.kept()}", file=sys.stderr)
         raise SystemExit(130)
     finally:
         run_folder.release_runs()

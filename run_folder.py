@@ -58,9 +58,12 @@ def lock_run(run_dir: Path) -> None:
             f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
             "it to end, or choose another --run-name"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
     RUN_LOCKS[str(run_dir)] = fd
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+    except OSError:  # a full disk: the flock holds without the process id
+        pass
 
 
 def in_use(run_dir: Path) -> bool:
@@ -78,16 +81,18 @@ def in_use(run_dir: Path) -> bool:
         os.close(fd)
 
 
-def interrupted_line() -> str:
-    """What an interrupted run keeps: the checkpoint of the run folder this process holds, if it has one."""
-    for run_dir in map(Path, RUN_LOCKS):
-        if (run_dir / "checkpoint").exists() or (run_dir / "checkpoint.old").exists():
-            return f"interrupted: the last checkpoint in {run_dir} is kept; continue with --resume (same --run-name)"
-        return (
-            f"interrupted: {run_dir} holds no checkpoint yet (one is written every --eval-every steps and at the "
-            f"end), so nothing of this run can be resumed: start it again (rm -r {run_dir} first)"
-        )
-    return "interrupted: the last checkpoint is kept; continue with --resume --run-name NAME"
+def kept(run_dir: Path | None = None) -> str:
+    """What a stopped run keeps and what to do: the checkpoint of `run_dir` (default: the run folder this process
+    holds), or that it holds none yet and the run is to be started again."""
+    run_dir = run_dir or next(map(Path, RUN_LOCKS), None)
+    if run_dir is None:
+        return "the last checkpoint is kept: continue with --resume"
+    if (run_dir / "checkpoint").exists() or (run_dir / "checkpoint.old").exists():
+        return f"the last checkpoint in {run_dir} is kept: continue with --resume (same --run-name)"
+    return (
+        f"{run_dir} holds no checkpoint yet (one is written every --eval-every steps and at the end), so nothing "
+        f"of this run can be resumed: start it again (rm -r {run_dir} first)"
+    )
 
 
 def release_runs() -> None:
@@ -278,7 +283,8 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     try:
         write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     except OSError as e:
-        raise UserError(f"cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
+        full = "disk full: " if disk_full(e, run_dir) else ""
+        raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
 
 
@@ -411,8 +417,8 @@ class RunLog:
             if not disk_full(e, Path(file.name).parent):
                 raise
             raise UserError(
-                f"disk full: could not write {file.name} at step {step}; the last checkpoint is kept: "
-                "free some space, then --resume (a cut last line is dropped)"
+                f"disk full: could not write {file.name} at step {step} (a cut last line is dropped on resume): "
+                f"free some space; {kept(Path(file.name).parent)}"
             ) from None
 
     def close(self) -> None:

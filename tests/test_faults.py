@@ -113,19 +113,25 @@ def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_
     assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
 
 
-@pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt"])
+@pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt", "another model"])
 def test_a_checkpoint_file_with_other_content_is_named_in_one_line(tmp_path, capsys, damage):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
     ckpt = tmp_path / "r" / "checkpoint"
+    needle = f"{ckpt / damage} does not hold what that file holds (no "
     if damage == "swap":  # two files swapped: each a valid torch file
         (ckpt / "optimizer.pt").rename(ckpt / "x")
         (ckpt / "trainer_state.pt").rename(ckpt / "optimizer.pt")
         (ckpt / "x").rename(ckpt / "trainer_state.pt")
-        damage = "trainer_state.pt"
+        needle = f"{ckpt / 'trainer_state.pt'} does not hold what that file holds (no 'step'"
+    elif damage == "another model":  # the Adam state of a model with one tensor less
+        state = torch.load(ckpt / "optimizer.pt", weights_only=False)
+        state["param_groups"][0]["params"].pop()
+        torch.save(state, ckpt / "optimizer.pt")
+        needle = f"{ckpt / 'optimizer.pt'} is damaged or missing (ValueError: loaded state dict contains a parameter"
     else:  # a valid torch file without the expected keys
         torch.save({"weights": 1}, ckpt / damage)
     err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
-    assert f"{ckpt / damage} does not hold what that file holds" in err and "start the run again" in err, err
+    assert needle in err and "start the run again" in err, err
 
 
 # --- a run folder stays inside --out-dir --------------------------------------------------------------
@@ -319,6 +325,13 @@ def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_
     assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
 
 
+def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
+    fill(small_disk)
+    err = user_error(capsys, small_args(small_disk, "--run-name", "r"))
+    assert f"disk full: cannot write {small_disk / 'r' / 'config.json'}" in err, err
+    assert not (small_disk / "r" / "config.json.tmp").exists()
+
+
 # --- 5. settings that would hang or exhaust memory are refused at once -----------------------------
 
 
@@ -334,6 +347,7 @@ def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_
         (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
         (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
         (["--temperature", "1e-300"], "--temperature 1e-300: must be in [0.01, 100]"),
+        (["--asymre-delta-v", "1e300"], "--asymre-delta-v 1e+300: must be in [-1, 1]"),
         (["--group-size", "100000000", "--buffer-size", "200000000"], "--group-size 100000000: must be <= 65536"),
         (["--batch-size", "100000000", "--buffer-size", "100000000"], "--batch-size 100000000: must be <= 65536"),
         (["--arith-terms", "1000000"], "--arith-terms 1000000: must be <= 4096"),
@@ -367,6 +381,7 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
     monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x"))
     assert "the weights are not finite after the optimizer step" in err and "lower --lr" in err
+    assert f"{tmp_path / 'x'} holds no checkpoint yet" in err and "is kept" not in err, err  # --eval-every 0
 
 
 # --- 6. bad data -------------------------------------------------------------------------------------
@@ -501,7 +516,7 @@ def test_ctrl_c_says_whether_a_checkpoint_is_kept(tmp_path, capsys, monkeypatch,
         assert f"interrupted: {tmp_path / 'r'} holds no checkpoint yet" in err and "is kept" not in err, err
         assert f"rm -r {tmp_path / 'r'}" in err
     else:
-        assert f"interrupted: the last checkpoint in {tmp_path / 'r'} is kept" in err, err
+        assert f"interrupted: the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in err, err
 
 
 def write_rows(path: Path, prompts) -> Path:
