@@ -268,6 +268,7 @@ def validate(cfg: Args) -> None:
         (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
+        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
         (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
         (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -456,7 +457,8 @@ def count_arith_problems(cfg: Args, is_eval) -> None:
     """Refuse an arith task with nothing to train on, or fewer held-out problems than --eval-size (counted
     exactly up to 2M distinct sums, estimated as a tenth beyond)."""
     size = (cfg.arith_max_operand + 1) ** cfg.arith_terms
-    where = f"(--arith-max-operand {cfg.arith_max_operand}, --arith-terms {cfg.arith_terms}: {size} distinct sums)"
+    shown = size if size < 10**18 else f"about 10^{math.log10(size):.0f}"  # str() refuses over 4300 digits
+    where = f"(--arith-max-operand {cfg.arith_max_operand}, --arith-terms {cfg.arith_terms}: {shown} distinct sums)"
     if size > 2_000_000:
         held = size // 10
     else:
@@ -800,7 +802,7 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
         skipped[f"skipped_{part}_prompts"] = len(rows) - len(kept)
         rows[:] = kept  # in place: the task's sampler draws from this list
         if not kept and min(lengths) >= context:  # no --max-new-tokens would help: the data is too long
-            data = cfg.data_path or f"--task {cfg.task}"
+            data = cfg.data_path or {"arith": f"--arith-terms {cfg.arith_terms}"}.get(cfg.task, f"--task {cfg.task}")
             raise UserError(f"{data}: every {part} prompt is longer than the model's context ({context} positions)")
         if not kept:
             raise UserError(

@@ -351,6 +351,8 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--group-size", "100000000", "--buffer-size", "200000000"], "--group-size 100000000: must be <= 65536"),
         (["--batch-size", "100000000", "--buffer-size", "100000000"], "--batch-size 100000000: must be <= 65536"),
         (["--arith-terms", "1000000"], "--arith-terms 1000000: must be <= 4096"),
+        (["--arith-terms", "3000"], "--arith-terms 3000: every eval prompt is longer than the model's context (512"),
+        (["--mode", "async", "--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
         (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
     ],
 )
