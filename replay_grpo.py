@@ -1562,7 +1562,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
             raise UserError(
                 f"the weights are not finite after the optimizer step at policy version {version} "
-                f"(the loss and gradient were): lower --lr; {run_folder.kept()}"
+                f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
             )
     m = sums.pop("mismatch_tokens")
     stats = {
@@ -1834,7 +1834,7 @@ def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> Non
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
     return UserError(
         f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped (lower --lr): "
-        f"{run_folder.kept(ckpt.parent)}"
+        f"{run_folder.what_is_kept(ckpt.parent)}"
     )
 
 
@@ -2127,7 +2127,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print(f"interrupted: {run_folder.kept()}", file=sys.stderr)
+        print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)
     finally:
         run_folder.release_runs()

@@ -81,7 +81,7 @@ def in_use(run_dir: Path) -> bool:
         os.close(fd)
 
 
-def kept(run_dir: Path | None = None) -> str:
+def what_is_kept(run_dir: Path | None = None) -> str:
     """What a stopped run keeps and what to do: the checkpoint of `run_dir` (default: the run folder this process
     holds), or that it holds none yet and the run is to be started again."""
     run_dir = run_dir or next(map(Path, RUN_LOCKS), None)
@@ -211,8 +211,8 @@ def read_checkpoint_file(ckpt: Path, name: str, read, keys: tuple[str, ...] = ()
     missing = [k for k in keys if not isinstance(content, dict) or k not in content]
     if missing:
         raise UserError(
-            f"--resume: {ckpt / name} does not hold what that file holds (no {', '.join(map(repr, missing))}: "
-            f"another file, or two files swapped), so the run cannot continue from it: {again}"
+            f"--resume: {ckpt / name} holds something else (no {', '.join(map(repr, missing))}: another file's "
+            f"content, or two files swapped), so the run cannot continue from it: {again}"
         )
     return content
 
@@ -418,7 +418,7 @@ class RunLog:
                 raise
             raise UserError(
                 f"disk full: could not write {file.name} at step {step} (a cut last line is dropped on resume): "
-                f"free some space; {kept(Path(file.name).parent)}"
+                f"free some space; {what_is_kept(Path(file.name).parent)}"
             ) from None
 
     def close(self) -> None:
