@@ -542,7 +542,9 @@ def resume_async(
     """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
     returns the step and the dealing state."""
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
-    own = torch.load(ckpt / f"buffer_rank{rank}.pt", weights_only=False)
+    own = run_folder.read_checkpoint_file(
+        ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
+    )
     shard.load_state_dict(own["buffer"])
     rg.run_folder.set_rng_state(own["rng"])
     state = split_old_counters(state)

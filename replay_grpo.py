@@ -89,7 +89,7 @@ class Args:
     # --- task, model and warm start ---
     task: Literal["arith", "gsm8k", "math", "jsonl"] = "arith"  # arith: synthetic sums (offline); jsonl: --data-path
     model: str = "tiny"  # 'tiny' (a 0.5M-parameter Qwen2 built in code), a hub id, a local folder, or a .gguf file
-    data_path: str | None = None  # jsonl: the {"prompt", "answer"} file (10% held out); gsm8k / math: a local copy
+    data_path: str | None = None  # jsonl: the {"prompt", "answer"} file (<= 10% held out); gsm8k / math: a local copy
     eval_size: int = 200  # held-out prompts for greedy accuracy and pass@1 (pass@k uses the first 50)
     max_new_tokens: int = 8  # maximum completion length; longer completions are cut and flagged truncated
     arith_terms: int = 2  # arith: numbers per sum; from 3 on, solutions are worked ('12+30=42, 42+7=49')
@@ -138,6 +138,7 @@ MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
 MAX_PASS_K = 256  # largest --pass-k (its samples are generated at every evaluation)
 MAX_EVAL_SIZE = 100_000  # largest --eval-size
+MAX_ROLLOUTS = 65_536  # largest --group-size, --batch-size, --buffer-size (held in memory, G in one generation call)
 MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the model's own, if smaller; vLLM's cap)
 SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 
@@ -216,13 +217,18 @@ def validate(cfg: Args) -> None:
             ">= 1",
         ),
         ("eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout".split(), lambda v: v >= 0, ">= 0"),
-        (("lr", "sft_lr", "temperature"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
+        (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
+        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
+        (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
+        (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
         (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
         (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
-        (("asymre_delta_v",), math.isfinite, "a number"),
+        (("asymre_delta_v",), lambda v: -1 <= v <= 1, "in [-1, 1] (rewards are 0 or 1)"),
     ):
         for name in names:
             need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
@@ -350,6 +356,7 @@ class Task:
     eval: list[Example]
     verifier: str  # a key of VERIFIERS
     train: list[Example] | None = None  # the training rows `draw` picks from (None: drawn by a generator, arith)
+    repeats: int = 0  # rows left out of `train` because their prompt is held out
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -402,7 +409,8 @@ def count_arith_problems(cfg: Args, is_eval) -> None:
     """Refuse an arith task with nothing to train on, or fewer held-out problems than --eval-size (counted
     exactly up to 2M distinct sums, estimated as a tenth beyond)."""
     size = (cfg.arith_max_operand + 1) ** cfg.arith_terms
-    where = f"(--arith-max-operand {cfg.arith_max_operand}, --arith-terms {cfg.arith_terms}: {size} distinct sums)"
+    shown = size if size < 10**18 else f"about 10^{math.log10(size):.0f}"  # str() refuses over 4300 digits
+    where = f"(--arith-max-operand {cfg.arith_max_operand}, --arith-terms {cfg.arith_terms}: {shown} distinct sums)"
     if size > 2_000_000:
         held = size // 10
     else:
@@ -423,6 +431,10 @@ def count_arith_problems(cfg: Args, is_eval) -> None:
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+def reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_jsonl(path: str) -> list[dict]:
     """{"prompt": str, "answer": str or number, "solution": optional str} per line, as rows of three strings (a
     missing solution is the answer); one line names a bad line."""
@@ -437,9 +449,9 @@ def read_jsonl(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            row = json.loads(line, parse_constant=reject_constant)
+        except ValueError as e:  # bad JSON, NaN or Infinity, an integer too long to read
+            raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:
             raise UserError(
                 f'{path}:{lineno}: each line needs "prompt" and "answer" keys, '
@@ -452,6 +464,8 @@ def read_jsonl(path: str) -> list[dict]:
                     f'{path}:{lineno}: "{key}" must be {" or ".join(k.__name__ for k in kinds)}, got '
                     f"{json.dumps(value)[:40]}"
                 )
+            if key in row and not str(value).strip() or isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f'{path}:{lineno}: "{key}" is empty or not a finite number: {json.dumps(value)}')
         answer = str(row["answer"])
         out.append({"prompt": row["prompt"], "answer": answer, "solution": row.get("solution", answer)})
     if not out:
@@ -509,15 +523,25 @@ def make_task(cfg: Args) -> Task:
     """--task: arith draws its problems from a generator; the others draw data-set rows (read_jsonl, load_hf_rows)."""
     if cfg.task == "arith":
         return make_arith_task(cfg)
+    repeats = 0  # training rows left out: their prompt is held out
     if cfg.task == "jsonl":
         rows = [Example(**row) for row in read_jsonl(cfg.data_path)]
         if len(rows) < 2:
             raise UserError(f"{cfg.data_path}: needs at least 2 lines to hold one out")
         order = list(range(len(rows)))
         random.Random(cfg.seed).shuffle(order)
-        n_eval = min(cfg.eval_size, max(1, len(rows) // 10))
-        test = [rows[i] for i in order[:n_eval]]
-        train = [rows[i] for i in order[n_eval:]]
+        held = max(1, len(rows) // 10)
+        if cfg.eval_size > held:
+            raise UserError(
+                f"--eval-size {cfg.eval_size}: {cfg.data_path} holds out only {held} of its {len(rows)} rows "
+                f"(a tenth): use at most {held}, or more rows"
+            )
+        test = [rows[i] for i in order[: cfg.eval_size]]
+        held_out = {ex.prompt for ex in test}  # a training row with a held-out prompt would train on the test
+        train = [rows[i] for i in order[cfg.eval_size :] if rows[i].prompt not in held_out]
+        repeats = len(rows) - cfg.eval_size - len(train)
+        if not train:
+            raise UserError(f"{cfg.data_path}: every training row repeats a held-out prompt: nothing is left to train")
         verifier = "math"
     elif cfg.task == "gsm8k":
         gsm8k = dict(hub_id="openai/gsm8k", config="main", local=cfg.data_path, columns=("question", "answer"))
@@ -535,7 +559,9 @@ def make_task(cfg: Args) -> Task:
     def draw(rng: random.Random) -> Example:
         return train[rng.randrange(len(train))]
 
-    return Task(name=cfg.task, draw=draw, eval=test[: cfg.eval_size], verifier=verifier, train=train)
+    if len(test) < cfg.eval_size:
+        raise UserError(f"--eval-size {cfg.eval_size}: the {cfg.task} test split holds only {len(test)} prompt(s)")
+    return Task(cfg.task, draw, test[: cfg.eval_size], verifier, train=train, repeats=repeats)
 
 
 def last_boxed(text: str) -> str | None:
@@ -659,10 +685,6 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
     its prompts (arith) and a held-out one does not fit."""
     context = context_length(model)
     room = context - cfg.max_new_tokens
-
-    def fits(ex: Example) -> bool:
-        return len(render_prompt(tok, ex.prompt)) <= room
-
     why = f"the model's context is {context} positions and --max-new-tokens {cfg.max_new_tokens}"
     if room < 1:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why} leaves no room for a prompt")
@@ -670,11 +692,18 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
     for part, rows in (("eval", task.eval), ("train", task.train)):
         if rows is None:
             continue
-        kept = [ex for ex in rows if fits(ex)]
+        lengths = [len(render_prompt(tok, ex.prompt)) for ex in rows]
+        kept = [ex for ex, n in zip(rows, lengths) if n <= room]
         skipped[f"skipped_{part}_prompts"] = len(rows) - len(kept)
         rows[:] = kept  # in place: the task's sampler draws from this list
+        if not kept and min(lengths) >= context:  # no --max-new-tokens would help: the data is too long
+            data = cfg.data_path or {"arith": f"--arith-terms {cfg.arith_terms}"}.get(cfg.task, f"--task {cfg.task}")
+            raise UserError(f"{data}: every {part} prompt is longer than the model's context ({context} positions)")
         if not kept:
-            raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): lower it")
+            raise UserError(
+                f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): use at most "
+                f"{context - min(lengths)}"
+            )
     if task.train is None and skipped["skipped_eval_prompts"]:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     return {k: v for k, v in skipped.items() if v}
@@ -1188,16 +1217,16 @@ class ReplayBuffer:
         """k of `pool` without replacement, with the priority weights (uniform when there are none)."""
         if self.priority_alpha == 0 and self.priority_tau is None:
             return self.rng.sample(pool, k)
-        weights = []
-        for i in pool:
+        keys = []
+        for i in pool:  # in logs, so that no exponent or age overflows or underflows a weight
             r = self.items[i]
-            w = (abs(r.advantage) + PRIORITY_EPS) ** self.priority_alpha
+            log_w = self.priority_alpha * math.log(abs(r.advantage) + PRIORITY_EPS)
             if self.priority_tau is not None:
-                w *= math.exp(-(step - r.policy_version) / self.priority_tau)
-            weights.append(w)
-        # Efraimidis-Spirakis: the k largest u^(1/w) (here log u / w) are successive draws proportional to w,
-        # without replacement; a weight that underflowed to 0 is drawn last
-        keys = [math.log(1.0 - self.rng.random()) / w if w > 0 else -math.inf for w in weights]
+                log_w -= (step - r.policy_version) / self.priority_tau
+            e = -math.log(1.0 - self.rng.random())
+            keys.append(log_w - math.log(e) if e > 0 else math.inf)
+        # Efraimidis-Spirakis: the k largest u^(1/w), here log w - log(-log u) in the same order, are successive
+        # draws proportional to w, without replacement
         order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
         return [pool[j] for j in order[:k]]
 
@@ -1443,7 +1472,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
             raise UserError(
                 f"the weights are not finite after the optimizer step at policy version {version} "
-                "(the loss and gradient were): lower --lr; the last checkpoint is kept"
+                f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
             )
     m = sums.pop("mismatch_tokens")
     stats = {
@@ -1574,6 +1603,8 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     the warm start's record, logged at step 0 only, is None. The optimizer state is read on rank 0 only (at 7B it
     is ~60 GB: the other ranks get it by broadcast)."""
     task = make_task(cfg)
+    if task.repeats and rank == 0:
+        print(f"{cfg.data_path}: {task.repeats} training row(s) repeat a held-out prompt: left out of training")
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task)
         report_skipped(fit_to_context(cfg, task, tok, model), rank)
@@ -1582,9 +1613,12 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     def torch_load(path: Path):
         return torch.load(path, weights_only=False)
 
-    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load)
+    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
+    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load, keys=("step", *sync_keys))
     if rank == 0 and "optimizer" not in state:  # older checkpoints kept it in trainer_state.pt
-        state["optimizer"] = run_folder.read_checkpoint_file(ckpt, "optimizer.pt", torch_load)
+        state["optimizer"] = run_folder.read_checkpoint_file(
+            ckpt, "optimizer.pt", torch_load, ("state", "param_groups")
+        )
     if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
         raise UserError(
             f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
@@ -1700,8 +1734,8 @@ def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> Non
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
     return UserError(
-        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped. The last good "
-        f"checkpoint is in {ckpt} (lower --lr)"
+        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped (lower --lr): "
+        f"{run_folder.what_is_kept(ckpt.parent)}"
     )
 
 
@@ -1725,8 +1759,8 @@ def train(cfg: Args) -> dict:
     task_rng = random.Random(cfg.seed)
     totals = new_totals()  # run totals (checkpointed)
     step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if state is not None:  # an optimizer state of another model raises ValueError: named
+        run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
         buffer.load_state_dict(state["buffer"])
         if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
             published = state["generator_weights"]
@@ -1970,7 +2004,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:
-        print("interrupted: the last checkpoint is kept; continue with --resume --run-name NAME", file=sys.stderr)
+        print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)
     finally:
         run_folder.release_runs()

@@ -39,8 +39,17 @@ RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock
 
 def lock_run(run_dir: Path) -> None:
     """Hold <run>/lock (fcntl.flock) for this process's run: a second process in the folder is refused. The OS
-    releases it when the process dies."""
-    fd = os.open(run_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    releases it when the process dies. A lock that cannot be opened (a directory, a read-only folder) is named."""
+    lock = run_dir / "lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if lock.is_dir():
+            raise UserError(f"{lock} is a directory, not the run's lock file: remove it (rm -r {lock})") from None
+        raise UserError(
+            f"{run_dir}: cannot write in the run folder ({e.strerror or e}; its lock file {lock}): make the "
+            "folder writable, or choose another --run-name"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -50,9 +59,12 @@ def lock_run(run_dir: Path) -> None:
             f"{run_dir} is in use by process {holder} (a run holds its folder while it runs): wait for "
             "it to end, or choose another --run-name"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
     RUN_LOCKS[str(run_dir)] = fd
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+    except OSError:  # a full disk: the flock holds without the process id
+        pass
 
 
 def in_use(run_dir: Path) -> bool:
@@ -70,6 +82,20 @@ def in_use(run_dir: Path) -> bool:
         os.close(fd)
 
 
+def what_is_kept(run_dir: Path | None = None) -> str:
+    """What a stopped run keeps and what to do: the checkpoint of `run_dir` (default: the run folder this process
+    holds), or that it holds none yet and the run is to be started again."""
+    run_dir = run_dir or next(map(Path, RUN_LOCKS), None)
+    if run_dir is None:
+        return "the last checkpoint is kept: continue with --resume"
+    if (run_dir / "checkpoint").exists() or (run_dir / "checkpoint.old").exists():
+        return f"the last checkpoint in {run_dir} is kept: continue with --resume (same --run-name)"
+    return (
+        f"{run_dir} holds no checkpoint yet (one is written every --eval-every steps and at the end), so nothing "
+        f"of this run can be resumed: start it again (rm -r {run_dir} first)"
+    )
+
+
 def release_runs() -> None:
     for fd in RUN_LOCKS.values():
         os.close(fd)  # closing the descriptor releases its flock
@@ -77,15 +103,37 @@ def release_runs() -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write a file whole or not at all: a kill or a full disk leaves the old content (a temporary is renamed in)."""
+    """Write a file whole or not at all: a kill or a full disk leaves the old content (a temporary is renamed in;
+    one that fails is removed)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line whole or not at all: a write that fails (a full disk) is cut back to the old end."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        data = (line + "\n").encode()
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def check_resume_config(cfg, run_dir: Path) -> None:
     """The saved configuration is the truth: refuse a resume whose flags differ outside RESUMABLE (one line naming
-    each, with its saved and given values); append the RESUMABLE ones that changed to <run>/resumes.jsonl."""
+    each, with its saved and given values), or that gives a flag config.json lacks another value than its default;
+    append the flags that changed (and those config.json lacks: saved as null) to <run>/resumes.jsonl."""
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -105,10 +153,32 @@ def check_resume_config(cfg, run_dir: Path) -> None:
             f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
             "Resume with the saved values, or start a new --run-name"
         )
-    changed = {flag(k): [saved[k], given[k]] for k in RESUMABLE if k in saved and saved[k] != given[k]}
+    # a flag config.json lacks (a folder older than the flag) ran as its default: only that value is vouched for
+    default = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cfg)}))
+    unsaved = [k for k in given if k not in saved and k not in RESUMABLE and given[k] != default[k]]
+    if unsaved:
+        listed = "; ".join(f"{flag(k)} {given[k]} (default: {default[k]})" for k in unsaved)
+        raise UserError(
+            f"--resume: {run_dir / 'config.json'} does not hold {len(unsaved)} flag(s), so the run had their "
+            f"defaults and a run never mixes two: {listed}. Resume with the defaults, or start a new --run-name"
+        )
+    changed = {flag(k): [saved.get(k), v] for k, v in given.items() if k not in saved or saved[k] != v}
     changed.pop("--resume", None)
-    with (run_dir / "resumes.jsonl").open("a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed}) + "\n")
+    record = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed})
+    try:
+        append_line(run_dir / "resumes.jsonl", record)
+    except OSError as e:
+        if not disk_full(e, run_dir):
+            raise
+        raise UserError(full_disk_line(run_dir / "resumes.jsonl")) from None
+
+
+def full_disk_line(path: Path) -> str:
+    """The line for a full disk met on resume, before the run changed anything."""
+    return (
+        f"disk full: --resume could not write {path} ({shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free "
+        "there); the checkpoint and the records up to it are kept: free some space, then --resume"
+    )
 
 
 def current_config(run_dir: Path, saved: dict) -> dict:
@@ -127,17 +197,25 @@ def current_config(run_dir: Path, saved: dict) -> dict:
     return current
 
 
-def read_checkpoint_file(ckpt: Path, name: str, read):
-    """read(ckpt / name), or one line naming the damaged (cut, empty, missing) file and what can be done."""
+def read_checkpoint_file(ckpt: Path, name: str, read, keys: tuple[str, ...] = ()):
+    """read(ckpt / name), a dict holding `keys` when they are given; or one line naming the damaged (cut, empty,
+    missing) file, or the file whose content is another (two files swapped), and what can be done."""
+    again = f"restore the file, or start the run again (rm -r {ckpt.parent}, or another --run-name)"
     try:
-        return read(ckpt / name)
+        content = read(ckpt / name)
     except Exception as e:  # torch's, safetensors' and pickle's errors for a damaged file share no base class
         reason = str(e).splitlines()[0][:120] if str(e) else ""
         raise UserError(
             f"--resume: {ckpt / name} is damaged or missing ({type(e).__name__}: {reason}), so the run "
-            f"cannot continue from it: restore the file, or start the run again (rm -r {ckpt.parent}, "
-            "or another --run-name)"
+            f"cannot continue from it: {again}"
         ) from None
+    missing = [k for k in keys if not isinstance(content, dict) or k not in content]
+    if missing:
+        raise UserError(
+            f"--resume: {ckpt / name} holds something else (no {', '.join(map(repr, missing))}: another file's "
+            f"content, or two files swapped), so the run cannot continue from it: {again}"
+        )
+    return content
 
 
 def cut_records(path: Path, last_step: int) -> tuple[list[str], int]:
@@ -176,15 +254,18 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{stamp}"
     run_dir = Path(cfg.out_dir) / run_name
+    out, run = os.path.abspath(cfg.out_dir), os.path.abspath(run_dir)
+    if run == out or os.path.commonpath([out, run]) != out:  # '..', '.', an absolute name
+        raise UserError(f"--run-name {run_name}: a run folder must be a folder inside --out-dir {cfg.out_dir}")
     ckpt = run_dir / "checkpoint"
     if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
     unwritable = f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock_run(run_dir)
     except OSError as e:
         raise UserError(f"{unwritable} ({e.strerror or e})") from None
+    lock_run(run_dir)
     if not ckpt.exists() and (run_dir / "checkpoint.old").exists():
         (run_dir / "checkpoint.old").rename(ckpt)  # killed between the two renames of a save
     if ckpt.exists() and not cfg.resume:
@@ -203,7 +284,8 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     try:
         write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     except OSError as e:
-        raise UserError(f"{unwritable} ({e.strerror or e})") from None
+        full = "disk full: " if disk_full(e, run_dir) else ""
+        raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
 
 
@@ -321,7 +403,12 @@ class RunLog:
             path = run_dir / f"{name}.jsonl"
             if cfg.resume and path.exists():
                 kept, unreadable = cut_records(path, start_step)
-                write_atomic(path, "".join(line + "\n" for line in kept))
+                try:
+                    write_atomic(path, "".join(line + "\n" for line in kept))
+                except OSError as e:
+                    if not disk_full(e, run_dir):
+                        raise
+                    raise UserError(full_disk_line(path)) from None
                 if unreadable:
                     print(
                         f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk leaves)"
@@ -362,8 +449,8 @@ class RunLog:
             if not disk_full(e, Path(file.name).parent):
                 raise
             raise UserError(
-                f"disk full: could not write {file.name} at step {step}; the last checkpoint is kept: "
-                "free some space, then --resume (a cut last line is dropped)"
+                f"disk full: could not write {file.name} at step {step} (a cut last line is dropped on resume): "
+                f"free some space; {what_is_kept(Path(file.name).parent)}"
             ) from None
 
     def close(self) -> None:

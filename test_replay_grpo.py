@@ -668,7 +668,7 @@ def test_gsm8k_loads_from_a_local_copy(tmp_path):
     row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"}
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
-    task = rg.make_task(rg.Args(task="gsm8k", data_path=str(tmp_path)))
+    task = rg.make_task(rg.Args(task="gsm8k", data_path=str(tmp_path), eval_size=1))
     ex = task.eval[0]
     assert ex.answer == "7" and ex.prompt.startswith("Tom has") and "\\boxed{}" in ex.prompt
     assert rg.numeric_match("so \\boxed{7}", ex.answer) and "\\boxed{7}" in ex.solution
@@ -677,7 +677,8 @@ def test_gsm8k_loads_from_a_local_copy(tmp_path):
 def test_jsonl_task_trains_end_to_end(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(30)))
-    run_main(small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--run-name", "j", "--total-steps", "2"))
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "3")  # a tenth of 30
+    run_main([*args, "--run-name", "j", "--total-steps", "2"])
     assert metrics(tmp_path / "j")[-1]["step"] == 2
 
 
@@ -776,7 +777,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
     monkeypatch.setattr(rg, "MAX_NONFINITE_STEPS", 3)
     with mock.patch.object(rg.HFGenerator, "_generate", poisoned):
         err = user_error(capsys, small_args(tmp_path, "--run-name", "nan", "--total-steps", "20", "--eval-every", "1"))
-    assert "3 steps in a row had a NaN/inf loss" in err
+    assert "3 steps in a row had a NaN/inf loss" in err and f"the last checkpoint in {tmp_path / 'nan'} is kept" in err
     recs = metrics(tmp_path / "nan")
     assert recs[-1]["nonfinite_steps"] == 2 and recs[-1]["nonfinite"] == 1
     assert [r["nonfinite"] for r in recs[1:]] == [0, 0, 1, 1]
@@ -792,7 +793,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
         (["--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write the run folder"),
         (["--positive-bias", "0.95"], "--positive-bias 0.95 with --buffer-size 8 reserves all 8 slots"),
         (["--group-size", "0"], "--group-size 0: must be >= 1"),
-        (["--temperature", "0"], "--temperature 0.0: must be a positive number"),
+        (["--temperature", "0"], "--temperature 0.0: must be in [0.01, 100]"),
     ],
 )
 def test_more_user_errors_name_their_flag(tmp_path, capsys, extra, needle):

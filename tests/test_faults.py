@@ -6,6 +6,7 @@ checkpoint or mixes two configurations. docs/reference.md's table of faults list
 import json
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,57 @@ def test_a_resume_may_change_the_run_length_and_records_it(tmp_path):
     assert (tmp_path / "r" / "config.json").read_text() == saved  # written once
     record = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])
     assert record["changed"] == {"--total-steps": [3, 6]}
+
+
+def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_path, capsys):
+    """A run folder older than a flag: config.json does not hold it, so the run had its default."""
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["sampling"], saved["loss_agg"]
+    config.write_text(json.dumps(saved))
+    resume = small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4")
+    err = user_error(capsys, [*resume, "--sampling", "at-least-once", "--loss-agg", "seq-mean"])
+    assert f"{config} does not hold 2 flag(s)" in err, err
+    assert "--sampling at-least-once (default: uniform); --loss-agg seq-mean (default: token-mean)" in err
+    assert not (tmp_path / "r" / "resumes.jsonl").exists()  # a refused resume writes nothing
+    rg.main(resume)
+    changed = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])["changed"]
+    assert changed == {"--sampling": [None, "uniform"], "--loss-agg": [None, "token-mean"], "--total-steps": [3, 4]}
+    assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
+
+
+@pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt", "another model"])
+def test_a_checkpoint_file_with_other_content_is_named_in_one_line(tmp_path, capsys, damage):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    ckpt = tmp_path / "r" / "checkpoint"
+    needle = f"{ckpt / damage} holds something else (no "
+    if damage == "swap":  # two files swapped: each a valid torch file
+        (ckpt / "optimizer.pt").rename(ckpt / "x")
+        (ckpt / "trainer_state.pt").rename(ckpt / "optimizer.pt")
+        (ckpt / "x").rename(ckpt / "trainer_state.pt")
+        needle = f"{ckpt / 'trainer_state.pt'} holds something else (no 'step'"
+    elif damage == "another model":  # the Adam state of a model with one tensor less
+        state = torch.load(ckpt / "optimizer.pt", weights_only=False)
+        state["param_groups"][0]["params"].pop()
+        torch.save(state, ckpt / "optimizer.pt")
+        needle = f"{ckpt / 'optimizer.pt'} is damaged or missing (ValueError: loaded state dict contains a parameter"
+    else:  # a valid torch file without the expected keys
+        torch.save({"weights": 1}, ckpt / damage)
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
+    assert needle in err and "start the run again" in err, err
+
+
+# --- a run folder stays inside --out-dir --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/../..", "ABSOLUTE"])
+def test_a_run_name_that_leaves_the_out_dir_is_refused(tmp_path, capsys, name):
+    out = tmp_path / "runs"
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    err = user_error(capsys, small_args(out, "--run-name", name))
+    assert f"--run-name {name}: a run folder must be a folder inside --out-dir {out}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, --out-dir included
 
 
 # --- 2. one process per run folder ------------------------------------------------------------------
@@ -239,6 +291,47 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
     assert state["step"] == 2
 
 
+def fill(disk: Path) -> None:
+    """Fill a tmpfs to its last byte."""
+    with (disk / "filler").open("wb", buffering=0) as f:
+        for size in (2**20, 2**12, 1):
+            try:
+                while True:
+                    f.write(b"x" * size)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("file", ["metrics.jsonl", "resumes.jsonl"])
+def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_nothing_partial(
+    small_disk, capsys, file
+):
+    run = small_disk / "r"
+    rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2"))
+    if file == "metrics.jsonl":  # resumes.jsonl already holds a line, so its next one fits in its page
+        rg.main(small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "2", "--resume"))
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    fill(small_disk)
+    capsys.readouterr()
+    err = user_error(
+        capsys, small_args(small_disk, "--run-name", "r", "--eval-every", "2", "--total-steps", "4", "--resume")
+    )
+    assert err.startswith("error: disk full") and f"could not write {run / file}" in err, err
+    assert "the checkpoint and the records up to it are kept" in err
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    resumes = after.pop("resumes.jsonl", b"").decode().splitlines()
+    assert after == {k: v for k, v in before.items() if k != "resumes.jsonl"}  # no .tmp, records whole
+    assert all(json.loads(line)["changed"] is not None for line in resumes)  # no cut line
+    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+
+
+def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
+    fill(small_disk)
+    err = user_error(capsys, small_args(small_disk, "--run-name", "r"))
+    assert f"disk full: cannot write {small_disk / 'r' / 'config.json'}" in err, err
+    assert not (small_disk / "r" / "config.json.tmp").exists()
+
+
 # --- 5. settings that would hang or exhaust memory are refused at once -----------------------------
 
 
@@ -253,12 +346,30 @@ def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_dis
         (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
         (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
         (["--lr", "1e30"], "--lr 1e+30: must be below 1"),
+        (["--temperature", "1e-300"], "--temperature 1e-300: must be in [0.01, 100]"),
+        (["--asymre-delta-v", "1e300"], "--asymre-delta-v 1e+300: must be in [-1, 1]"),
+        (["--group-size", "100000000", "--buffer-size", "200000000"], "--group-size 100000000: must be <= 65536"),
+        (["--batch-size", "100000000", "--buffer-size", "100000000"], "--batch-size 100000000: must be <= 65536"),
+        (["--arith-terms", "1000000"], "--arith-terms 1000000: must be <= 4096"),
+        (["--arith-terms", "3000"], "--arith-terms 3000: every eval prompt is longer than the model's context (512"),
+        (["--mode", "async", "--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
+        (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
     ],
 )
 def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
     t0 = time.time()
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
     assert needle in err and time.time() - t0 < 20, err
+
+
+def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
+    calls = iter(range(10**9))
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda completion, gold: next(calls) % 2 == 0)  # |A| = 1
+    extra = ["--loss", "grpo", "--sampling", "priority", "--buffer-size", "16", "--total-steps", "3"]
+    rg.main(small_args(tmp_path, "--run-name", "a", *extra, "--priority-alpha", "1e300"))  # (1 + eps)^1e300
+    rg.main(small_args(tmp_path, "--run-name", "t", *extra, "--priority-alpha", "1e300", "--priority-tau", "1e-300"))
+    for run in ("a", "t"):
+        assert [json.loads(line)["step"] for line in lines(tmp_path / run / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys, monkeypatch):
@@ -272,6 +383,7 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
     monkeypatch.setattr(torch.optim.AdamW, "step", blows_up)
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x"))
     assert "the weights are not finite after the optimizer step" in err and "lower --lr" in err
+    assert f"{tmp_path / 'x'} holds no checkpoint yet" in err and "is kept" not in err, err  # --eval-every 0
 
 
 # --- 6. bad data -------------------------------------------------------------------------------------
@@ -284,6 +396,13 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
         (b'{"prompt": "1+1=", "answer": null}', ':2: "answer" must be str or int or float, got null'),
         (b'{"prompt": {"text": "1+1="}, "answer": "2"}', ':2: "prompt" must be str, got {"text"'),
         (b'{"prompt": "1+1=", "answer": ["2"]}', ':2: "answer" must be str or int or float, got ["2"]'),
+        (b'{"prompt": "1+1=", "answer": NaN}', ":2: not valid JSON (NaN is not a JSON number)"),
+        (b'{"prompt": "1+1=", "answer": -Infinity}', ":2: not valid JSON (-Infinity is not a JSON number)"),
+        (b'{"prompt": "1+1=", "answer": 1e400}', ':2: "answer" is empty or not a finite number: Infinity'),
+        (b'{"prompt": "", "answer": 2}', ':2: "prompt" is empty or not a finite number: ""'),
+        (b'{"prompt": "1+1=", "answer": " "}', ':2: "answer" is empty or not a finite number: " "'),
+        (b'{"prompt": "1+1=", "answer": 2, "solution": ""}', ':2: "solution" is empty or not a finite number'),
+        (b'{"prompt": "1+1=", "answer": 1' + b"0" * 5000 + b"}", ":2: not valid JSON (Exceeds the limit"),
     ],
 )
 def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
@@ -297,7 +416,8 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path, capsy
     data = tmp_path / "d.jsonl"
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(30)] + [{"prompt": "9" * 600, "answer": 1}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rg.main(small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--run-name", "j", "--total-steps", "1"))
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "3")  # a tenth of 31
+    rg.main([*args, "--run-name", "j", "--total-steps", "1"])
     out = capsys.readouterr().out
     assert "prompts longer than the model's context less --max-new-tokens are skipped: 1 train" in out
 
@@ -375,3 +495,95 @@ def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_
     with pytest.raises(SystemExit) as exc:
         sweep.main(["plot", str(copy)])
     assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value
+
+
+# --- messages that name the real cause ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eval_every", ["0", "2"])
+def test_ctrl_c_says_whether_a_checkpoint_is_kept(tmp_path, capsys, monkeypatch, eval_every):
+    real, calls = rg.train_step, iter(range(100))
+
+    def interrupted_at_step_3(*args, **kwargs):
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "train_step", interrupted_at_step_3)
+    with pytest.raises(SystemExit) as exc:
+        rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", eval_every))
+    err = capsys.readouterr().err
+    assert exc.value.code == 130 and err.count("\n") == 1, err
+    if eval_every == "0":
+        assert f"interrupted: {tmp_path / 'r'} holds no checkpoint yet" in err and "is kept" not in err, err
+        assert f"rm -r {tmp_path / 'r'}" in err
+    else:
+        assert f"interrupted: the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in err, err
+
+
+def write_rows(path: Path, prompts) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": 1}) + "\n" for p in prompts))
+    return path
+
+
+def test_data_whose_every_prompt_exceeds_the_context_names_the_file_not_max_new_tokens(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [f"{i}" * 600 for i in range(20)])  # the tiny model's context: 512
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert f"{data}: every eval prompt is longer than the model's context (512 positions)" in err, err
+    assert "--max-new-tokens" not in err
+    data = write_rows(tmp_path / "d.jsonl", [chr(97 + i) * 510 for i in range(20)])  # fits with --max-new-tokens 2
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert "--max-new-tokens 4: no eval prompt fits" in err and "use at most 2" in err, err
+
+
+def test_data_that_holds_out_fewer_rows_than_eval_size_is_refused(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [f"{i}+1=" for i in range(25)])
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "8"))
+    assert f"--eval-size 8: {data} holds out only 2 of its 25 rows (a tenth): use at most 2" in err, err
+    row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"}
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    err = user_error(capsys, small_args(tmp_path, "--task", "gsm8k", "--data-path", str(tmp_path), "--eval-size", "8"))
+    assert "--eval-size 8: the gsm8k test split holds only 1 prompt(s)" in err, err
+
+
+def test_training_rows_that_repeat_a_held_out_prompt_are_left_out_and_counted(tmp_path, capsys):
+    data = write_rows(tmp_path / "d.jsonl", ["1+1="] * 20)
+    err = user_error(capsys, small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "2"))
+    assert f"{data}: every training row repeats a held-out prompt" in err, err
+    prompts = [f"{i % 10}+1=" for i in range(30)]  # each prompt three times
+    data = write_rows(tmp_path / "d.jsonl", prompts)
+    order = list(range(30))
+    random.Random(0).shuffle(order)  # the task's split (--seed 0): the first 3 are held out
+    held = {prompts[i] for i in order[:3]}
+    repeats = sum(prompts[i] in held for i in order[3:])
+    args = small_args(tmp_path, "--task", "jsonl", "--data-path", str(data), "--eval-size", "3", "--run-name", "j")
+    rg.main([*args, "--total-steps", "1"])
+    assert (
+        f"{data}: {repeats} training row(s) repeat a held-out prompt: left out of training" in capsys.readouterr().out
+    )
+    assert repeats >= 3
+
+
+def test_a_lock_path_that_is_a_directory_is_named(tmp_path, capsys):
+    (tmp_path / "r" / "lock").mkdir(parents=True)
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r"))
+    assert f"{tmp_path / 'r' / 'lock'} is a directory, not the run's lock file" in err, err
+    assert "--out-dir" not in err
+
+
+def test_a_read_only_run_folder_is_named_not_the_out_dir(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    if os.geteuid() == 0:  # root ignores a read-only mode: a read-only mount
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run)], capture_output=True)
+        if res.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    else:
+        run.chmod(0o555)
+    try:
+        err = user_error(capsys, small_args(tmp_path, "--run-name", "r"))
+    finally:
+        subprocess.run(["umount", "-l", str(run)]) if os.geteuid() == 0 else run.chmod(0o755)
+    assert f"{run}: cannot write in the run folder" in err and f"its lock file {run / 'lock'}" in err, err
+    assert "--out-dir" not in err
