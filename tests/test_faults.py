@@ -375,3 +375,91 @@ def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_
     with pytest.raises(SystemExit) as exc:
         sweep.main(["plot", str(copy)])
     assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value
+
+
+# --- 7. the warm-start cache: a cached warm start is a cold one, a damaged cache is retrained -------
+
+
+def records_without_timing(run_dir: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if not rg.measured_on_this_machine(k)}
+        for line in lines(run_dir / "metrics.jsonl")
+    ]
+
+
+def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
+    """The second run of the same flags and seed loads the warm start the first trained: its records (but the
+    clock's) and its final weights are the first's."""
+    from safetensors.torch import load_file
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--eval-every", "3")
+    rg.main([*args, "--run-name", "cold"])
+    assert "warm start: 3 supervised steps" in capsys.readouterr().out
+    rg.main([*args, "--run-name", "cached"])
+    assert "warm start" not in capsys.readouterr().out  # loaded from the cache
+    cold, cached = records_without_timing(tmp_path / "cold"), records_without_timing(tmp_path / "cached")
+    assert [r["step"] for r in cold] == [0, 1, 2, 3]
+    assert cached == cold
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("cold", "cached")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize(
+    "name,damage",
+    [
+        ("model.safetensors", "cut"),
+        ("model.safetensors", "empty"),
+        ("model.safetensors", "delete"),
+        ("warmstart.json", "garbage"),
+        ("warmstart.json", "not a record"),
+        ("rng_state.pt", "delete"),  # a cache written before it kept the random streams
+    ],
+)
+def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tmp_path, capsys, name, damage):
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    rg.main([*args, "--run-name", "cold"])
+    (cache,) = [p for p in (tmp_path / ".warmstart").iterdir() if p.is_dir()]
+    path = cache / name
+    if damage == "delete":
+        path.unlink()
+    else:
+        data = path.read_bytes()
+        path.write_bytes(
+            {"cut": data[: len(data) // 2], "empty": b"", "garbage": b"{cut", "not a record": b"[]"}[damage]
+        )
+    capsys.readouterr()
+    rg.main([*args, "--run-name", "again"])
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "is damaged (" in line]
+    assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
+    assert "training it again to replace it" in said[0] and "--model" not in out
+    assert "warm start: 3 supervised steps" in out
+    assert records_without_timing(tmp_path / "again") == records_without_timing(tmp_path / "cold")
+    rg.main([*args, "--run-name", "third"])  # the replaced cache is whole: loaded without a word
+    assert "warm start" not in capsys.readouterr().out
+    assert records_without_timing(tmp_path / "third") == records_without_timing(tmp_path / "cold")
+
+
+def test_a_warm_start_cache_folder_left_by_a_killed_writer_is_removed(tmp_path, capsys):
+    """A writer holds .warmstart/<key>.lock while it fills <key>.tmp<pid>: a folder whose lock is free was left by
+    a process killed while writing, one whose lock is held is being written (here: this test holds it)."""
+    import fcntl
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    rg.main([*args, "--run-name", "cold"])
+    root = tmp_path / ".warmstart"
+    (cache,) = [p for p in root.iterdir() if p.is_dir()]
+    left = root / f"{cache.name}.tmp4242"  # what a kill before the rename leaves
+    shutil.copytree(cache, left)
+    (left / "model.safetensors").unlink()
+    writing = root / "0123456789ab.tmp4343"
+    writing.mkdir()
+    with open(root / "0123456789ab.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a live writer of another warm start
+        capsys.readouterr()
+        rg.main([*args, "--run-name", "next"])
+        out = capsys.readouterr().out
+        assert not left.exists() and writing.exists()
+    assert f"warm start: removed {left}, left by a process killed while writing the cache" in out
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [writing.name, cache.name]
