@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import sweep
 import torch
+from test_async_pipeline import Run, metrics  # a CLI run in its own session, watched
 
+import async_pipeline as ap
 import replay_grpo as rg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -463,3 +466,44 @@ def test_a_warm_start_cache_folder_left_by_a_killed_writer_is_removed(tmp_path, 
         assert not left.exists() and writing.exists()
     assert f"warm start: removed {left}, left by a process killed while writing the cache" in out
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [writing.name, cache.name]
+
+
+# --- 8. --mode async: a generator that hangs stops the run ------------------------------------------
+
+
+def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_path):
+    """SIGSTOP, not a kill: the process lives on and delivers nothing. On-policy (N = B = R), where the trainer
+    would otherwise train the last batch over and over: the run stops after the bound, names the generator, keeps
+    the checkpoint of step 5 and leaves no process behind; --resume continues from it."""
+    args = small_args(tmp_path, "--mode", "async", "--num-generators", "1", "--run-name", "r", "--eval-every", "5")
+    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
+    try:
+        started = run.poll_until(
+            lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 180
+        )
+        assert started and len(run.generators()) == 1, run.proc.poll()
+        (generator,) = run.generators()
+        os.kill(generator, signal.SIGSTOP)
+        stopped = time.time()
+        rc, log = run.finish(timeout=ap.SILENT_FLOOR + 60)
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    took = time.time() - stopped
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1, log[-3000:]
+    assert errors[0].startswith(f"error: generator 0 (pid {generator}) delivered no rollouts for "), errors
+    assert f"the last checkpoint is kept: {tmp_path / 'r' / 'checkpoint'} (--resume)" in errors[0]
+    assert "Traceback" not in log and ap.SILENT_FLOOR < took < ap.SILENT_FLOOR + 30, (took, log[-3000:])
+    state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] % 5 == 0 and state["step"] >= 5
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(state["step"] + 3))
