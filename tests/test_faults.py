@@ -468,6 +468,36 @@ def test_a_warm_start_cache_folder_left_by_a_killed_writer_is_removed(tmp_path, 
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [writing.name, cache.name]
 
 
+def test_runs_started_together_wait_for_one_warm_start(tmp_path):
+    """Two runs of one seed in one --out-dir while the cache's lock is held (here by the test, as by a process
+    training that warm start): both wait; once it is free, one trains and caches the warm start, the other
+    loads it (trained once), and both runs are the same."""
+    import fcntl
+
+    import warm_start
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    key = warm_start.warm_start_key(rg.parse_args(args), torch.device("cpu"))
+    (tmp_path / ".warmstart").mkdir()
+    procs, logs = [], [tmp_path / "a.log", tmp_path / "b.log"]
+    with open(tmp_path / ".warmstart" / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name, log in zip("ab", logs):
+            cmd = [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--run-name", name]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT))
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(
+            log.exists() and "another process is writing" in log.read_text() for log in logs
+        ):
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], [log.read_text() for log in logs]
+    texts = [log.read_text() for log in logs]
+    assert all("warm start: another process is writing" in text for text in texts), texts
+    assert sum(text.count("warm start: 3 supervised steps") for text in texts) == 1, texts
+    assert records_without_timing(tmp_path / "a") == records_without_timing(tmp_path / "b")
+
+
 # --- 8. --mode async: a generator that hangs stops the run ------------------------------------------
 
 
