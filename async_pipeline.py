@@ -270,7 +270,8 @@ class GeneratorPool:
         except queue.Empty:
             pass
         now = time.monotonic()
-        if backlog is None or backlog >= self.capacity or len(msgs) == limit:  # a generator may be held back
+        full = len(msgs) >= self.capacity if backlog is None else backlog >= self.capacity  # None: macOS
+        if full or len(msgs) == limit:  # a generator may have waited for room, or still waits: it is not silent
             self.heard = [now] * len(self.procs)
         msgs = [pickle.loads(m) for m in msgs]
         for m in msgs:

@@ -537,3 +537,33 @@ def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_p
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(state["step"] + 3))
+
+
+def test_generators_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, monkeypatch):
+    """A slow trainer: the real pool's two generators fill the channel and wait for room longer than the bound,
+    while the trainer's shards have no room for a request (--sampling queue: it takes none) and then when it takes
+    them all. That silence is the trainer's, not theirs: no generator is taken for hung."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(ap, "SILENT_FLOOR", 1.0)
+    cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--num-generators", "2"))
+    model, _ = rg.build_tiny_model(0)
+    ctx = mp.get_context("spawn")
+    box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
+    pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=1)
+    try:
+        deadline = time.time() + 180
+        while not all(pool.delivered) and time.time() < deadline:
+            pool.receive(wait=1.0)
+            assert pool.failure() is None
+        assert all(pool.delivered)
+        bound = max(ap.SILENT_FLOOR, ap.SILENT_FACTOR * pool.longest)
+        until = time.time() + 3 * bound
+        while time.time() < until:  # the trainer has no room: it takes nothing, the channel fills
+            assert not pool.receive(wait=0, limit=0) and pool.hung() is None
+            time.sleep(0.1)
+        assert pool.depth() == pool.capacity
+        assert len(pool.receive(wait=0)) >= pool.capacity and pool.hung() is None
+        assert pool.receive(wait=5.0) and pool.hung() is None  # with room, they deliver again
+    finally:
+        pool.close()
