@@ -51,6 +51,14 @@ import replay_grpo as rg
 import run_folder
 from replay_grpo import PipelineError, UserError
 
+# A generator that delivers nothing while the channel has room for its requests is hung (or stopped): after
+# SILENT_FACTOR times the longest request any generator took (its weight pull and its generation), and at least
+# SILENT_FLOOR seconds, rank 0 kills it and stops the run. Before its first request it has START_SECONDS (a
+# model and an engine to load). Time the channel is full does not count: generators then wait for the trainers.
+SILENT_FACTOR = 10
+SILENT_FLOOR = 60.0
+START_SECONDS = 1800.0
+
 
 class LogprobPolicy(torch.nn.Module):
     """A causal LM whose forward is completion_logprobs. Under FSDP2 (`fully_shard(LogprobPolicy(model))`)
@@ -187,6 +195,7 @@ def generator_main(
         rng = generator_streams(cfg.seed, index, first_group_id)
         idle, request = 0.0, 0
         while not stop.is_set() and parent.is_alive():
+            t_pull = time.perf_counter()
             mailbox.pull(generator)
             t0 = time.perf_counter()
             group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
@@ -198,6 +207,8 @@ def generator_main(
                     "counters": dict(counts),
                     "idle_seconds": idle,
                     "busy_seconds": time.perf_counter() - t0,
+                    "generator": index,
+                    "request_seconds": time.perf_counter() - t_pull,
                 }
             )  # bytes: no shared-memory fd per tensor
             request += 1
@@ -218,8 +229,16 @@ class GeneratorPool:
     """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
 
     def __init__(
-        self, cfg: rg.Args, ctx, mailbox: WeightMailbox, first_group_id: int, n_trainers: int, processes: int = 1
+        self,
+        cfg: rg.Args,
+        ctx,
+        mailbox: WeightMailbox,
+        first_group_id: int,
+        n_trainers: int,
+        processes: int = 1,
+        checkpoint: Path | None = None,
     ):
+        self.checkpoint = checkpoint  # the run's, named when a generator hangs
         self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
         self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
         self.gpus = generator_gpus(cfg.num_generators, n_trainers, torch.cuda.device_count())
@@ -233,10 +252,13 @@ class GeneratorPool:
         ]
         for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
             p.start()
+        self.heard = [time.monotonic()] * len(self.procs)  # when each delivered last, or could not for a full channel
+        self.delivered = [False] * len(self.procs)
+        self.longest = 0.0  # seconds of the longest request so far
 
     def receive(self, wait: float, limit: int | None = None) -> list[dict]:
         """Every finished request in the channel (at most `limit`), waiting up to `wait` seconds for the first."""
-        msgs = []
+        msgs, backlog = [], self.depth()
         most = self.capacity + len(self.procs) + 1  # bounded: they keep producing
         if limit is not None:
             most = min(most, limit)
@@ -247,7 +269,33 @@ class GeneratorPool:
                 msgs.append(self.channel.get_nowait())
         except queue.Empty:
             pass
-        return [pickle.loads(m) for m in msgs]
+        now = time.monotonic()
+        full = len(msgs) >= self.capacity if backlog is None else backlog >= self.capacity  # None: macOS
+        if full or len(msgs) == limit:  # a generator may have waited for room, or still waits: it is not silent
+            self.heard = [now] * len(self.procs)
+        msgs = [pickle.loads(m) for m in msgs]
+        for m in msgs:
+            self.heard[m["generator"]], self.delivered[m["generator"]] = now, True
+            self.longest = max(self.longest, m["request_seconds"])
+        return msgs
+
+    def hung(self) -> str | None:
+        """A generator that has delivered nothing for longer than it may (SILENT_FACTOR above), killed, in one line;
+        None while every generator delivers."""
+        bound = max(SILENT_FLOOR, SILENT_FACTOR * self.longest)
+        for i, p in enumerate(self.procs):
+            silent = time.monotonic() - self.heard[i]
+            if silent > (bound if self.delivered[i] else max(bound, START_SECONDS)):
+                p.kill()  # a stopped process ends only so
+                kept = "no checkpoint was saved yet"
+                if self.checkpoint is not None and self.checkpoint.exists():
+                    kept = f"the last checkpoint is kept: {self.checkpoint} (--resume)"
+                return (
+                    f"generator {i} (pid {p.pid}) delivered no rollouts for {silent:.0f} s while the channel had "
+                    f"room (the bound: {SILENT_FACTOR} x the longest request, {self.longest:.1f} s, at least "
+                    f"{SILENT_FLOOR:.0f} s): it hangs or was stopped, so the run stops; {kept}"
+                )
+        return None
 
     def failure(self) -> str | None:
         """Why a generator stopped (its traceback, or its exit code / signal); None while all run."""
@@ -407,6 +455,7 @@ class Dealer:
         if self.room is not None:  # backpressure: only whole requests that every shard has room for
             limit = (self.room - max(self.held)) // self.share
         msgs = [] if failure else pool.receive(wait=1.0 if wait else 0, limit=limit)
+        failure = failure or pool.hung()
         parts, fresh, stop = self.deal(msgs, totals, step)
         tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
         out = [{"rollouts": p, "failure": failure or stop} for p in parts]
@@ -617,7 +666,13 @@ def train_async(cfg: rg.Args) -> dict:
             mailbox = WeightMailbox(ctx, weights, step, kernels.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
             pool = GeneratorPool(
-                cfg, ctx, mailbox, first_group_id=dealer.next_group_id, n_trainers=T, processes=processes
+                cfg,
+                ctx,
+                mailbox,
+                first_group_id=dealer.next_group_id,
+                n_trainers=T,
+                processes=processes,
+                checkpoint=ckpt,
             )
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(

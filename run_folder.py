@@ -360,8 +360,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if state.get("numpy") is not None:  # absent from checkpoints of older versions
         np.random.set_state(state["numpy"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and torch.cuda.is_available():  # the devices this process sees
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def seed_everything(seed: int) -> None:

@@ -12,7 +12,9 @@ what it imitates (a run of noisy pass@k checks stops each seed at another point)
 (configuration, learning rate) of the same seed.
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -25,9 +27,13 @@ import torch
 
 import kernels
 import replay_grpo as rg
+import run_folder
+from run_folder import UserError
 
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
+STREAMS = "rng_state.pt"  # in a cache: the random streams' state at the warm start's end (run_folder.rng_state)
+CACHE_FILES = ("warmstart.json", STREAMS, "config.json", "tokenizer_config.json", "model.safetensors")
 # Flags that cannot change the warm start; the cache key is every other field, so a new flag is in it.
 NOT_WARM_START = {
     "preset",
@@ -172,24 +178,134 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
 
 def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
     """The warm-started policy, its tokenizer, its cache folder and the warm start's record: from the cache,
-    or trained from --model and cached."""
-    cache = Path(cfg.out_dir) / ".warmstart" / warm_start_key(cfg, device)
-    if (cache / "config.json").exists() and (cache / "warmstart.json").exists():
-        model, tok = rg.load_pretrained(str(cache), torch.float32)  # fp32 masters
-        return model.to(device), tok, str(cache), json.loads((cache / "warmstart.json").read_text())
+    or trained from --model and cached. Either way the random streams leave here as a cold start leaves them
+    (the cache holds their state at the warm start's end): a run's records depend on its flags and seed only. A
+    damaged cache is trained again and replaced, said in one line."""
+    root = Path(cfg.out_dir) / ".warmstart"
+    cache = root / warm_start_key(cfg, device)
+    before = run_folder.rng_state()  # a cold start's streams, which a retrained warm start draws from
+    remove_leftovers(root)
+    try:
+        return read_cache(cache, device)
+    except DamagedCache:
+        pass  # absent, damaged, or being replaced by another process: look again holding its lock
+    with cache_lock(root, cache.name):
+        try:
+            return read_cache(cache, device)
+        except DamagedCache as e:
+            if e.args:  # absent says nothing
+                print(f"warm start: the cache {cache} is damaged ({e}): training it again to replace it", flush=True)
+        run_folder.set_rng_state(before)
+        return train_and_cache(cfg, device, task, cache)
+
+
+class DamagedCache(Exception):
+    """A warm-start cache folder that is absent (no argument), or a file in it that cannot be used (its name, why)."""
+
+
+def read_part(cache: Path, name: str, read):
+    """read(cache / name), or DamagedCache naming the file and its error."""
+    try:
+        return read(cache / name)
+    except Exception as e:  # json's, torch's, safetensors' and transformers' errors for a damaged file share no base
+        raise DamagedCache(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}") from None
+
+
+def warm_start_record(info):
+    """warmstart.json's content, if it is a warm start's record (what first_evaluation logs of it)."""
+    number = (int, float, type(None))
+    if not isinstance(info, dict) or not (
+        isinstance(info.get("steps"), int)
+        and isinstance(info.get("reached"), bool)
+        and isinstance(info.get("pass@k"), number)
+    ):
+        raise ValueError("not a warm start's record (steps, pass@k, reached)")
+    return info
+
+
+def read_cache(cache: Path, device: torch.device):
+    """The cached policy (fp32 masters on `device`), its tokenizer, folder and record, with the random streams set
+    as the warm start left them; DamagedCache when the folder is absent or a file in it is missing or damaged."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not cache.is_dir():
+        raise DamagedCache()
+    for name in CACHE_FILES:
+        if not (cache / name).is_file():
+            raise DamagedCache(f"{name} is missing")
+
+    def load_weights(path: Path):
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            cache, config=config, dtype=torch.float32, output_loading_info=True
+        )
+        if loading["missing_keys"] or loading["mismatched_keys"]:
+            raise ValueError(f"tensors missing or of another shape: {sorted(loading['missing_keys'])[:3]}")
+        return model
+
+    info = read_part(cache, "warmstart.json", lambda path: warm_start_record(json.loads(path.read_text())))
+    streams = read_part(cache, STREAMS, lambda path: torch.load(path, weights_only=False))
+    config = read_part(cache, "config.json", lambda _: AutoConfig.from_pretrained(cache))
+    tok = read_part(cache, "tokenizer_config.json", lambda _: AutoTokenizer.from_pretrained(cache))
+    model = read_part(cache, "model.safetensors", load_weights)
+    read_part(cache, STREAMS, lambda _: run_folder.set_rng_state(streams))
+    tok.pad_token = tok.pad_token or tok.eos_token
+    tok.padding_side = "left"
+    return model.to(device), tok, str(cache), info
+
+
+@contextlib.contextmanager
+def cache_lock(root: Path, key: str, wait: bool = True):
+    """Hold <root>/<key>.lock (fcntl.flock, released by the OS when the process dies) while the cache <key> is
+    read, trained and written: a second process waits for the first's cache instead of training it too.
+    wait=False: BlockingIOError when another process holds it."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot write the warm-start cache {root} ({e.strerror or e}): check --out-dir") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                raise
+            print(f"warm start: another process is writing {root / key}; waiting for it", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Remove the temporary folders (<key>.tmp<pid>) of processes killed while writing a cache: a writer holds
+    <key>.lock while its folder exists, so a folder whose lock is free is a leftover."""
+    for tmp in sorted(root.glob("*.tmp*")):
+        try:
+            with cache_lock(root, tmp.name.split(".tmp")[0], wait=False):
+                shutil.rmtree(tmp)
+        except (OSError, UserError):  # its writer is alive (BlockingIOError), or the folder is read-only
+            continue
+        print(f"warm start: removed {tmp}, left by a process killed while writing the cache", flush=True)
+
+
+def train_and_cache(cfg: rg.Args, device: torch.device, task: rg.Task, cache: Path):
+    """The warm start trained from --model, written to `cache` whole (a temporary folder, renamed) with the random
+    streams' state at its end. The caller holds the cache's lock."""
     model, tok = rg.load_base_policy(cfg, device)
     t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
+    streams = run_folder.rng_state()  # at the warm start's end: a run that loads the cache goes on from here
     info["seconds"] = round(time.time() - t0, 1)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
     try:
         rg.export_plain_folder(model, tok, str(tmp))
+        torch.save(streams, tmp / STREAMS)
         (tmp / "warmstart.json").write_text(json.dumps(info))
     except Exception as e:
-        full = rg.run_folder.disk_full(e, cache.parent)
+        full = run_folder.disk_full(e, cache.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if not full:
             raise
-        raise rg.UserError(
+        raise UserError(
             f"disk full: the warm start could not be cached in {cache.parent}: free some space and "
             "run again (it is trained again)"
         ) from None

@@ -8,6 +8,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import sweep
 import torch
+from test_async_pipeline import Run, metrics  # a CLI run in its own session, watched
 
+import async_pipeline as ap
 import replay_grpo as rg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -587,3 +590,192 @@ def test_a_read_only_run_folder_is_named_not_the_out_dir(tmp_path, capsys):
         subprocess.run(["umount", "-l", str(run)]) if os.geteuid() == 0 else run.chmod(0o755)
     assert f"{run}: cannot write in the run folder" in err and f"its lock file {run / 'lock'}" in err, err
     assert "--out-dir" not in err
+
+
+# --- 7. the warm-start cache: a cached warm start is a cold one, a damaged cache is retrained -------
+
+
+def records_without_timing(run_dir: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if not rg.measured_on_this_machine(k)}
+        for line in lines(run_dir / "metrics.jsonl")
+    ]
+
+
+def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
+    """The second run of the same flags and seed loads the warm start the first trained: its records (but the
+    clock's) and its final weights are the first's."""
+    from safetensors.torch import load_file
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--eval-every", "3")
+    rg.main([*args, "--run-name", "cold"])
+    assert "warm start: 3 supervised steps" in capsys.readouterr().out
+    rg.main([*args, "--run-name", "cached"])
+    assert "warm start" not in capsys.readouterr().out  # loaded from the cache
+    cold, cached = records_without_timing(tmp_path / "cold"), records_without_timing(tmp_path / "cached")
+    assert [r["step"] for r in cold] == [0, 1, 2, 3]
+    assert cached == cold
+    weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("cold", "cached")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize(
+    "name,damage",
+    [
+        ("model.safetensors", "cut"),
+        ("model.safetensors", "empty"),
+        ("model.safetensors", "delete"),
+        ("warmstart.json", "garbage"),
+        ("warmstart.json", "not a record"),
+        ("rng_state.pt", "delete"),  # a cache written before it kept the random streams
+    ],
+)
+def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tmp_path, capsys, name, damage):
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    rg.main([*args, "--run-name", "cold"])
+    (cache,) = [p for p in (tmp_path / ".warmstart").iterdir() if p.is_dir()]
+    path = cache / name
+    if damage == "delete":
+        path.unlink()
+    else:
+        data = path.read_bytes()
+        path.write_bytes(
+            {"cut": data[: len(data) // 2], "empty": b"", "garbage": b"{cut", "not a record": b"[]"}[damage]
+        )
+    capsys.readouterr()
+    rg.main([*args, "--run-name", "again"])
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "is damaged (" in line]
+    assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
+    assert "training it again to replace it" in said[0] and "--model" not in out
+    assert "warm start: 3 supervised steps" in out
+    assert records_without_timing(tmp_path / "again") == records_without_timing(tmp_path / "cold")
+    rg.main([*args, "--run-name", "third"])  # the replaced cache is whole: loaded without a word
+    assert "warm start" not in capsys.readouterr().out
+    assert records_without_timing(tmp_path / "third") == records_without_timing(tmp_path / "cold")
+
+
+def test_a_warm_start_cache_folder_left_by_a_killed_writer_is_removed(tmp_path, capsys):
+    """A writer holds .warmstart/<key>.lock while it fills <key>.tmp<pid>: a folder whose lock is free was left by
+    a process killed while writing, one whose lock is held is being written (here: this test holds it)."""
+    import fcntl
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    rg.main([*args, "--run-name", "cold"])
+    root = tmp_path / ".warmstart"
+    (cache,) = [p for p in root.iterdir() if p.is_dir()]
+    left = root / f"{cache.name}.tmp4242"  # what a kill before the rename leaves
+    shutil.copytree(cache, left)
+    (left / "model.safetensors").unlink()
+    writing = root / "0123456789ab.tmp4343"
+    writing.mkdir()
+    with open(root / "0123456789ab.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a live writer of another warm start
+        capsys.readouterr()
+        rg.main([*args, "--run-name", "next"])
+        out = capsys.readouterr().out
+        assert not left.exists() and writing.exists()
+    assert f"warm start: removed {left}, left by a process killed while writing the cache" in out
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [writing.name, cache.name]
+
+
+def test_runs_started_together_wait_for_one_warm_start(tmp_path):
+    """Two runs of one seed in one --out-dir while the cache's lock is held (here by the test, as by a process
+    training that warm start): both wait; once it is free, one trains and caches the warm start, the other
+    loads it (trained once), and both runs are the same."""
+    import fcntl
+
+    import warm_start
+
+    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
+    key = warm_start.warm_start_key(rg.parse_args(args), torch.device("cpu"))
+    (tmp_path / ".warmstart").mkdir()
+    procs, logs = [], [tmp_path / "a.log", tmp_path / "b.log"]
+    with open(tmp_path / ".warmstart" / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name, log in zip("ab", logs):
+            cmd = [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--run-name", name]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT))
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(
+            log.exists() and "another process is writing" in log.read_text() for log in logs
+        ):
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], [log.read_text() for log in logs]
+    texts = [log.read_text() for log in logs]
+    assert all("warm start: another process is writing" in text for text in texts), texts
+    assert sum(text.count("warm start: 3 supervised steps") for text in texts) == 1, texts
+    assert records_without_timing(tmp_path / "a") == records_without_timing(tmp_path / "b")
+
+
+# --- 8. --mode async: a generator that hangs stops the run ------------------------------------------
+
+
+def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_path):
+    """SIGSTOP, not a kill: the process lives on and delivers nothing. On-policy (N = B = R), where the trainer
+    would otherwise train the last batch over and over: the run stops after the bound, names the generator, keeps
+    the checkpoint of step 5 and leaves no process behind; --resume continues from it."""
+    args = small_args(tmp_path, "--mode", "async", "--num-generators", "1", "--run-name", "r", "--eval-every", "5")
+    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
+    try:
+        started = run.poll_until(
+            lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 180
+        )
+        assert started and len(run.generators()) == 1, run.proc.poll()
+        (generator,) = run.generators()
+        os.kill(generator, signal.SIGSTOP)
+        stopped = time.time()
+        rc, log = run.finish(timeout=ap.SILENT_FLOOR + 60)
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    took = time.time() - stopped
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1, log[-3000:]
+    assert errors[0].startswith(f"error: generator 0 (pid {generator}) delivered no rollouts for "), errors
+    assert f"the last checkpoint is kept: {tmp_path / 'r' / 'checkpoint'} (--resume)" in errors[0]
+    assert "Traceback" not in log and ap.SILENT_FLOOR < took < ap.SILENT_FLOOR + 30, (took, log[-3000:])
+    state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] % 5 == 0 and state["step"] >= 5
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(state["step"] + 3))
+
+
+def test_generators_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, monkeypatch):
+    """A slow trainer: the real pool's two generators fill the channel and wait for room longer than the bound,
+    while the trainer's shards have no room for a request (--sampling queue: it takes none) and then when it takes
+    them all. That silence is the trainer's, not theirs: no generator is taken for hung."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(ap, "SILENT_FLOOR", 1.0)
+    cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--num-generators", "2"))
+    model, _ = rg.build_tiny_model(0)
+    ctx = mp.get_context("spawn")
+    box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
+    pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=1)
+    try:
+        deadline = time.time() + 180
+        while not all(pool.delivered) and time.time() < deadline:
+            pool.receive(wait=1.0)
+            assert pool.failure() is None
+        assert all(pool.delivered)
+        bound = max(ap.SILENT_FLOOR, ap.SILENT_FACTOR * pool.longest)
+        until = time.time() + 3 * bound
+        while time.time() < until:  # the trainer has no room: it takes nothing, the channel fills
+            assert not pool.receive(wait=0, limit=0) and pool.hung() is None
+            time.sleep(0.1)
+        assert pool.depth() == pool.capacity
+        assert len(pool.receive(wait=0)) >= pool.capacity and pool.hung() is None
+        assert pool.receive(wait=5.0) and pool.hung() is None  # with room, they deliver again
+    finally:
+        pool.close()
