@@ -22,25 +22,10 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
 import replay_grpo
 
-COMMANDS = [  # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses
-    ["--preset", "cpu", "--total-steps", "60", "--buffer-size", "512", "--prompts-per-step", "2", "--seed", "3"],
-    [
-        "--preset",
-        "cpu",
-        "--total-steps",
-        "60",
-        "--buffer-size",
-        "512",
-        "--prompts-per-step",
-        "2",
-        "--seed",
-        "3",
-        "--loss",
-        "asymre",
-        "--positive-bias",
-        "0.25",
-    ],
-]
+# seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses; each in its own --out-dir, so each
+# trains its warm start (a run's records depend on its flags and seed only, cached warm start or not)
+REPLAY = "--preset cpu --total-steps 60 --buffer-size 512 --prompts-per-step 2 --seed 3"
+COMMANDS = [REPLAY.split(), (REPLAY + " --loss asymre --positive-bias 0.25").split()]
 
 
 def timing(key: str) -> bool:
@@ -52,10 +37,11 @@ def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
     records = []
     for i, args in enumerate(COMMANDS):
         trainer = str(code_dir / "replay_grpo.py")
-        cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir), "--run-name", f"c{i}"]
+        cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir / f"c{i}"), "--run-name", "run"]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, cwd=code_dir, env=env, check=True, stdout=subprocess.DEVNULL)
-        records.append([json.loads(line) for line in (out_dir / f"c{i}" / "metrics.jsonl").read_text().splitlines()])
+        lines = (out_dir / f"c{i}" / "run" / "metrics.jsonl").read_text().splitlines()
+        records.append([json.loads(line) for line in lines])
     return records
 
 
