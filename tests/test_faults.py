@@ -23,6 +23,7 @@ from test_async_pipeline import Run, metrics  # a CLI run in its own session, wa
 
 import async_pipeline as ap
 import replay_grpo as rg
+import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -759,7 +760,7 @@ def test_generators_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path,
 
     monkeypatch.setattr(ap, "SILENT_FLOOR", 1.0)
     cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--num-generators", "2"))
-    model, _ = rg.build_tiny_model(0)
+    model, _ = warm_start.build_tiny_model(0)
     ctx = mp.get_context("spawn")
     box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
     pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=1)
