@@ -784,6 +784,9 @@ class HFGenerator:
     def sleep(self) -> None:  # the HF copy keeps its memory (see VLLMGenerator.sleep)
         pass
 
+    def close(self) -> None:
+        self.model = None
+
     @torch.no_grad()
     def generate(
         self,
@@ -879,7 +882,10 @@ class VLLMGenerator:
     """A vLLM engine in this process (one device) generating from token ids; behaviour log-probs are the engine's
     own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from). sleep_level 1 or 2:
     the engine shares a GPU with the trainer and releases it during optimizer steps (2 also drops the weights:
-    for when every wake-up is followed by a weight load)."""
+    for when every wake-up is followed by a weight load). vLLM on CUDA allows one sleep-mode engine per process
+    and never frees one, so a second one (any platform: sleep_level as asked) is refused here."""
+
+    sleep_mode_engines = 0  # engines built in this process with sleep mode asked for (close() does not free one)
 
     def __init__(
         self,
@@ -893,6 +899,11 @@ class VLLMGenerator:
         sleep_level: int = 0,
         cpu_threads: int | None = None,
     ):
+        if sleep_level and VLLMGenerator.sleep_mode_engines:
+            raise UserError(
+                "a vLLM engine with sleep mode already lives in this process, and vLLM on CUDA allows one per "
+                "process: run each training with --generator vllm in its own process"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts in seconds, takes tensors
         vllm, platform = import_vllm()
         if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
@@ -910,6 +921,7 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
             generation_config="vllm",
         )  # ignore the folder's sampling defaults: ours are explicit
+        VLLMGenerator.sleep_mode_engines += sleep_level > 0
         torch._C.set_num_threads(threads)  # the trainer's share back (torch._C: vLLM's CPU worker patches the API)
         self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -978,6 +990,12 @@ class VLLMGenerator:
                     out.append([copy.deepcopy(s) for s in group for _ in range(copies)])
         return out
 
+    def close(self) -> None:
+        """Stop the engine's in-process core; the engine's device memory stays with vLLM until the process ends."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
     @staticmethod
     def _sample(c, logprobs: bool) -> Sample:
         ids = list(c.token_ids)  # the stop token stays in token_ids, as in HFGenerator
@@ -1009,9 +1027,9 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
     dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
-    sleep_level = 0  # a colocated engine sleeps during optimizer steps; level 2 drops the weights too
-    if colocated and torch.cuda.is_available():
-        sleep_level = 2 if cfg.publish_every == 1 else 1  # 2 when a weight load follows every wake-up
+    # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
+    # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
+    sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
     generator = VLLMGenerator(
         model=model,
         tok=tok,
@@ -1830,6 +1848,7 @@ def train(cfg: Args) -> dict:
             run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
     bar.close()
     runlog.close()
+    generator.close()
     if step > start_step:
         mu = measured_mu(totals)
         print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")

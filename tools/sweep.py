@@ -7,9 +7,9 @@
     python sweep.py plot runs/NAME                                    # one run's curves, into its folder
     python sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
-Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
---subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
-N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
+Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with --subprocess, and
+always for a run whose generator may be vLLM), named after its configuration: onpolicy-s0, N512-R32-grpo-s0,
+N512-R32-asymre-s0, N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
 `run` skips finished runs (checkpoint at total_steps), continues interrupted ones from their
 checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint.
 
@@ -410,7 +410,8 @@ def execute(args: RunArgs, runs: list[dict]) -> list[str]:
         run_dir.mkdir(parents=True, exist_ok=True)  # what the report groups it by, written when it is planned
         planned = {"config": r["config"], "variant": r["variant"], "seed": r["seed"]}
         (run_dir / PLANNED).write_text(json.dumps(planned))
-        if args.subprocess:
+        # a vLLM engine with sleep mode is one per process and never freed (CUDA): such runs get a process each
+        if args.subprocess or replay_grpo.parse_args(argv).generator != "hf":
             code = subprocess.run([sys.executable, str(TRAINER), *argv]).returncode
         else:
             try:
