@@ -38,6 +38,7 @@ more than it saves at CPU sizes). Tile sizes (chunk_size, vocab_chunk_size) are 
 for speed vs memory; the defaults keep the workspace near 150 MB on CUDA.
 """
 
+import contextlib
 import math
 import os
 
@@ -151,6 +152,56 @@ def autocast(device: torch.device):
     """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
     dtype = compute_dtype(device)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def memory_stats(device: torch.device):
+    """The allocator's statistics of `device` (torch.cuda's functions), or None where it keeps none (CPU)."""
+    return torch.cuda if device.type == "cuda" else None
+
+
+class StepMemory:
+    """A step record's device memory. peak_memory_gib: the train step's own peak (the peak statistic is reset before
+    each step) less the generator's share; generator_memory_gib: that share, what the device holds more once the
+    generator is built (a vLLM engine's pools count in the allocator's statistics asleep or awake, and a colocated
+    HF copy). None where the device keeps no statistics."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stats, self.generator_bytes = device, memory_stats(device), 0
+
+    def allocated(self) -> int:
+        return self.stats.memory_allocated(self.device) if self.stats else 0
+
+    @contextlib.contextmanager
+    def generator_share(self):
+        """Around the generator's construction: what it adds to the device is its share."""
+        before = self.allocated()
+        yield
+        self.generator_bytes = self.allocated() - before
+
+    def start_step(self) -> None:
+        if self.stats:
+            self.stats.reset_peak_memory_stats(self.device)
+
+    def record(self) -> dict:
+        if not self.stats:
+            return {"peak_memory_gib": None}
+        peak = self.stats.max_memory_allocated(self.device) - self.generator_bytes
+        return {"peak_memory_gib": peak / 2**30, "generator_memory_gib": self.generator_bytes / 2**30}
+
+
+def cast_copy(model, dtype: torch.dtype, device: torch.device | None = None):
+    """A frozen copy of `model` with its floating-point parameters and buffers in `dtype` on `device` (default: the
+    model's), each cast straight from the original: no full-precision copy is ever made on the target device."""
+    device = device or next(model.parameters()).device
+    memo = {}  # deepcopy takes these in place of the originals (tied weights: one tensor, one copy)
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            # cast where the original lives, then move: the target device only ever sees `dtype`
+            cast = t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True).to(device)
+            memo[id(t)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(t, torch.nn.Parameter) else cast
+    import copy
+
+    return copy.deepcopy(model, memo).eval()
 
 
 def _mm_f32(a, b):

@@ -1567,7 +1567,7 @@ def is_eval_step(cfg: Args, step: int) -> bool:
 
 # Record keys measured on the clock or the device: they differ between two runs of the same seed.
 def measured_on_this_machine(key: str) -> bool:
-    return key.endswith("_seconds") or key in ("mu", "mu_throughput", "gamma", "peak_memory_gib")
+    return key.endswith(("_seconds", "_memory_gib")) or key in ("mu", "mu_throughput", "gamma")
 
 
 def cpu_copy(state_dict: dict) -> dict:
@@ -1738,7 +1738,9 @@ def train(cfg: Args) -> dict:
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
-    generator = make_generator(cfg, model, tok, model_dir)
+    memory = kernels.StepMemory(device)
+    with memory.generator_share():  # left out of each step's peak, and logged apart
+        generator = make_generator(cfg, model, tok, model_dir)
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
     totals = new_totals()  # run totals (checkpointed)
@@ -1794,6 +1796,7 @@ def train(cfg: Args) -> dict:
         t0 = time.perf_counter()
         model.train()
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
+        memory.start_step()
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
         train_seconds = time.perf_counter() - t0
         sums = batch_sums(batch, step)
@@ -1810,7 +1813,6 @@ def train(cfg: Args) -> dict:
         # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
         count_step(totals, stats, batch_size=B, train_seconds=train_seconds)
         totals["gen_seconds"] += gen_seconds
-        peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         record = step_record(
             step=step,
             stats=stats,
@@ -1824,7 +1826,7 @@ def train(cfg: Args) -> dict:
             generated_tokens=totals["generated_tokens"] - tokens_before,
             gen_seconds=gen_seconds,
             train_seconds=train_seconds,
-            peak_memory_gib=peak_memory,
+            **memory.record(),
         )
         evaluating = is_eval_step(cfg, step)
         evaluator = None

@@ -235,7 +235,12 @@ def save_checkpoint(
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        dtype = next(iter(weights.values())).dtype if weights else None  # (save_pretrained empties `weights`)
         model.save_pretrained(tmp, state_dict=weights)
+        if dtype is not None:  # config.json states the dtype of the tensors it sits beside, not the model object's
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tok.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer_state.pt")

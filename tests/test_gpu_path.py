@@ -309,3 +309,48 @@ def test_the_slow_matmul_path_is_said_once_at_the_start(bf16, monkeypatch):
     lines.clear()
     kernels.report_precision(torch.device("cpu"), write=lines.append)  # fp32: nothing to say
     assert lines == []
+
+
+class DeviceMemory:
+    """torch.cuda's allocator statistics as a GPU keeps them: bytes allocated, and their peak since the last reset."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.allocated
+
+    def allocate(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_peak_memory_is_each_train_steps_own_without_the_generators_share(tmp_path, monkeypatch):
+    """A colocated engine's 42 GiB of pools (counted by the allocator asleep or awake) and a first step that peaks
+    at 10 GiB of activations, then 3 GiB: each record has its own step's peak, the engine's share apart."""
+    gib, device = 2**30, DeviceMemory()
+    monkeypatch.setattr(kernels, "memory_stats", lambda _: device)
+    real_make, real_step, peaks = rg.make_generator, rg.train_step, iter([10, 3, 3, 3])
+
+    def make_generator(*args, **kwargs):
+        device.allocate(42 * gib)  # the engine's weights and KV cache
+        return real_make(*args, **kwargs)
+
+    def train_step(*args, **kwargs):
+        n = next(peaks) * gib
+        device.allocate(n)  # activations, freed by the end of the step
+        device.allocated -= n
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "make_generator", make_generator)
+    monkeypatch.setattr(rg, "train_step", train_step)
+    out = rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "m"])
+    recs = metrics(out["run_dir"])[1:]
+    assert [r["peak_memory_gib"] for r in recs] == [10, 3, 3, 3], recs
+    assert {r["generator_memory_gib"] for r in recs} == {42}
