@@ -573,8 +573,6 @@ def _interrupt(signum, frame):
 
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
-    from tqdm import tqdm
-
     owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
     device, processes = place_trainer(rank, W)
@@ -625,7 +623,7 @@ def train_async(cfg: rg.Args) -> dict:
             )
             if step == 0:  # while the generators start
                 last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
-            bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
+            bar = run_folder.Progress(step, cfg.total_steps)
 
         while step < cfg.total_steps:
             # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the

@@ -1582,7 +1582,7 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
         warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
-    print_eval(print, 0, metrics, samples)
+    run_folder.print_eval(print, 0, metrics, samples)
     return metrics
 
 
@@ -1685,35 +1685,23 @@ def step_record(
 
 def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, evaluator, runlog, bar) -> dict | None:
     """Both loops' end of a step: a few trained rollouts every --sample-every steps; with an `evaluator` (at
-    evaluation steps) the held-out evaluation, into the record; the record written and the progress bar moved.
-    Returns the evaluation (None without one)."""
+    evaluation steps) the held-out evaluation, into the record; the record written and the console's progress
+    (`bar`, a run_folder.Progress) moved. Returns the evaluation (None without one)."""
     step, metrics = record["step"], None
     samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
     if evaluator is not None:
         metrics, eval_samples = evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
         record.update(metrics)
         samples += eval_samples
-        print_eval(bar.write, step, metrics, eval_samples)
+        run_folder.print_eval(bar.write, step, metrics, eval_samples)
     if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
         bar.write(
             f"warning: step {step}: sampler and trainer log-probs differ by {record['logprob_mismatch_abs']:.3g} "
             f"per token on average (> {MISMATCH_WARN}); the importance ratio is biased"
         )
     runlog.log(record, samples)
-    bar.update(1)
-    shown = {"reward": "reward", "loss": "loss", "ent": "entropy", "stale": "staleness_mean", "mu": "mu"}
-    postfix = {name: f"{record[key]:.2f}" for name, key in shown.items() if record.get(key) is not None}
-    bar.set_postfix(postfix | ({"queue": record["queue_depth"]} if "queue_depth" in record else {}))
+    bar.update(record)
     return metrics
-
-
-def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
-    write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
-    for x in samples[:1]:  # one example, shortened
-        write(
-            f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
-            f"reward {x['reward']:g})"
-        )
 
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
@@ -1728,8 +1716,6 @@ def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
 
 def train(cfg: Args) -> dict:
     """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
-    from tqdm import tqdm
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_folder.seed_everything(cfg.seed)
     kernels.report_precision(device)
@@ -1768,7 +1754,7 @@ def train(cfg: Args) -> dict:
         last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
 
     start_step = step
-    bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
+    bar = run_folder.Progress(step, cfg.total_steps)
     while step < cfg.total_steps:
         # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
         #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing

@@ -9,8 +9,10 @@ The weight hand-off to a slow generator is tested with the other mailbox tests, 
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -354,3 +356,30 @@ def test_peak_memory_is_each_train_steps_own_without_the_generators_share(tmp_pa
     recs = metrics(out["run_dir"])[1:]
     assert [r["peak_memory_gib"] for r in recs] == [10, 3, 3, 3], recs
     assert {r["generator_memory_gib"] for r in recs} == {42}
+
+
+def test_a_run_logged_to_a_file_says_how_it_progresses_while_it_runs(tmp_path):
+    """Under a batch scheduler stdout is a file and the progress bar is off: the warm start and the RL steps each
+    write a progress line at least every PROGRESS_SECONDS (1 s here, through its test hook), read while it runs."""
+    log = tmp_path / "log.txt"
+    argv = SMALL + ["--sft-warmup-steps", "200", "--total-steps", "100000", "--out-dir", str(tmp_path)]
+    env = dict(ENV, REPLAY_GRPO_PROGRESS_SECONDS="1")
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "replay_grpo.py"), *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    try:
+        deadline, lines = time.time() + 240, []
+        while time.time() < deadline and proc.poll() is None:
+            lines = log.read_text().splitlines()
+            if sum(line.startswith("step ") and "s/step" in line for line in lines) >= 2:
+                break
+            time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-3000:]  # read while the run is alive
+    finally:
+        proc.kill()
+        proc.wait()
+    warm = [line for line in lines if line.startswith("warm start: step ") and "s/step" in line]
+    steps = [line for line in lines if line.startswith("step ") and "s/step" in line]
+    assert warm and len(steps) >= 2, "\n".join(lines[-30:])
+    assert re.fullmatch(r"step \d+/100000: reward [\d.]+ \(fresh rollouts, last \d+ steps\), [\d.]+ s/step", steps[0])
