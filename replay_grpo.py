@@ -120,6 +120,7 @@ class Args:
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
+    activation_checkpointing: bool = False  # keep each decoder layer's input only, recompute the rest in backward
 
     @property
     def rollouts_per_step(self) -> int:
@@ -191,7 +192,13 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         model="Qwen/Qwen2.5-1.5B-Instruct", task="math", max_new_tokens=1024, lr=5e-7, micro_batch_size=8, **GPU
     ),
     "math-qwen2.5-7b": Args(
-        model="Qwen/Qwen2.5-7B", task="math", max_new_tokens=1024, lr=6e-8, micro_batch_size=4, **GPU
+        model="Qwen/Qwen2.5-7B",
+        task="math",
+        max_new_tokens=1024,
+        lr=6e-8,
+        micro_batch_size=4,
+        activation_checkpointing=True,  # the memory plan: async on 8 x 80 GB fits with it (docs/gpu.md)
+        **GPU,
     ),
 }
 PRESETS = {name: dataclasses.replace(args, preset=name) for name, args in PRESETS.items()}
@@ -350,6 +357,7 @@ class Task:
     eval: list[Example]
     verifier: str  # a key of VERIFIERS
     train: list[Example] | None = None  # the training rows `draw` picks from (None: drawn by a generator, arith)
+    longest_prompt: int = 0  # tokens of the longest prompt kept (fit_to_context), for the memory plan
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -675,21 +683,22 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
         rows[:] = kept  # in place: the task's sampler draws from this list
         if not kept:
             raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): lower it")
+    task.longest_prompt = max(len(render_prompt(tok, ex.prompt)) for ex in task.train or task.eval)
     if task.train is None and skipped["skipped_eval_prompts"]:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     return {k: v for k, v in skipped.items() if v}
 
 
-def load_base_policy(cfg: Args, device: torch.device):
-    """--model ('tiny', built in code, or pretrained) and its tokenizer, fp32 master weights on `device`."""
+def load_base_policy(cfg: Args, device: torch.device, dtype: torch.dtype = torch.float32):
+    """--model ('tiny', built in code, or pretrained) and its tokenizer, on `device` in `dtype` (fp32: masters)."""
     if cfg.model == "tiny":
         import warm_start  # the toy: imported only when used
 
         model, tok = warm_start.build_tiny_model(cfg.seed)
     else:
-        model, tok = load_pretrained(cfg.model, torch.float32)
+        model, tok = load_pretrained(cfg.model, dtype)
     tok.padding_side = "left"
-    return model.to(device=device, dtype=torch.float32), tok
+    return model.to(device=device, dtype=dtype), tok
 
 
 def load_policy(cfg: Args, device: torch.device, task: Task):
@@ -764,12 +773,11 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, device: torch.device | None = None):
         from transformers import GenerationConfig
 
-        device = next(model.parameters()).device
-        dtype = kernels.compute_dtype(device)  # a bf16 copy on GPUs
-        self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        device = device or next(model.parameters()).device  # default: the model's
+        self.model = kernels.cast_copy(model, kernels.compute_dtype(device), device)  # bf16 on GPUs, cast directly
         self.policy_version = 0
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
@@ -1012,21 +1020,23 @@ def export_plain_folder(model, tok, out_dir: str) -> str:
     return out_dir
 
 
-def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True):
-    """The --generator backend. vLLM loads a plain Hugging Face folder (a model built in code or read from GGUF is
-    exported first). colocated: the engine shares its GPU with the trainer, so it sleeps during optimizer steps."""
+def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True, device: torch.device | None = None):
+    """The --generator backend on `device` (default: the model's). vLLM loads a plain Hugging Face folder (a model built
+    in code or read from GGUF is exported first). colocated: the engine shares its GPU with the trainer, so it sleeps
+    during optimizer steps."""
+    device = device or next(model.parameters()).device
     if cfg.generator == "hf":
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, device)
     try:
         import_vllm()  # vLLM itself is imported only here, when used
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, device)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")  # bf16 on GPUs
     # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
     # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
     sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
@@ -1594,7 +1604,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     task = make_task(cfg)
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task)
-        report_skipped(fit_to_context(cfg, task, tok, model), rank)
+        run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
         return task, model, tok, model_dir, warm, None
 
     def torch_load(path: Path):
@@ -1613,27 +1623,8 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     model, tok = run_folder.read_checkpoint_file(
         ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32)
     )
-    report_skipped(fit_to_context(cfg, task, tok, model), rank)
+    run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
     return task, model.to(device), tok, str(ckpt), None, state
-
-
-def report_skipped(skipped: dict, rank: int = 0) -> None:
-    if skipped and rank == 0:
-        print(
-            "prompts longer than the model's context less --max-new-tokens are skipped: "
-            + ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items())
-        )
-
-
-def sample_rows(tok, batch: list[Rollout]) -> list[dict]:
-    """A few rollouts of the batch just trained on, as text, with what the loss saw of them (staleness: the step
-    that used them, last_use_step, less the version that generated them)."""
-    rows = []
-    for r in batch[:SAMPLES]:
-        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
-        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
-        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
-    return rows
 
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
@@ -1688,7 +1679,7 @@ def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, eva
     evaluation steps) the held-out evaluation, into the record; the record written and the console's progress
     (`bar`, a run_folder.Progress) moved. Returns the evaluation (None without one)."""
     step, metrics = record["step"], None
-    samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
+    samples = run_folder.sample_rows(tok, batch[:SAMPLES]) if cfg.sample_every and step % cfg.sample_every == 0 else []
     if evaluator is not None:
         metrics, eval_samples = evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
         record.update(metrics)
@@ -1722,6 +1713,8 @@ def train(cfg: Args) -> dict:
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = run_folder.open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
+    kernels.check_memory_plan(cfg, model, task.longest_prompt, device)  # refuses a run that cannot fit
+    kernels.checkpoint_layers(model, cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
     memory = kernels.StepMemory(device)
@@ -1784,6 +1777,7 @@ def train(cfg: Args) -> dict:
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
         memory.start_step()
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
+        optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
         train_seconds = time.perf_counter() - t0
         sums = batch_sums(batch, step)
         step += 1  # the policy version of the updated weights

@@ -33,6 +33,7 @@ RESUMABLE = (
     "num_generators",
     "micro_batch_size",
     "vllm_gpu_memory_utilization",
+    "activation_checkpointing",
 )
 RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
 
@@ -361,6 +362,25 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def report_skipped(skipped: dict, rank: int = 0) -> None:
+    if skipped and rank == 0:
+        print(
+            "prompts longer than the model's context less --max-new-tokens are skipped: "
+            + ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items())
+        )
+
+
+def sample_rows(tok, rollouts: list) -> list[dict]:
+    """Rollouts just trained on, as text, with what the loss saw of them (staleness: the step that used them,
+    last_use_step, less the version that generated them)."""
+    rows = []
+    for r in rollouts:
+        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
+        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
+        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
+    return rows
 
 
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:

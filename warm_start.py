@@ -67,6 +67,7 @@ NOT_WARM_START = {
     "priority_alpha",
     "priority_tau",
     "ratio_level",
+    "activation_checkpointing",
 }
 
 

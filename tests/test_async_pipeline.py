@@ -636,3 +636,10 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
     ckpt = tmp_path / "d" / "checkpoint"
     assert {t.dtype for t in load_file(ckpt / "model.safetensors").values()} == {torch.float32}
     assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_async_trains_with_activation_checkpointing_applied_before_fully_shard(tmp_path):
+    """Each decoder layer checkpointed, then sharded: the FSDP2 units all-gather again for the recompute."""
+    out = rg.main(TINY + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
+    recs = metrics(Path(out["run_dir"]))[1:]
+    assert len(recs) == 2 and all(r["grad_norm"] > 0 and r["nonfinite"] == 0 for r in recs), recs

@@ -383,3 +383,79 @@ def test_a_run_logged_to_a_file_says_how_it_progresses_while_it_runs(tmp_path):
     steps = [line for line in lines if line.startswith("step ") and "s/step" in line]
     assert warm and len(steps) >= 2, "\n".join(lines[-30:])
     assert re.fullmatch(r"step \d+/100000: reward [\d.]+ \(fresh rollouts, last \d+ steps\), [\d.]+ s/step", steps[0])
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """(dtype, numel) of every tensor an operator makes inside the block (new memory: views and aliases are not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = torch.utils._pytree.tree_leaves((args, kwargs))
+        old = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old:
+                self.made.append((t.dtype, t.numel()))
+        return out
+
+
+def test_the_hf_copy_is_cast_from_the_masters_without_an_fp32_copy(bf16):
+    """On a GPU an fp32 copy of the policy, even a passing one, takes 4 bytes a parameter more than the bf16 copy:
+    every weight of the copy is made in the compute dtype straight from its master (the tied head once)."""
+    model, tok = warm_start.build_tiny_model(0)
+    big = {p.numel() for p in model.parameters() if p.numel() >= 1000}
+    with Allocations() as seen:
+        gen = rg.HFGenerator(model, tok)
+    assert not [m for m in seen.made if m[0] == torch.float32 and m[1] in big], seen.made
+    assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+    assert gen.model.get_output_embeddings().weight is gen.model.get_input_embeddings().weight  # still tied
+    for name, p in model.named_parameters():
+        assert torch.equal(gen.model.get_parameter(name), p.detach().to(torch.bfloat16)), name
+
+
+def test_a_generator_process_builds_its_generator_from_the_compute_dtype_on_the_host(bf16, monkeypatch):
+    """A generator process never holds fp32 weights on its device: it loads the policy in the compute dtype on the
+    host (the weights come from the mailbox), then its generator is built on its device from that."""
+    import queue
+    import signal
+    import threading
+
+    seen = []
+    real = rg.make_generator
+
+    def make_generator(cfg, model, tok, model_dir, colocated=True, device=None):
+        seen.append(({p.dtype for p in model.parameters()}, {p.device.type for p in model.parameters()}, device))
+        return real(cfg, model, tok, model_dir, colocated=colocated, device=device)
+
+    class Channel(queue.Queue):
+        def cancel_join_thread(self):
+            pass
+
+    monkeypatch.setattr(rg, "make_generator", make_generator)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the process's SIGINT handling: not pytest's
+    stop, errors = threading.Event(), queue.Queue()
+    stop.set()  # build the generator, then stop before the first request
+    cfg = rg.parse_args(SMALL)
+    ap.generator_main(0, cfg, None, Channel(), errors, stop, first_group_id=0, gpu=None, processes=1)
+    assert errors.empty() and seen == [({torch.bfloat16}, {"cpu"}, torch.device("cpu"))], (seen, errors.queue)
+
+
+def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, monkeypatch):
+    """--mode async: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
+    of the policy but the trainer's lives in the trainer process."""
+    import gc
+
+    live, real = [], rg.train_step
+
+    def train_step(*args, **kwargs):
+        live.append(sum(isinstance(o, rg.HFGenerator) and o.model is not None for o in gc.get_objects()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "train_step", train_step)
+    argv = SMALL + ["--mode", "async", "--num-generators", "1", "--eval-every", "2", "--total-steps", "4"]
+    out = rg.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
+    assert live == [0, 0, 0, 0], live
+    assert [r["step"] for r in metrics(out["run_dir"]) if "eval/greedy_acc" in r] == [0, 2, 4]
