@@ -29,7 +29,10 @@ import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(
-    os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    os.environ,
+    HF_HUB_OFFLINE="1",
+    OMP_NUM_THREADS="1",
+    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]),
 )
 SMALL = [
     "--preset",
