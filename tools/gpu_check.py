@@ -22,6 +22,7 @@ simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Ch
   qwen-0.5b  a Qwen2 built in code at Qwen2.5-0.5B's width (hidden 896, 24 layers, 14 heads, vocab
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
+  memory plan  that run's train steps' measured peak (generator apart) within the plan's estimate
   async      --mode async, T = 1, W = 1 on the one GPU: a clean start, increasing policy versions, a
              clean exit with no process left (read from /proc)
   vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
@@ -112,7 +113,7 @@ def training_records(run_dir: Path) -> list[dict]:
     ]
 
 
-def check_trainer(out: Path, smoke: bool) -> None:
+def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     # the cpu preset, on whatever device the run picks (the GPU here)
     args = ["--preset", "cpu", "--out-dir", str(out), "--run-name", "learns"]
     if smoke:
@@ -179,40 +180,37 @@ def check_trainer(out: Path, smoke: bool) -> None:
         shape = dict(hidden_size=128, layers=2, vocab_size=1024)
     warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        rg.main(
-            [
-                "--preset",
-                "cpu",
-                "--sft-warmup-steps",
-                "0",
-                "--total-steps",
-                "6",
-                "--prompts-per-step",
-                "4",
-                "--batch-size",
-                "128",
-                "--buffer-size",
-                "256",
-                "--max-new-tokens",
-                "64",
-                "--micro-batch-size",
-                "32",
-                "--eval-size",
-                "8",
-                "--eval-every",
-                "0",
-                "--loss",
-                "asymre",
-                "--lr",
-                "1e-5",
-                "--out-dir",
-                str(out),
-                "--run-name",
-                "qwen",
-            ]
-        )
+        argv = [
+            "--preset",
+            "cpu",
+            "--sft-warmup-steps",
+            "0",
+            "--total-steps",
+            "6",
+            "--prompts-per-step",
+            "4",
+            "--batch-size",
+            "128",
+            "--buffer-size",
+            "256",
+            "--max-new-tokens",
+            "64",
+            "--micro-batch-size",
+            "32",
+            "--eval-size",
+            "8",
+            "--eval-every",
+            "0",
+            "--loss",
+            "asymre",
+            "--lr",
+            "1e-5",
+            "--out-dir",
+            str(out),
+            "--run-name",
+            "qwen",
+        ]
+        rg.main(argv)
         start = real_build(0, **shape)[0].state_dict()
     finally:
         warm_start.build_tiny_model = real_build
@@ -233,6 +231,19 @@ def check_trainer(out: Path, smoke: bool) -> None:
         f"{'no' if finite else 'some'} NaN/inf steps",
         f"mismatch < {rg.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
         finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5,
+    )
+    # the memory plan of that run (what it printed before its first step) against its steps' own measured peaks
+    cfg = rg.parse_args(argv)
+    model, tok = real_build(0, **shape)
+    longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
+    c = kernels.compute_dtype(torch.device(dev)).itemsize
+    plan = kernels.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
+    planned = (plan["train"] - plan["rows"]["generator (resident)"]) / 2**30  # the generator's share is apart
+    row(
+        "memory plan: qwen-0.5b's train step",
+        f"measured peak {peak:.2f} GiB, planned {planned:.2f} GiB",
+        "measured <= planned",
+        None if peak != peak else peak <= planned,
     )
 
 
@@ -471,7 +482,10 @@ def run_check(name: str, dev: str, tmp: str, smoke: bool) -> None:
             row(name, f"crashed: its process exited with {code}", "runs", False)
         return
     try:
-        check(dev if name in ("kernels", "precision") else sub, smoke)
+        if name == "trainer":
+            check(sub, smoke, dev)
+        else:
+            check(dev if name in ("kernels", "precision") else sub, smoke)
     except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
         traceback.print_exc()
         first_line = str(e).splitlines()[0][:100] if str(e) else ""
