@@ -1024,7 +1024,6 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     """The --generator backend on `device` (default: the model's). vLLM loads a plain Hugging Face folder (a model built
     in code or read from GGUF is exported first). colocated: the engine shares its GPU with the trainer, so it sleeps
     during optimizer steps."""
-    device = device or next(model.parameters()).device
     if cfg.generator == "hf":
         return HFGenerator(model, tok, device)
     try:
@@ -1036,7 +1035,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
         return HFGenerator(model, tok, device)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")  # bf16 on GPUs
+    dtype = str(kernels.compute_dtype(device or next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
     # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
     # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
     sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
