@@ -181,17 +181,21 @@ def generator_main(
     parent = mp.parent_process()
     try:
         task = rg.make_task(cfg)
-        model, tok, model_dir, _ = rg.load_policy(cfg, torch.device("cpu" if gpu is None else "cuda:0"), task)
+        device = torch.device("cpu" if gpu is None else "cuda:0")
+        # the architecture and tokenizer, in the compute dtype on the host (never fp32 on the GPU): the weights come
+        # from the mailbox before the first request
+        model, tok = rg.load_base_policy(cfg, torch.device("cpu"), kernels.compute_dtype(device))
         rg.fit_to_context(cfg, task, tok, model)  # the prompts the trainer kept (it said what it skipped)
         generator = rg.make_generator(
             dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
             model,
             tok,
-            model_dir,
+            cfg.model,
             colocated=False,
+            device=device,
         )
         del model  # the generator holds its own copy (HF) or the engine's (vLLM)
-        generator.policy_version = -1  # whatever load_policy built, start from the published weights
+        generator.policy_version = -1  # start from the published weights
         rng = generator_streams(cfg.seed, index, first_group_id)
         idle, request = 0.0, 0
         while not stop.is_set() and parent.is_alive():
@@ -624,8 +628,6 @@ def _interrupt(signum, frame):
 
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
-    from tqdm import tqdm
-
     owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
     device, processes = place_trainer(rank, W)
@@ -645,8 +647,11 @@ def train_async(cfg: rg.Args) -> dict:
         barrier()
         if rank != 0:
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
-        # rank 0's full copy, made before sharding: it evaluates, and save_pretrained writes the weights through it
-        evaluator = rg.HFGenerator(model, tok) if rank == 0 else None
+        kernels.check_memory_plan(cfg, model, task.longest_prompt, device, trainers=T, rank=rank)  # before sharding
+        kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
+        # rank 0's full copy on the host in the compute dtype, made before sharding: each evaluation builds its
+        # evaluator on the GPU from it (none stays there between evaluations); save_pretrained writes through it
+        host_copy = kernels.cast_copy(model, kernels.compute_dtype(device), torch.device("cpu")) if rank == 0 else None
         policy = shard_policy(model, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         shard = rg.make_buffer(cfg, capacity=N // T, seed=cfg.seed + 1_000_003 * rank)
@@ -681,8 +686,10 @@ def train_async(cfg: rg.Args) -> dict:
                 f"channel {pool.capacity} requests, publish every {cfg.publish_every}"
             )
             if step == 0:  # while the generators start
+                evaluator = rg.HFGenerator(host_copy, tok, device)
                 last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
-            bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)
+                evaluator.close()
+            bar = run_folder.Progress(step, cfg.total_steps)
 
         while step < cfg.total_steps:
             # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
@@ -717,6 +724,7 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             policy.train()
             stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
+            optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
             report = {
                 "stats": stats,
                 "train_seconds": time.perf_counter() - t0,
@@ -739,8 +747,11 @@ def train_async(cfg: rg.Args) -> dict:
                 weights = full_weights(policy)  # collective
             if rank == 0 and step % cfg.publish_every == 0:  # generators pick it up before their next request
                 mailbox.publish(weights, step, alive=lambda: all(p.is_alive() for p in pool.procs))
-            if rank == 0 and evaluating:
-                evaluator.load_weights(weights, step)
+            evaluator = None
+            if rank == 0 and evaluating:  # on the GPU for this evaluation only
+                host_copy.load_state_dict(weights)
+                evaluator = rg.HFGenerator(host_copy, tok, device)
+                evaluator.policy_version = step
             sync_seconds = time.perf_counter() - t0
 
             # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
@@ -761,10 +772,10 @@ def train_async(cfg: rg.Args) -> dict:
                     sync_seconds=sync_seconds,
                 )
                 fresh, step_tokens = [], 0
-                evaluation = rg.end_step(
-                    cfg, record, batch, tok, task, evaluator=evaluator if evaluating else None, runlog=runlog, bar=bar
-                )
+                evaluation = rg.end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar)
                 last_eval = evaluation or last_eval
+                if evaluator is not None:
+                    evaluator.close()
             if evaluating:
                 state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
                 save_async_checkpoint(
@@ -774,7 +785,7 @@ def train_async(cfg: rg.Args) -> dict:
                     optimizer=optimizer,
                     shard=shard,
                     weights=weights,
-                    model=evaluator.model if rank == 0 else None,
+                    model=host_copy,
                     tok=tok,
                     state=state,
                 )

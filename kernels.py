@@ -38,6 +38,7 @@ more than it saves at CPU sizes). Tile sizes (chunk_size, vocab_chunk_size) are 
 for speed vs memory; the defaults keep the workspace near 150 MB on CUDA.
 """
 
+import contextlib
 import math
 import os
 
@@ -151,6 +152,56 @@ def autocast(device: torch.device):
     """Compute in the compute dtype on fp32 master weights (a no-op where that is fp32)."""
     dtype = compute_dtype(device)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def memory_stats(device: torch.device):
+    """The allocator's statistics of `device` (torch.cuda's functions), or None where it keeps none (CPU)."""
+    return torch.cuda if device.type == "cuda" else None
+
+
+class StepMemory:
+    """A step record's device memory. peak_memory_gib: the train step's own peak (the peak statistic is reset before
+    each step) less the generator's share; generator_memory_gib: that share, what the device holds more once the
+    generator is built (a vLLM engine's pools count in the allocator's statistics asleep or awake, and a colocated
+    HF copy). None where the device keeps no statistics."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stats, self.generator_bytes = device, memory_stats(device), 0
+
+    def allocated(self) -> int:
+        return self.stats.memory_allocated(self.device) if self.stats else 0
+
+    @contextlib.contextmanager
+    def generator_share(self):
+        """Around the generator's construction: what it adds to the device is its share."""
+        before = self.allocated()
+        yield
+        self.generator_bytes = self.allocated() - before
+
+    def start_step(self) -> None:
+        if self.stats:
+            self.stats.reset_peak_memory_stats(self.device)
+
+    def record(self) -> dict:
+        if not self.stats:
+            return {"peak_memory_gib": None}
+        peak = self.stats.max_memory_allocated(self.device) - self.generator_bytes
+        return {"peak_memory_gib": peak / 2**30, "generator_memory_gib": self.generator_bytes / 2**30}
+
+
+def cast_copy(model, dtype: torch.dtype, device: torch.device | None = None):
+    """A frozen copy of `model` with its floating-point parameters and buffers in `dtype` on `device` (default: the
+    model's), each cast straight from the original: no full-precision copy is ever made on the target device."""
+    device = device or next(model.parameters()).device
+    memo = {}  # deepcopy takes these in place of the originals (tied weights: one tensor, one copy)
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            # cast where the original lives, then move: the target device only ever sees `dtype`
+            cast = t.detach().to(dtype=dtype if t.is_floating_point() else t.dtype, copy=True).to(device)
+            memo[id(t)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(t, torch.nn.Parameter) else cast
+    import copy
+
+    return copy.deepcopy(model, memo).eval()
 
 
 def _mm_f32(a, b):
@@ -502,3 +553,170 @@ def token_logprobs(
 
 
 # ------------------------------------------------------------------------ benchmark
+
+
+# ----------------------------------------------------------------------------- the memory plan
+# Bytes a train step needs on each trainer's device, estimated before the first step from the model's shapes and the
+# run's settings (`plan_memory`), printed as a table and checked against the device (`check_memory_plan`):
+#   states       fp32 masters 4, gradients 4, Adam's two moments 8 bytes a parameter (per rank: its FSDP2 shard)
+#   copies       the compute-dtype weights the forward and backward use: autocast's casts of every weight (sync);
+#                FSDP2's all-gathered root (embeddings, head, final norm) and two decoder layers, and fp32 gradients
+#                of the root and two layers before their reduce-scatter (async)
+#   activations  tokens of the longest micro-batch (micro-batch x (longest prompt + max new tokens)) x
+#                (layers x act_layer + act_outside); with activation checkpointing, layers x 4h (each layer's fp32
+#                input) + one layer's act_layer for its recompute. Per token, c the compute dtype's bytes:
+#                act_layer   = 16h + 8 (two RMSNorms in fp32) + 5hc (the inputs of q, k, v, gate and up, each
+#                              cast) + 3qc + 2kc (attention: q, output, o_proj's input; k and v) + 4 heads (its
+#                              log-sum-exp) + 4ic (the MLP); in fp32 compute the cast inputs are shared (8h)
+#                act_outside = 14h (the embedding's output, the final norm, the head's input, its gradient)
+#                (h hidden, i intermediate, q heads x head_dim, k key-value heads x head_dim)
+#   workspace    the log-prob tiles (kernels.token_logprobs), 256 MiB
+#   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter)
+#   evaluation   after a step: a separate evaluator's copy (c a parameter) and its KV cache (pass@k prompts x k
+#                sequences x layers x 2k c per token), beside the masters and Adam (gradients are freed by then)
+# The peak is the larger of the step and the evaluation. Checked on CPU against measurement (tests/test_memory_plan.py);
+# not yet against a GPU's allocator.
+DEVICE_GIB_ENV = "REPLAY_GRPO_DEVICE_GIB"  # a test hook: plan for a device of this many GiB (e.g. on a CPU)
+WORKSPACE_BYTES = 2**28
+GIB = 2**30
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The device's memory (REPLAY_GRPO_DEVICE_GIB simulates one); None where there is no plan to check (CPU)."""
+    if os.environ.get(DEVICE_GIB_ENV):
+        return int(float(os.environ[DEVICE_GIB_ENV]) * GIB)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def shard_elements(params, ranks: int) -> int:
+    """Elements of the largest FSDP2 shard of `params` over `ranks` (each tensor split on dim 0, padded)."""
+    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // max(1, p.shape[0])) if p.dim() else 1 for p in params)
+
+
+def activation_bytes(config, tokens: int, compute_bytes: int, checkpointing: bool = False) -> int:
+    """Bytes autograd saves for the forward of `tokens` tokens through a decoder of `config` (see above)."""
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    c = compute_bytes
+    inputs = 5 * h * c if c < 4 else 8 * h
+    layer = 16 * h + 8 + inputs + (3 * q + 2 * kv) * c + 4 * heads + 4 * i * c
+    per_token = (L * 4 * h + layer) if checkpointing else L * layer
+    return tokens * (per_token + 14 * h)
+
+
+def plan_memory(model, cfg, longest_prompt: int, device_total: int, compute_bytes: int, trainers=1, rank=0) -> dict:
+    """This rank's bytes by row (see above) for `model` (meta tensors will do) under the run's settings `cfg`."""
+    c = compute_bytes
+    params = list(model.parameters())
+    P = sum(p.numel() for p in params)
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+    layer_P = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    mine = P if trainers == 1 else shard_elements(params, trainers)
+    tokens = cfg.micro_batch_size * (longest_prompt + cfg.max_new_tokens)
+    config = model.config
+    kv = config.num_key_value_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    rows = {"fp32 masters": 4 * mine, "fp32 gradients": 4 * mine, "Adam moments (fp32)": 8 * mine}
+    if cfg.mode == "sync":
+        rows["compute copies"] = c * P if c < 4 else 0
+    else:
+        root = P - layer_P * len(layers)
+        rows["compute copies"] = c * (root + 2 * layer_P) + 4 * (root + 2 * layer_P)
+    rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
+    rows["log-prob workspace"] = WORKSPACE_BYTES
+    generator = 0
+    if cfg.mode == "sync":
+        vllm = cfg.generator != "hf"  # auto: vLLM where it is installed (the larger share when it is)
+        generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
+    rows["generator (resident)"] = generator
+    evaluator = 0
+    if (cfg.mode == "async" and rank == 0) or (cfg.mode == "sync" and cfg.publish_every > 1):
+        evaluator = c * P  # an HF copy, built for the evaluation
+    evaluates_here = evaluator or (cfg.mode == "sync" and cfg.generator == "hf")  # else: in the engine's share
+    kv_cache = (
+        50
+        * cfg.pass_k
+        * bool(evaluates_here)
+        * (longest_prompt + cfg.max_new_tokens)
+        * config.num_hidden_layers
+        * 2
+        * kv
+        * c
+    )
+    rows["evaluation (copy + KV cache)"] = evaluator + kv_cache
+    train = sum(rows.values()) - rows["evaluation (copy + KV cache)"]
+    evaluation = rows["fp32 masters"] + rows["Adam moments (fp32)"] + generator + evaluator + kv_cache
+    return {"rows": rows, "train": train, "evaluation": evaluation, "peak": max(train, evaluation)}
+
+
+def check_memory_plan(cfg, model, longest_prompt: int, device: torch.device, trainers: int = 1, rank: int = 0):
+    """Before the first step, on a GPU (or a device simulated by REPLAY_GRPO_DEVICE_GIB): rank 0 prints the plan, a
+    column per kind of rank, and every rank refuses a run that cannot fit in one line naming flags that would."""
+    from run_folder import UserError
+
+    total = device_bytes(device)
+    if total is None:
+        return None
+    c = compute_dtype(device).itemsize
+
+    def plans(cfg, T):  # rank 0 (it evaluates), and the other ranks
+        kw = dict(longest_prompt=longest_prompt, device_total=total, compute_bytes=c, trainers=T)
+        return [plan_memory(model, cfg, rank=r, **kw) for r in ([0] if T == 1 else [0, 1])]
+
+    mine = plans(cfg, trainers)
+    if rank == 0:
+        names = ["rank 0"] + ([f"ranks 1-{trainers - 1}"] if trainers > 1 else [])
+        print(f"memory plan per trainer rank (GiB, estimated before the first step; device {total / GIB:.1f} GiB):")
+        print(f"  {'':34}" + "".join(f"{n:>12}" for n in names))
+        for key in mine[0]["rows"]:
+            print(f"  {key:34}" + "".join(f"{p['rows'][key] / GIB:12.1f}" for p in mine))
+        for key in ("train", "evaluation", "peak"):
+            print(f"  {key + (' step' if key == 'train' else ''):34}" + "".join(f"{p[key] / GIB:12.1f}" for p in mine))
+    peak = max(p["peak"] for p in mine)
+    if peak <= total:
+        return mine
+    raise UserError(
+        f"the memory plan needs {peak / GIB:.1f} GiB on a trainer's device, more than its {total / GIB:.1f} GiB "
+        f"(the table above): {fitting_flags(cfg, trainers, plans, total)}"
+    )
+
+
+def fitting_flags(cfg, trainers: int, plans, total: int) -> str:
+    """The fewest changes that fit: activation checkpointing, then smaller micro-batches, then more trainer ranks."""
+    import dataclasses
+
+    sizes = [cfg.micro_batch_size >> k for k in range(cfg.micro_batch_size.bit_length())]
+    acs = dict.fromkeys([cfg.activation_checkpointing, True])
+    tries = [(T, ac, m) for T in range(trainers, 9) for ac in acs for m in sizes]
+
+    def changes(t):  # fewer ranks, then fewer flags changed, then the micro-batch kept
+        return t[0], (t[1] != cfg.activation_checkpointing) + (t[2] != sizes[0]), -t[2]
+
+    for T, ac, m in sorted(tries, key=changes):
+        changed = dataclasses.replace(
+            cfg, activation_checkpointing=ac, micro_batch_size=m, mode="async" if T > 1 else cfg.mode
+        )
+        if max(p["peak"] for p in plans(changed, T)) > total:
+            continue
+        flags = ["--activation-checkpointing"] * (ac and not cfg.activation_checkpointing)
+        flags += [f"--micro-batch-size {m}"] * (m != cfg.micro_batch_size)
+        if T == trainers:
+            return "it fits with " + " ".join(flags)
+        if cfg.mode == "async":
+            return f"it fits on {T} trainer ranks: torchrun --nproc_per_node {T} ... " + " ".join(flags)
+        return (
+            f"it fits with --mode async on {T} trainer ranks: torchrun --standalone --nproc_per_node {T} "
+            f"replay_grpo.py --preset {cfg.preset} --mode async --num-generators 1 {' '.join(flags)} (and your other "
+            "flags; more generators on the GPUs left)"
+        ).replace("  (", " (")
+    return "nothing tried fits (activation checkpointing, micro-batches down to 1, up to 8 trainer ranks)"
+
+
+def checkpoint_layers(model, enabled: bool) -> None:
+    """--activation-checkpointing: each decoder layer keeps only its input and recomputes the rest in the backward
+    (torch.utils.checkpoint, non-reentrant), the same gradients for a second forward of each layer."""
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

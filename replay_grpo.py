@@ -120,6 +120,7 @@ class Args:
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
+    activation_checkpointing: bool = False  # keep each decoder layer's input only, recompute the rest in backward
 
     @property
     def rollouts_per_step(self) -> int:
@@ -192,7 +193,13 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         model="Qwen/Qwen2.5-1.5B-Instruct", task="math", max_new_tokens=1024, lr=5e-7, micro_batch_size=8, **GPU
     ),
     "math-qwen2.5-7b": Args(
-        model="Qwen/Qwen2.5-7B", task="math", max_new_tokens=1024, lr=6e-8, micro_batch_size=4, **GPU
+        model="Qwen/Qwen2.5-7B",
+        task="math",
+        max_new_tokens=1024,
+        lr=6e-8,
+        micro_batch_size=4,
+        activation_checkpointing=True,  # the memory plan: async on 8 x 80 GB fits with it (docs/gpu.md)
+        **GPU,
     ),
 }
 PRESETS = {name: dataclasses.replace(args, preset=name) for name, args in PRESETS.items()}
@@ -357,6 +364,7 @@ class Task:
     verifier: str  # a key of VERIFIERS
     train: list[Example] | None = None  # the training rows `draw` picks from (None: drawn by a generator, arith)
     repeats: int = 0  # rows left out of `train` because their prompt is held out
+    longest_prompt: int = 0  # tokens of the longest prompt kept (fit_to_context), for the memory plan
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -704,21 +712,22 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
                 f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): use at most "
                 f"{context - min(lengths)}"
             )
+        task.longest_prompt = max([task.longest_prompt] + [n for n in lengths if n <= room])
     if task.train is None and skipped["skipped_eval_prompts"]:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     return {k: v for k, v in skipped.items() if v}
 
 
-def load_base_policy(cfg: Args, device: torch.device):
-    """--model ('tiny', built in code, or pretrained) and its tokenizer, fp32 master weights on `device`."""
+def load_base_policy(cfg: Args, device: torch.device, dtype: torch.dtype = torch.float32):
+    """--model ('tiny', built in code, or pretrained) and its tokenizer, on `device` in `dtype` (fp32: masters)."""
     if cfg.model == "tiny":
         import warm_start  # the toy: imported only when used
 
         model, tok = warm_start.build_tiny_model(cfg.seed)
     else:
-        model, tok = load_pretrained(cfg.model, torch.float32)
+        model, tok = load_pretrained(cfg.model, dtype)
     tok.padding_side = "left"
-    return model.to(device=device, dtype=torch.float32), tok
+    return model.to(device=device, dtype=dtype), tok
 
 
 def load_policy(cfg: Args, device: torch.device, task: Task):
@@ -793,12 +802,11 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok):
+    def __init__(self, model, tok, device: torch.device | None = None):
         from transformers import GenerationConfig
 
-        device = next(model.parameters()).device
-        dtype = kernels.compute_dtype(device)  # a bf16 copy on GPUs
-        self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        device = device or next(model.parameters()).device  # default: the model's
+        self.model = kernels.cast_copy(model, kernels.compute_dtype(device), device)  # bf16 on GPUs, cast directly
         self.policy_version = 0
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
@@ -812,6 +820,9 @@ class HFGenerator:
 
     def sleep(self) -> None:  # the HF copy keeps its memory (see VLLMGenerator.sleep)
         pass
+
+    def close(self) -> None:
+        self.model = None
 
     @torch.no_grad()
     def generate(
@@ -908,7 +919,10 @@ class VLLMGenerator:
     """A vLLM engine in this process (one device) generating from token ids; behaviour log-probs are the engine's
     own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from). sleep_level 1 or 2:
     the engine shares a GPU with the trainer and releases it during optimizer steps (2 also drops the weights:
-    for when every wake-up is followed by a weight load)."""
+    for when every wake-up is followed by a weight load). vLLM on CUDA allows one sleep-mode engine per process
+    and never frees one, so a second one (any platform: sleep_level as asked) is refused here."""
+
+    sleep_mode_engines = 0  # engines built in this process with sleep mode asked for (close() does not free one)
 
     def __init__(
         self,
@@ -922,6 +936,11 @@ class VLLMGenerator:
         sleep_level: int = 0,
         cpu_threads: int | None = None,
     ):
+        if sleep_level and VLLMGenerator.sleep_mode_engines:
+            raise UserError(
+                "a vLLM engine with sleep mode already lives in this process, and vLLM on CUDA allows one per "
+                "process: run each training with --generator vllm in its own process"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: starts in seconds, takes tensors
         vllm, platform = import_vllm()
         if platform.is_cpu():  # the default "auto" KV cache takes most of RAM and a minute to start
@@ -939,6 +958,7 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
             generation_config="vllm",
         )  # ignore the folder's sampling defaults: ours are explicit
+        VLLMGenerator.sleep_mode_engines += sleep_level > 0
         torch._C.set_num_threads(threads)  # the trainer's share back (torch._C: vLLM's CPU worker patches the API)
         self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -1007,6 +1027,12 @@ class VLLMGenerator:
                     out.append([copy.deepcopy(s) for s in group for _ in range(copies)])
         return out
 
+    def close(self) -> None:
+        """Stop the engine's in-process core; the engine's device memory stays with vLLM until the process ends."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
     @staticmethod
     def _sample(c, logprobs: bool) -> Sample:
         ids = list(c.token_ids)  # the stop token stays in token_ids, as in HFGenerator
@@ -1023,24 +1049,25 @@ def export_plain_folder(model, tok, out_dir: str) -> str:
     return out_dir
 
 
-def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True):
-    """The --generator backend. vLLM loads a plain Hugging Face folder (a model built in code or read from GGUF is
-    exported first). colocated: the engine shares its GPU with the trainer, so it sleeps during optimizer steps."""
+def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True, device: torch.device | None = None):
+    """The --generator backend on `device` (default: the model's). vLLM loads a plain Hugging Face folder (a model built
+    in code or read from GGUF is exported first). colocated: the engine shares its GPU with the trainer, so it sleeps
+    during optimizer steps."""
     if cfg.generator == "hf":
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, device)
     try:
         import_vllm()  # vLLM itself is imported only here, when used
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, device)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
-    sleep_level = 0  # a colocated engine sleeps during optimizer steps; level 2 drops the weights too
-    if colocated and torch.cuda.is_available():
-        sleep_level = 2 if cfg.publish_every == 1 else 1  # 2 when a weight load follows every wake-up
+    dtype = str(kernels.compute_dtype(device or next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
+    # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
+    sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
     generator = VLLMGenerator(
         model=model,
         tok=tok,
@@ -1578,7 +1605,7 @@ def is_eval_step(cfg: Args, step: int) -> bool:
 
 # Record keys measured on the clock or the device: they differ between two runs of the same seed.
 def measured_on_this_machine(key: str) -> bool:
-    return key.endswith("_seconds") or key in ("mu", "mu_throughput", "gamma", "peak_memory_gib")
+    return key.endswith(("_seconds", "_memory_gib")) or key in ("mu", "mu_throughput", "gamma")
 
 
 def cpu_copy(state_dict: dict) -> dict:
@@ -1593,7 +1620,7 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
         warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
-    print_eval(print, 0, metrics, samples)
+    run_folder.print_eval(print, 0, metrics, samples)
     return metrics
 
 
@@ -1607,7 +1634,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         print(f"{cfg.data_path}: {task.repeats} training row(s) repeat a held-out prompt: left out of training")
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task)
-        report_skipped(fit_to_context(cfg, task, tok, model), rank)
+        run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
         return task, model, tok, model_dir, warm, None
 
     def torch_load(path: Path):
@@ -1629,27 +1656,8 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     model, tok = run_folder.read_checkpoint_file(
         ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32)
     )
-    report_skipped(fit_to_context(cfg, task, tok, model), rank)
+    run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
     return task, model.to(device), tok, str(ckpt), None, state
-
-
-def report_skipped(skipped: dict, rank: int = 0) -> None:
-    if skipped and rank == 0:
-        print(
-            "prompts longer than the model's context less --max-new-tokens are skipped: "
-            + ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items())
-        )
-
-
-def sample_rows(tok, batch: list[Rollout]) -> list[dict]:
-    """A few rollouts of the batch just trained on, as text, with what the loss saw of them (staleness: the step
-    that used them, last_use_step, less the version that generated them)."""
-    rows = []
-    for r in batch[:SAMPLES]:
-        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
-        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
-        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
-    return rows
 
 
 def batch_sums(batch: list[Rollout], step: int) -> dict:
@@ -1701,35 +1709,23 @@ def step_record(
 
 def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, evaluator, runlog, bar) -> dict | None:
     """Both loops' end of a step: a few trained rollouts every --sample-every steps; with an `evaluator` (at
-    evaluation steps) the held-out evaluation, into the record; the record written and the progress bar moved.
-    Returns the evaluation (None without one)."""
+    evaluation steps) the held-out evaluation, into the record; the record written and the console's progress
+    (`bar`, a run_folder.Progress) moved. Returns the evaluation (None without one)."""
     step, metrics = record["step"], None
-    samples = sample_rows(tok, batch) if cfg.sample_every and step % cfg.sample_every == 0 else []
+    samples = run_folder.sample_rows(tok, batch[:SAMPLES]) if cfg.sample_every and step % cfg.sample_every == 0 else []
     if evaluator is not None:
         metrics, eval_samples = evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
         record.update(metrics)
         samples += eval_samples
-        print_eval(bar.write, step, metrics, eval_samples)
+        run_folder.print_eval(bar.write, step, metrics, eval_samples)
     if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
         bar.write(
             f"warning: step {step}: sampler and trainer log-probs differ by {record['logprob_mismatch_abs']:.3g} "
             f"per token on average (> {MISMATCH_WARN}); the importance ratio is biased"
         )
     runlog.log(record, samples)
-    bar.update(1)
-    shown = {"reward": "reward", "loss": "loss", "ent": "entropy", "stale": "staleness_mean", "mu": "mu"}
-    postfix = {name: f"{record[key]:.2f}" for name, key in shown.items() if record.get(key) is not None}
-    bar.set_postfix(postfix | ({"queue": record["queue_depth"]} if "queue_depth" in record else {}))
+    bar.update(record)
     return metrics
-
-
-def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
-    write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
-    for x in samples[:1]:  # one example, shortened
-        write(
-            f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
-            f"reward {x['reward']:g})"
-        )
 
 
 def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
@@ -1744,17 +1740,19 @@ def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
 
 def train(cfg: Args) -> dict:
     """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
-    from tqdm import tqdm
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_folder.seed_everything(cfg.seed)
     kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = run_folder.open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
+    kernels.check_memory_plan(cfg, model, task.longest_prompt, device)  # refuses a run that cannot fit
+    kernels.checkpoint_layers(model, cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
-    generator = make_generator(cfg, model, tok, model_dir)
+    memory = kernels.StepMemory(device)
+    with memory.generator_share():  # left out of each step's peak, and logged apart
+        generator = make_generator(cfg, model, tok, model_dir)
     published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
     task_rng = random.Random(cfg.seed)
     totals = new_totals()  # run totals (checkpointed)
@@ -1782,7 +1780,7 @@ def train(cfg: Args) -> dict:
         last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
 
     start_step = step
-    bar = tqdm(initial=step, total=cfg.total_steps, dynamic_ncols=True, disable=None)  # None: off when not a tty
+    bar = run_folder.Progress(step, cfg.total_steps)
     while step < cfg.total_steps:
         # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
         #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing
@@ -1810,7 +1808,9 @@ def train(cfg: Args) -> dict:
         t0 = time.perf_counter()
         model.train()
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
+        memory.start_step()
         stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
+        optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
         train_seconds = time.perf_counter() - t0
         sums = batch_sums(batch, step)
         step += 1  # the policy version of the updated weights
@@ -1826,7 +1826,6 @@ def train(cfg: Args) -> dict:
         # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
         count_step(totals, stats, batch_size=B, train_seconds=train_seconds)
         totals["gen_seconds"] += gen_seconds
-        peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         record = step_record(
             step=step,
             stats=stats,
@@ -1840,7 +1839,7 @@ def train(cfg: Args) -> dict:
             generated_tokens=totals["generated_tokens"] - tokens_before,
             gen_seconds=gen_seconds,
             train_seconds=train_seconds,
-            peak_memory_gib=peak_memory,
+            **memory.record(),
         )
         evaluating = is_eval_step(cfg, step)
         evaluator = None
@@ -1864,6 +1863,7 @@ def train(cfg: Args) -> dict:
             run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
     bar.close()
     runlog.close()
+    generator.close()
     if step > start_step:
         mu = measured_mu(totals)
         print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")

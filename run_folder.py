@@ -33,6 +33,7 @@ RESUMABLE = (
     "num_generators",
     "micro_batch_size",
     "vllm_gpu_memory_utilization",
+    "activation_checkpointing",
 )
 RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
 
@@ -317,7 +318,12 @@ def save_checkpoint(
     tmp = run_dir / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        dtype = next(iter(weights.values())).dtype if weights else None  # (save_pretrained empties `weights`)
         model.save_pretrained(tmp, state_dict=weights)
+        if dtype is not None:  # config.json states the dtype of the tensors it sits beside, not the model object's
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tok.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -393,6 +399,79 @@ def forked_rng(seed: int):
         finally:
             random.setstate(state)
             np.random.set_state(np_state)
+
+
+PROGRESS_SECONDS = 60.0  # without a terminal, the longest silence between two progress lines (at a step's end)
+PROGRESS_ENV = "REPLAY_GRPO_PROGRESS_SECONDS"  # a test hook: another number of seconds
+
+
+def progress_seconds() -> float:
+    return float(os.environ.get(PROGRESS_ENV, PROGRESS_SECONDS))
+
+
+class Progress:
+    """A run's console while it trains. On a terminal, a progress bar; otherwise (a log file, a batch scheduler), a
+    line at the end of a step once PROGRESS_SECONDS have passed since the last one: the step, the mean reward of the
+    fresh rollouts since then and the seconds per step. Evaluations and warnings are lines either way."""
+
+    SHOWN = {"reward": "reward", "loss": "loss", "ent": "entropy", "stale": "staleness_mean", "mu": "mu"}
+
+    def __init__(self, step: int, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(initial=step, total=total, dynamic_ncols=True, disable=None)  # None: off when not a tty
+        self.since, self.since_step, self.rewards = time.perf_counter(), step, []
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    def update(self, record: dict) -> None:
+        self.bar.update(1)
+        postfix = {name: f"{record[key]:.2f}" for name, key in self.SHOWN.items() if record.get(key) is not None}
+        self.bar.set_postfix(postfix | ({"queue": record["queue_depth"]} if "queue_depth" in record else {}))
+        if record.get("reward") is not None:
+            self.rewards.append(record["reward"])
+        seconds = time.perf_counter() - self.since
+        if self.bar.disable and seconds >= progress_seconds():
+            reward = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+            steps = record["step"] - self.since_step
+            print(
+                f"step {record['step']}/{self.bar.total}: reward {reward} (fresh rollouts, last {steps} steps), "
+                f"{seconds / steps:.2f} s/step",
+                flush=True,
+            )
+            self.since, self.since_step, self.rewards = time.perf_counter(), record["step"], []
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def report_skipped(skipped: dict, rank: int = 0) -> None:
+    if skipped and rank == 0:
+        print(
+            "prompts longer than the model's context less --max-new-tokens are skipped: "
+            + ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items())
+        )
+
+
+def sample_rows(tok, rollouts: list) -> list[dict]:
+    """Rollouts just trained on, as text, with what the loss saw of them (staleness: the step that used them,
+    last_use_step, less the version that generated them)."""
+    rows = []
+    for r in rollouts:
+        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
+        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
+        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
+    return rows
+
+
+def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
+    write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    for x in samples[:1]:  # one example, shortened
+        write(
+            f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
+            f"reward {x['reward']:g})"
+        )
 
 
 class RunLog:

@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,7 @@ NOT_WARM_START = {
     "priority_alpha",
     "priority_tau",
     "ratio_level",
+    "activation_checkpointing",
 }
 
 
@@ -143,6 +145,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
     checker = rg.HFGenerator(model, tok) if cfg.sft_target else None  # gets the weights at each check
     streak = 0  # checks in a row at the target
+    since, since_step = time.perf_counter(), 0  # without a terminal: a progress line at least this often
     model.train()
     for step in range(1, cfg.sft_warmup_steps + 1):
         examples = task.sample(rng, BATCH_SIZE)
@@ -157,6 +160,14 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         if schedule is not None:
             schedule.step()
         info["steps"] = step
+        seconds = time.perf_counter() - since
+        if not sys.stdout.isatty() and seconds >= rg.run_folder.progress_seconds():
+            print(
+                f"warm start: step {step}/{cfg.sft_warmup_steps}, loss {loss.item():.3f}, "
+                f"{seconds / (step - since_step):.2f} s/step",
+                flush=True,
+            )
+            since, since_step = time.perf_counter(), step
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
             check, _ = rg.evaluate(

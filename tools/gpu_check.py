@@ -4,7 +4,11 @@
     python tools/gpu_check.py --smoke    # on a CPU: the same checks at toy sizes (tests this script)
 
 Needs torch, transformers, triton and the project's pure-Python dependencies; the vLLM checks run
-when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. --smoke on a CPU
+when vLLM imports and are reported as "skipped: vLLM not installed" otherwise. vLLM on CUDA allows one
+sleep-mode engine per process and never frees it, so every training that builds an engine runs as its own
+`python replay_grpo.py` and the vllm-* checks in a child `gpu_check.py --only vllm`; their rows join the
+one table. Verdicts: FAIL is a wrong result or a crash (exit 1); MISSED is a speed or memory target of the
+kernels not reached, measured and shown, not a failure of the GPU path. --smoke on a CPU
 simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Checks:
   kernels    token_logprobs at N=16384, V=151936, d=896 and 3584 (bf16): triton and compile against
              naive torch in the same run (time, extra peak memory, log-prob and gradient error, the
@@ -18,6 +22,7 @@ simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Ch
   qwen-0.5b  a Qwen2 built in code at Qwen2.5-0.5B's width (hidden 896, 24 layers, 14 heads, vocab
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
+  memory plan  that run's train steps' measured peak (generator apart) within the plan's estimate
   async      --mode async, T = 1, W = 1 on the one GPU: a clean start, increasing policy versions, a
              clean exit with no process left (read from /proc)
   vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
@@ -49,11 +54,20 @@ import replay_grpo as rg
 import warm_start
 
 ROWS = []  # (check, measured, target, verdict)
+MISSED = "missed"  # a row's `ok` when only a speed or memory target was not reached
 
 
-def row(check: str, measured: str, target: str, ok: bool | None) -> None:
-    ROWS.append((check, measured, target, "PASS" if ok else "FAIL" if ok is not None else "skipped"))
-    print(f"  {check}: {measured} ({target}) -> {ROWS[-1][3]}", flush=True)
+def row(check: str, measured: str, target: str, ok: bool | str | None) -> None:
+    verdict = "MISSED" if ok == MISSED else "PASS" if ok else "FAIL" if ok is not None else "skipped"
+    ROWS.append((check, measured, target, verdict))
+    print(f"  {check}: {measured} ({target}) -> {verdict}", flush=True)
+
+
+def kernel_verdict(met: dict[str, bool]) -> bool | str:
+    """False when a result is wrong (log-probs, gradients); MISSED when only a time or memory target is not met."""
+    if not (met["logp"] and met["grad"]):
+        return False
+    return True if all(met.values()) else MISSED
 
 
 def check_kernels(dev: str, smoke: bool) -> None:
@@ -88,7 +102,7 @@ def check_kernels(dev: str, smoke: bool) -> None:
                 f"<= {'1.0' if big else '0.6'}x naive"
                 + (", <= 1.5 GiB" if big else "")
                 + f", logp <= 1e-5, grad <= {m['floor_err'] + 1e-3:.1e}",
-                all(met.values()) if cuda else None,
+                kernel_verdict(met),
             )
 
 
@@ -99,7 +113,7 @@ def training_records(run_dir: Path) -> list[dict]:
     ]
 
 
-def check_trainer(out: Path, smoke: bool) -> None:
+def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     # the cpu preset, on whatever device the run picks (the GPU here)
     args = ["--preset", "cpu", "--out-dir", str(out), "--run-name", "learns"]
     if smoke:
@@ -140,14 +154,16 @@ def check_trainer(out: Path, smoke: bool) -> None:
     same = training_records(out / "often") == training_records(out / "never")
     row("eval-rng: --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"), "identical", same)
 
-    # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream)
+    # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream): each training builds
+    # a sleep-mode engine, so each runs in its own process
     try:
         rg.import_vllm()
     except rg.VLLMUnavailable:
         row("eval-rng (vLLM)", "skipped: vLLM not installed or unusable here", "", None)
     else:
-        rg.main(common + ["--generator", "vllm", "--eval-every", "1", "--run-name", "often-vllm"])
-        rg.main(common + ["--generator", "vllm", "--eval-every", "0", "--run-name", "never-vllm"])
+        for every, name in (("1", "often-vllm"), ("0", "never-vllm")):
+            argv = common + ["--generator", "vllm", "--eval-every", every, "--run-name", name]
+            subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *argv], cwd=ROOT, check=True)
         same = training_records(out / "often-vllm") == training_records(out / "never-vllm")
         row(
             "eval-rng (vLLM): --eval-every 1 vs 0",
@@ -164,40 +180,37 @@ def check_trainer(out: Path, smoke: bool) -> None:
         shape = dict(hidden_size=128, layers=2, vocab_size=1024)
     warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        rg.main(
-            [
-                "--preset",
-                "cpu",
-                "--sft-warmup-steps",
-                "0",
-                "--total-steps",
-                "6",
-                "--prompts-per-step",
-                "4",
-                "--batch-size",
-                "128",
-                "--buffer-size",
-                "256",
-                "--max-new-tokens",
-                "64",
-                "--micro-batch-size",
-                "32",
-                "--eval-size",
-                "8",
-                "--eval-every",
-                "0",
-                "--loss",
-                "asymre",
-                "--lr",
-                "1e-5",
-                "--out-dir",
-                str(out),
-                "--run-name",
-                "qwen",
-            ]
-        )
+        argv = [
+            "--preset",
+            "cpu",
+            "--sft-warmup-steps",
+            "0",
+            "--total-steps",
+            "6",
+            "--prompts-per-step",
+            "4",
+            "--batch-size",
+            "128",
+            "--buffer-size",
+            "256",
+            "--max-new-tokens",
+            "64",
+            "--micro-batch-size",
+            "32",
+            "--eval-size",
+            "8",
+            "--eval-every",
+            "0",
+            "--loss",
+            "asymre",
+            "--lr",
+            "1e-5",
+            "--out-dir",
+            str(out),
+            "--run-name",
+            "qwen",
+        ]
+        rg.main(argv)
         start = real_build(0, **shape)[0].state_dict()
     finally:
         warm_start.build_tiny_model = real_build
@@ -218,6 +231,19 @@ def check_trainer(out: Path, smoke: bool) -> None:
         f"{'no' if finite else 'some'} NaN/inf steps",
         f"mismatch < {rg.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
         finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5,
+    )
+    # the memory plan of that run (what it printed before its first step) against its steps' own measured peaks
+    cfg = rg.parse_args(argv)
+    model, tok = real_build(0, **shape)
+    longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
+    c = kernels.compute_dtype(torch.device(dev)).itemsize
+    plan = kernels.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
+    planned = (plan["train"] - plan["rows"]["generator (resident)"]) / 2**30  # the generator's share is apart
+    row(
+        "memory plan: qwen-0.5b's train step",
+        f"measured peak {peak:.2f} GiB, planned {planned:.2f} GiB",
+        "measured <= planned",
+        None if peak != peak else peak <= planned,
     )
 
 
@@ -432,11 +458,47 @@ def check_vllm(out: Path, smoke: bool) -> None:
     )
 
 
+CHECKS = {  # name -> (check, whether it runs in a child process: it builds a vLLM engine in its own)
+    "kernels": (check_kernels, False),
+    "precision": (check_precision, False),
+    "trainer": (check_trainer, False),
+    "async": (check_async, False),
+    "vllm": (check_vllm, True),
+}
+
+
+def run_check(name: str, dev: str, tmp: str, smoke: bool) -> None:
+    """One check into ROWS; a crash is a FAIL row and the others still run. A check of its own process runs as
+    `gpu_check.py --only NAME`, which writes its rows to a file read back here."""
+    check, own_process = CHECKS[name]
+    sub = Path(tmp) / name
+    sub.mkdir()
+    if own_process:
+        rows = sub / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name, "--rows", str(rows)]
+        code = subprocess.run(cmd + ["--smoke"] * smoke, cwd=ROOT).returncode
+        ROWS.extend(tuple(r) for r in (json.loads(rows.read_text()) if rows.exists() else []))
+        if not rows.exists():
+            row(name, f"crashed: its process exited with {code}", "runs", False)
+        return
+    try:
+        if name == "trainer":
+            check(sub, smoke, dev)
+        else:
+            check(dev if name in ("kernels", "precision") else sub, smoke)
+    except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
+        traceback.print_exc()
+        first_line = str(e).splitlines()[0][:100] if str(e) else ""
+        row(name, f"crashed: {type(e).__name__}: {first_line}", "runs", False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--smoke", action="store_true", help="toy sizes on any device (checks this script, measures nothing)"
     )
+    ap.add_argument("--only", choices=list(CHECKS), help="run this check alone (in this process)")
+    ap.add_argument("--rows", help="with --only: write its rows to this JSON file instead of printing a table")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         print(
@@ -455,6 +517,13 @@ def main() -> int:
         tv = "missing"
     import transformers
 
+    if args.only:
+        with tempfile.TemporaryDirectory(prefix=f"gpu_check_{args.only}_") as tmp:
+            CHECKS[args.only] = (CHECKS[args.only][0], False)
+            run_check(args.only, dev, tmp, args.smoke)
+        if args.rows:
+            Path(args.rows).write_text(json.dumps(ROWS))
+        return 0
     print(
         f"{torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}, triton {tv}; {time.strftime('%Y-%m-%d %H:%M')}",
@@ -462,27 +531,14 @@ def main() -> int:
     )
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for name, check in (
-            ("kernels", check_kernels),
-            ("precision", check_precision),
-            ("trainer", check_trainer),
-            ("async", check_async),
-            ("vllm", check_vllm),
-        ):
-            sub = Path(tmp) / name
-            sub.mkdir()
-            try:
-                check(dev if name in ("kernels", "precision") else sub, args.smoke)
-            except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
-                traceback.print_exc()
-                first_line = str(e).splitlines()[0][:100] if str(e) else ""
-                row(name, f"crashed: {type(e).__name__}: {first_line}", "runs", False)
+        for name in CHECKS:
+            run_check(name, dev, tmp, args.smoke)
     width = max(len(r[0]) for r in ROWS)
     print(f"\n{'check':{width}}  verdict  measured  [target]")
     for check, measured, target, verdict in ROWS:
         print(f"{check:{width}}  {verdict:7}  {measured}" + (f"  [{target}]" if target else ""))
-    failed = [r for r in ROWS if r[3] == "FAIL"]
-    print(f"{len(ROWS)} checks in {time.time() - t_start:.0f} s: {len(failed)} failed")
+    failed, missed = ([r for r in ROWS if r[3] == v] for v in ("FAIL", "MISSED"))
+    print(f"{len(ROWS)} checks in {time.time() - t_start:.0f} s: {len(missed)} targets missed, {len(failed)} failed")
     return 1 if failed else 0
 
 

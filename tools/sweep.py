@@ -8,9 +8,9 @@
     python tools/sweep.py render docs/study/summary.json                    # its table.md again, from the summary
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
 
-Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with
---subprocess), named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-asymre-s0,
-N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
+Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with --subprocess, and
+always for a run whose generator may be vLLM), named after its configuration: onpolicy-s0, N512-R32-grpo-s0,
+N512-R32-asymre-s0, N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
 `run` skips finished runs (checkpoint at total_steps), continues interrupted ones from their
 checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint. Several `run`
 processes may share a folder: each run is claimed by the one that trains it (.sweep_locks/), the others skip it.
@@ -467,7 +467,8 @@ def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_tr
             if "planned" in r:  # what the report groups it by, written when it is planned
                 (run_dir / PLANNED).write_text(json.dumps(r["planned"]))
             start = time.perf_counter()
-            if in_subprocess:
+            # a vLLM engine with sleep mode is one per process and never freed (CUDA): such runs get a process each
+            if in_subprocess or replay_grpo.parse_args(argv).generator != "hf":
                 out = subprocess.DEVNULL if quiet else None
                 code = subprocess.run([sys.executable, str(TRAINER), *argv], stdout=out).returncode
             else:

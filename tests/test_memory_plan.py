@@ -1,0 +1,151 @@
+"""The memory plan (kernels.plan_memory, printed and checked before the first step) against measurement on this CPU,
+--activation-checkpointing, and the GPU presets' plans on simulated devices (REPLAY_GRPO_DEVICE_GIB, a test hook)."""
+
+import copy
+import os
+import random
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import memory_plan
+
+import kernels
+import replay_grpo as rg
+import warm_start
+
+ARGS = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2"]
+ARGS += ["--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2"]
+ARGS += ["--total-steps", "2", "--eval-every", "0", "--loss", "asymre", "--lr", "1e-3"]
+WIDTHS = {"tiny": {}, "Qwen2.5-0.5B width": dict(hidden_size=896, layers=2, vocab_size=151936)}  # 14 heads of 64
+
+
+def batch(n=6, prompt=10, completion=40, seed=0):
+    """Rollouts of n x (prompt + completion) tokens (300 in all: no weight of these models has a dimension of 300)."""
+    rng = random.Random(seed)
+    return [
+        rg.Rollout(
+            [rng.randrange(1, 250) for _ in range(prompt)],
+            [rng.randrange(1, 250) for _ in range(completion)],
+            torch.zeros(completion),
+            reward=float(i % 2),
+            advantage=rng.uniform(-1, 1),
+            group_mean=0.5,
+            policy_version=0,
+            group_id=i,
+        )
+        for i in range(n)
+    ]
+
+
+def saved_bytes(model, rollouts) -> int:
+    """What autograd saves for the backward of the log-probs' forward, parameters and their casts left out (those
+    are the plan's states and compute copies): each storage once."""
+    shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and tuple(t.shape) not in shapes:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rg.completion_logprobs(model, pairs, 0, 1.0, entropy=True)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_parameter_gradient_and_adam_bytes_are_exact(width):
+    model, tok = warm_start.build_tiny_model(0, **WIDTHS[width])
+    cfg = rg.parse_args(ARGS + ["--micro-batch-size", "3"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    model.train()
+    rg.train_step(model, opt, batch(), cfg, tok.pad_token_id, version=0)
+    rows = kernels.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
+    assert rows["fp32 masters"] == sum(p.nbytes for p in model.parameters())
+    assert rows["fp32 gradients"] == sum(p.grad.nbytes for p in model.parameters())
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert rows["Adam moments (fp32)"] == sum(t.nbytes for t in moments)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_activation_bytes_are_what_autograd_saves_within_25_percent(width, dtype, monkeypatch):
+    """The estimate from the model's config against the tensors autograd keeps for the backward, in the GPU's
+    compute dtype (bf16, simulated) and in fp32."""
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, dtype)
+    model, _ = warm_start.build_tiny_model(0, **WIDTHS[width])
+    measured = saved_bytes(model.train(), batch())
+    estimate = kernels.activation_bytes(model.config, 300, compute_bytes=2 if dtype == "bfloat16" else 4)
+    assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_from_fewer_saved_bytes():
+    """fp32 on this CPU: each decoder layer checkpointed (non-reentrant) recomputes exactly what it dropped."""
+    model, tok = warm_start.build_tiny_model(0, layers=3)
+    cfg = rg.parse_args(ARGS + ["--micro-batch-size", "3"])
+    runs = {}
+    for ac in (False, True):
+        m = copy.deepcopy(model).train()
+        kernels.checkpoint_layers(m, ac)
+        stats = rg.train_step(m, torch.optim.SGD(m.parameters(), lr=0.0), batch(), cfg, tok.pad_token_id, version=0)
+        runs[ac] = stats["loss"], {n: p.grad.clone() for n, p in m.named_parameters()}, saved_bytes(m, batch())
+    (loss, grads, saved), (loss_ac, grads_ac, saved_ac) = runs[False], runs[True]
+    assert abs(loss - loss_ac) <= 1e-6 and max((grads[n] - g).abs().max().item() for n, g in grads_ac.items()) <= 1e-6
+    est = [kernels.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
+    assert saved_ac < 0.7 * saved and est[1] < 0.7 * est[0], (saved, saved_ac, est)
+
+
+@pytest.mark.parametrize("preset", ["gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b"])
+def test_the_small_gpu_presets_fit_one_h200_beside_the_engine(preset, capsys, monkeypatch):
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    plans = memory_plan.plan(["--preset", preset], memory_plan.H200_GIB)
+    gib = memory_plan.H200_GIB * 2**30
+    assert plans[0]["peak"] <= gib and plans[0]["rows"]["generator (resident)"] == int(0.3 * gib)
+    assert "memory plan per trainer rank" in capsys.readouterr().out
+
+
+def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeypatch):
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    with pytest.raises(rg.UserError) as refused:
+        memory_plan.plan(["--preset", "math-qwen2.5-7b"], memory_plan.H200_GIB)
+    message = str(refused.value)
+    assert "\n" not in message and "torchrun --standalone --nproc_per_node" in message, message
+    assert "--preset math-qwen2.5-7b --mode async" in message, message
+
+
+def test_the_readmes_7b_async_command_fits_80_gb_ranks(monkeypatch):
+    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5 --generator vllm
+    --batch-size 60 --buffer-size 84 --prompts-per-step 1: W + T = 8 GPUs of 80 GB."""
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5", "--generator", "vllm"]
+    argv += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
+    plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3)
+    assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30
+    with pytest.raises(rg.UserError, match="it fits with --activation-checkpointing"):  # the preset's setting
+        memory_plan.plan(argv + ["--no-activation-checkpointing"], memory_plan.H100_GIB, trainers=3)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(tmp_path, capsys, monkeypatch):
+    """Through main(): the plan is printed, and a device too small for the activations (simulated) refuses the run
+    in one line naming --activation-checkpointing, before any step; with it, the same device runs."""
+    model, _ = warm_start.build_tiny_model(0)
+    cfg = rg.parse_args(ARGS)
+    task = rg.make_task(cfg)
+    longest = max(len(rg.render_prompt(warm_start.byte_tokenizer(), ex.prompt)) for ex in task.eval)
+    plan = kernels.plan_memory(model, cfg, longest, device_total=2**30, compute_bytes=4)
+    activations = next(v for k, v in plan["rows"].items() if k.startswith("activations"))
+    monkeypatch.setenv(kernels.DEVICE_GIB_ENV, str((plan["peak"] - activations / 4) / 2**30))
+    argv = ARGS + ["--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as refused:
+        rg.main(argv + ["--run-name", "big"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and "memory plan per trainer rank" in out and "step 0 eval" not in out
+    assert err.strip().count("\n") == 0 and err.strip().endswith("it fits with --activation-checkpointing"), err
+    rg.main(argv + ["--run-name", "ok", "--activation-checkpointing"])
+    assert "step 0 eval" in capsys.readouterr().out
