@@ -738,7 +738,7 @@ def train_async(cfg: rg.Args) -> dict:
             step += 1  # the policy version of the updated weights
             nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
             if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
-                raise rg.nonfinite_stop(nonfinite_streak, step, ckpt)
+                raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
 
             # 3. publish weights every k steps; rank 0's copy gets them to evaluate
             evaluating = rg.is_eval_step(cfg, step)

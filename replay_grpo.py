@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import itertools
 import json
-import logging
 import math
 import os
 import random
@@ -826,14 +825,8 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        logprobs: bool = True,
-    ) -> list[list[Sample]]:
+        self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0, logprobs: bool = True
+    ) -> list[list[Sample]]:  # prompts: token ids
         out = []
         for start in range(0, len(prompts), GEN_BATCH_PROMPTS):
             chunk = prompts[start : start + GEN_BATCH_PROMPTS]
@@ -994,14 +987,8 @@ class VLLMGenerator:
             self.asleep = {"weights", "kv_cache"}
 
     def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        logprobs: bool = True,
-    ) -> list[list[Sample]]:
+        self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0, logprobs: bool = True
+    ) -> list[list[Sample]]:  # prompts: token ids
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -1728,13 +1715,6 @@ def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, eva
     return metrics
 
 
-def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
-    return UserError(
-        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped (lower --lr): "
-        f"{run_folder.what_is_kept(ckpt.parent)}"
-    )
-
-
 # ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
 
 
@@ -1816,7 +1796,7 @@ def train(cfg: Args) -> dict:
         step += 1  # the policy version of the updated weights
         nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
         if nonfinite_streak >= MAX_NONFINITE_STEPS:
-            raise nonfinite_stop(nonfinite_streak, step, ckpt)
+            raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
 
         # 3. publish weights to the generator every k steps
         if step % cfg.publish_every == 0:
@@ -1967,17 +1947,6 @@ def plan(args: PlanArgs) -> dict:
 # ===== Main =======================================================================================
 
 
-def quiet_libraries(verbose: bool) -> None:
-    """Keep vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts and transformers'
-    per-checkpoint progress bars off the console, unless --verbose."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
-        logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     if threading.current_thread() is threading.main_thread():
@@ -1989,7 +1958,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
         cfg = parse_args(argv)
         validate(cfg)
-        quiet_libraries(cfg.verbose)
+        run_folder.quiet_libraries(cfg.verbose)
         if cfg.mode == "async":
             from async_pipeline import train_async  # the W/T pipeline: imported only when used
 

@@ -537,3 +537,23 @@ class RunLog:
         self.samples.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def nonfinite_stop(streak: int, step: int, ckpt: Path) -> UserError:
+    return UserError(
+        f"{streak} steps in a row had a NaN/inf loss or gradient (step {step}); stopped (lower --lr): "
+        f"{what_is_kept(ckpt.parent)}"
+    )
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Keep vLLM's per-publish lines (weight reloads, prefix-cache resets), math-verify's timeouts and transformers'
+    per-checkpoint progress bars off the console, unless --verbose."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is imported (here, or in generators)
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
