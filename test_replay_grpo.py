@@ -25,29 +25,11 @@ ROOT = Path(__file__).resolve().parent
 def small_args(out_dir, *extra):
     """A few-second configuration of the real CLI: tiny random model, G=4, R=B=N=8."""
     return [
-        "--preset",
-        "cpu",
-        "--sft-warmup-steps",
-        "0",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "3",
-        "--eval-every",
-        "0",
-        "--out-dir",
+        *(
+            "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+            "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 3 --eval-every 0 "
+            "--out-dir"
+        ).split(),
         str(out_dir),
         *extra,
     ]
@@ -315,24 +297,12 @@ def test_end_to_end_main_logs_metrics_and_saves_a_loadable_model(tmp_path):
     assert cfg["loss"] == "asymre" and cfg["batch_size"] == 8
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
-    for key in (
-        "reward",
-        "entropy",
-        "response_length",
-        "loss",
-        "clip_frac",
-        "ratio_mean",
-        "ratio_max",
-        "grad_norm",
-        "buffer_size",
-        "staleness_mean",
-        "staleness_max",
-        "replay_ratio",
-        "generated_tokens",
-        "trained_tokens",
-        "gen_seconds",
-        "train_seconds",
-        "mu",
+    for key in tuple(
+        (
+            "reward entropy response_length loss clip_frac ratio_mean ratio_max grad_norm buffer_size "
+            "staleness_mean staleness_max replay_ratio generated_tokens trained_tokens gen_seconds "
+            "train_seconds mu"
+        ).split()
     ):
         assert key in recs[-1], key
         assert recs[-1][key] is not None and math.isfinite(recs[-1][key]), key
@@ -466,19 +436,8 @@ def test_dropping_every_group_stops_with_a_clear_error(tmp_path, monkeypatch, ca
 def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
     """--publish-every 3 with a checkpoint at step 2: the generator still holds the initial weights
     (version 0); a resumed run must generate with those, as the uninterrupted run does."""
-    common = (
-        "--prompts-per-step",
-        "1",
-        "--buffer-size",
-        "16",
-        "--publish-every",
-        "3",
-        "--eval-every",
-        "2",
-        "--loss",
-        "asymre",
-        "--lr",
-        "1e-2",
+    common = tuple(
+        ("--prompts-per-step 1 --buffer-size 16 --publish-every 3 --eval-every 2 --loss asymre --lr 1e-2").split()
     )
     run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "4", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))
@@ -497,19 +456,8 @@ def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_chec
     """--publish-every 2: the checkpoint at step 2 is taken right after a publish (the generator holds the
     trained weights); resumed, the run's next checkpoint (step 3, between publishes) must still carry the
     generator's step-2 weights, so that a second resume generates with them as the uninterrupted run does."""
-    common = (
-        "--prompts-per-step",
-        "1",
-        "--buffer-size",
-        "16",
-        "--publish-every",
-        "2",
-        "--eval-every",
-        "2",
-        "--loss",
-        "asymre",
-        "--lr",
-        "1e-2",
+    common = tuple(
+        ("--prompts-per-step 1 --buffer-size 16 --publish-every 2 --eval-every 2 --loss asymre --lr 1e-2").split()
     )
     run_main(small_args(tmp_path, "--run-name", "full", "--total-steps", "5", *common))
     run_main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "2", *common))

@@ -24,36 +24,11 @@ import async_pipeline as ap  # noqa: E402
 import replay_grpo as rg  # noqa: E402
 import warm_start  # noqa: E402
 
-TINY = [
-    "--preset",
-    "cpu",
-    "--sft-warmup-steps",
-    "0",
-    "--group-size",
-    "4",
-    "--prompts-per-step",
-    "2",
-    "--batch-size",
-    "8",
-    "--buffer-size",
-    "16",
-    "--max-new-tokens",
-    "4",
-    "--eval-size",
-    "8",
-    "--pass-k",
-    "2",
-    "--eval-every",
-    "0",
-    "--mode",
-    "async",
-    "--num-generators",
-    "1",
-    "--loss",
-    "asymre",
-    "--lr",
-    "1e-3",
-]  # asymre: nonzero gradients at reward 0
+TINY = (
+    "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+    "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --eval-every 0 --mode async "
+    "--num-generators 1 --loss asymre --lr 1e-3"
+).split()  # asymre: nonzero gradients at reward 0
 
 
 def free_port() -> int:

@@ -46,29 +46,11 @@ def chi2(counts: Counter, expected: dict) -> float:
 def small_args(out_dir, *extra):
     """A few-second configuration of the real CLI: tiny random model, G=4, R=B=8, N=16."""
     return [
-        "--preset",
-        "cpu",
-        "--sft-warmup-steps",
-        "0",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "16",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "4",
-        "--eval-every",
-        "0",
-        "--out-dir",
+        *(
+            "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+            "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 4 --eval-every "
+            "0 --out-dir"
+        ).split(),
         str(out_dir),
         "--loss",
         "grpo",
@@ -281,16 +263,7 @@ def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
 
 
 def test_staleness_buckets():
-    assert [rg.staleness_bucket(s) for s in (0, 1, 2, 3, 4, 7, 8, 50)] == [
-        "0",
-        "1",
-        "2-3",
-        "2-3",
-        "4-7",
-        "4-7",
-        "8+",
-        "8+",
-    ]
+    assert [rg.staleness_bucket(s) for s in (0, 1, 2, 3, 4, 7, 8, 50)] == ("0 1 2-3 2-3 4-7 4-7 8+ 8+").split()
 
 
 def test_metrics_by_staleness_from_the_ratios_of_each_bucket():

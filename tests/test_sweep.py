@@ -446,29 +446,10 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
 
 
 # a seed of seed_table.py in seconds: a 20-step warm start and 2 RL steps of the smoke model
-TINY_SEED = [
-    "--extra",
-    "--sft-warmup-steps",
-    "20",
-    "--group-size",
-    "4",
-    "--prompts-per-step",
-    "2",
-    "--batch-size",
-    "8",
-    "--buffer-size",
-    "8",
-    "--max-new-tokens",
-    "4",
-    "--eval-size",
-    "8",
-    "--pass-k",
-    "2",
-    "--total-steps",
-    "2",
-    "--eval-every",
-    "0",
-]
+TINY_SEED = (
+    "--extra --sft-warmup-steps 20 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+    "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 2 --eval-every 0"
+).split()
 
 
 def test_seed_table_runs_each_seed_once_and_tabulates_its_records(tmp_path, capsys):

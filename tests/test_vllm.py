@@ -280,35 +280,11 @@ def metrics(run_dir):
 def test_cpu_preset_trains_with_the_vllm_generator(tmp_path):
     out = rg.main(
         [
-            "--preset",
-            "cpu",
-            "--generator",
-            "vllm",
-            "--sft-warmup-steps",
-            "0",
-            "--group-size",
-            "4",
-            "--prompts-per-step",
-            "2",
-            "--batch-size",
-            "8",
-            "--buffer-size",
-            "16",
-            "--max-new-tokens",
-            "4",
-            "--eval-size",
-            "8",
-            "--pass-k",
-            "2",
-            "--total-steps",
-            "4",
-            "--eval-every",
-            "0",
-            "--loss",
-            "asymre",
-            "--lr",
-            "1e-2",
-            "--out-dir",
+            *(
+                "--preset cpu --generator vllm --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 "
+                "--batch-size 8 --buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps "
+                "4 --eval-every 0 --loss asymre --lr 1e-2 --out-dir"
+            ).split(),
             str(tmp_path),
             "--run-name",
             "v",
@@ -392,33 +368,11 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path, cap
     from test_replay_grpo import training_records
 
     args = [
-        "--preset",
-        "cpu",
-        "--generator",
-        "vllm",
-        "--sft-warmup-steps",
-        "0",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "1",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "16",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "3",
-        "--loss",
-        "asymre",
-        "--lr",
-        "1e-2",
-        "--out-dir",
+        *(
+            "--preset cpu --generator vllm --sft-warmup-steps 0 --group-size 4 --prompts-per-step 1 "
+            "--batch-size 8 --buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps "
+            "3 --loss asymre --lr 1e-2 --out-dir"
+        ).split(),
         str(tmp_path),
     ]
     rg.main(args + ["--eval-every", "1", "--run-name", "often"])
