@@ -291,9 +291,7 @@ class GeneratorPool:
             silent = time.monotonic() - self.heard[i]
             if silent > (bound if self.delivered[i] else max(bound, START_SECONDS)):
                 p.kill()  # a stopped process ends only so
-                kept = "no checkpoint was saved yet"
-                if self.checkpoint is not None and self.checkpoint.exists():
-                    kept = f"the last checkpoint is kept: {self.checkpoint} (--resume)"
+                kept = run_folder.what_is_kept(self.checkpoint.parent if self.checkpoint is not None else None)
                 return (
                     f"generator {i} (pid {p.pid}) delivered no rollouts for {silent:.0f} s while the channel had "
                     f"room (the bound: {SILENT_FACTOR} x the longest request, {self.longest:.1f} s, at least "

@@ -39,6 +39,7 @@ for speed vs memory; the defaults keep the workspace near 150 MB on CUDA.
 """
 
 import contextlib
+import importlib.util
 import math
 import os
 
@@ -629,7 +630,7 @@ def plan_memory(model, cfg, longest_prompt: int, device_total: int, compute_byte
     rows["log-prob workspace"] = WORKSPACE_BYTES
     generator = 0
     if cfg.mode == "sync":
-        vllm = cfg.generator != "hf"  # auto: vLLM where it is installed (the larger share when it is)
+        vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
     rows["generator (resident)"] = generator
     evaluator = 0

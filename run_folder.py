@@ -87,8 +87,8 @@ def what_is_kept(run_dir: Path | None = None) -> str:
     """What a stopped run keeps and what to do: the checkpoint of `run_dir` (default: the run folder this process
     holds), or that it holds none yet and the run is to be started again."""
     run_dir = run_dir or next(map(Path, RUN_LOCKS), None)
-    if run_dir is None:
-        return "the last checkpoint is kept: continue with --resume"
+    if run_dir is None:  # another trainer rank (rank 0 holds the folder), or no run folder is open yet
+        return "whatever checkpoint the run folder holds is kept (rank 0 says which)"
     if (run_dir / "checkpoint").exists() or (run_dir / "checkpoint.old").exists():
         return f"the last checkpoint in {run_dir} is kept: continue with --resume (same --run-name)"
     return (

@@ -204,7 +204,9 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
         try:
             return read_cache(cache, device)
         except DamagedCache as e:
-            if e.args:  # absent says nothing
+            if e.args == (f"{STREAMS} is missing",):  # written by an older version, or cut
+                print(f"warm start: the cache {cache} holds no random-stream state ({STREAMS}): training it again")
+            elif e.args:  # absent says nothing
                 print(f"warm start: the cache {cache} is damaged ({e}): training it again to replace it", flush=True)
         run_folder.set_rng_state(before)
         return train_and_cache(cfg, device, task, cache)

@@ -627,9 +627,13 @@ def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tm
     capsys.readouterr()
     rg.main([*args, "--run-name", "again"])
     out = capsys.readouterr().out
-    said = [line for line in out.splitlines() if "is damaged (" in line]
-    assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
-    assert "training it again to replace it" in said[0] and "--model" not in out
+    said = [line for line in out.splitlines() if line.startswith(f"warm start: the cache {cache} ")]
+    if name == "rng_state.pt":  # a cache written without the streams' state is older, not damaged
+        assert said == [f"warm start: the cache {cache} holds no random-stream state ({name}): training it again"]
+    else:
+        assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
+        assert "training it again to replace it" in said[0]
+    assert "--model" not in out
     assert "warm start: 3 supervised steps" in out
     assert records_without_timing(tmp_path / "again") == records_without_timing(tmp_path / "cold")
     rg.main([*args, "--run-name", "third"])  # the replaced cache is whole: loaded without a word
@@ -716,7 +720,7 @@ def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_p
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert rc == 1 and len(errors) == 1, log[-3000:]
     assert errors[0].startswith(f"error: generator 0 (pid {generator}) delivered no rollouts for "), errors
-    assert f"the last checkpoint is kept: {tmp_path / 'r' / 'checkpoint'} (--resume)" in errors[0]
+    assert f"the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in errors[0]
     assert "Traceback" not in log and ap.SILENT_FLOOR < took < ap.SILENT_FLOOR + 30, (took, log[-3000:])
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5

@@ -363,6 +363,7 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                         "run_dir": Path(args.out_dir) / name,
                         "planned": {"config": config, "variant": tag, "seed": seed},
                         "total_steps": cfg.total_steps,
+                        "generator": cfg.generator,
                         "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
                     }
                 )
@@ -468,7 +469,7 @@ def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_tr
                 (run_dir / PLANNED).write_text(json.dumps(r["planned"]))
             start = time.perf_counter()
             # a vLLM engine with sleep mode is one per process and never freed (CUDA): such runs get a process each
-            if in_subprocess or replay_grpo.parse_args(argv).generator != "hf":
+            if in_subprocess or r.get("generator", "auto") != "hf":
                 out = subprocess.DEVNULL if quiet else None
                 code = subprocess.run([sys.executable, str(TRAINER), *argv], stdout=out).returncode
             else:
