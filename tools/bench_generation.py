@@ -175,19 +175,8 @@ def main():
                 train_threads=args.train_threads,
             )
     print(f"load average after {os.getloadavg()}")
-    head = (
-        "model",
-        "backend",
-        "prompts",
-        "G",
-        "max_new",
-        "gen_tokens",
-        "gen_s",
-        "tok/s",
-        "gen_s/rollout",
-        "train_s/rollout",
-        "mu",
-        "start_s",
+    head = tuple(
+        ("model backend prompts G max_new gen_tokens gen_s tok/s gen_s/rollout train_s/rollout mu start_s").split()
     )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

@@ -132,21 +132,10 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
 
     # evaluation runs on forked generators (CPU and CUDA): it never changes training
     common = [
-        "--preset",
-        "cpu",
-        "--sft-warmup-steps",
-        "0",
-        "--total-steps",
-        "6",
-        "--prompts-per-step",
-        "2",
-        "--buffer-size",
-        "256",
-        "--loss",
-        "asymre",
-        "--eval-size",
-        "16",
-        "--out-dir",
+        *(
+            "--preset cpu --sft-warmup-steps 0 --total-steps 6 --prompts-per-step 2 --buffer-size 256 "
+            "--loss asymre --eval-size 16 --out-dir"
+        ).split(),
         str(out),
     ]
     rg.main(common + ["--eval-every", "1", "--run-name", "often"])
@@ -181,31 +170,11 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
         argv = [
-            "--preset",
-            "cpu",
-            "--sft-warmup-steps",
-            "0",
-            "--total-steps",
-            "6",
-            "--prompts-per-step",
-            "4",
-            "--batch-size",
-            "128",
-            "--buffer-size",
-            "256",
-            "--max-new-tokens",
-            "64",
-            "--micro-batch-size",
-            "32",
-            "--eval-size",
-            "8",
-            "--eval-every",
-            "0",
-            "--loss",
-            "asymre",
-            "--lr",
-            "1e-5",
-            "--out-dir",
+            *(
+                "--preset cpu --sft-warmup-steps 0 --total-steps 6 --prompts-per-step 4 --batch-size 128 "
+                "--buffer-size 256 --max-new-tokens 64 --micro-batch-size 32 --eval-size 8 --eval-every 0 "
+                "--loss asymre --lr 1e-5 --out-dir"
+            ).split(),
             str(out),
             "--run-name",
             "qwen",

@@ -144,30 +144,10 @@ DEFAULT_GRID = (
     ],
 )
 SMOKE_GRID = (
-    [
-        "--preset",
-        "cpu",
-        "--sft-warmup-steps",
-        "0",
-        "--group-size",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--batch-size",
-        "8",
-        "--buffer-size",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--eval-size",
-        "8",
-        "--pass-k",
-        "2",
-        "--total-steps",
-        "3",
-        "--eval-every",
-        "0",
-    ],
+    (
+        "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+        "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 3 --eval-every 0"
+    ).split(),
     [
         dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
         dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
@@ -204,20 +184,7 @@ STUDY_GRID = (
 # tune seeds (1e-5), for 400 steps. The queue is the no-buffer baseline: in this loop it trains on each step's
 # B = 64 fresh rollouts once. At this size the grid shows what each rule does to the data a step trains on.
 VARIANTS_GRID = (
-    [
-        "--preset",
-        "cpu-study",
-        "--buffer-size",
-        "224",
-        "--prompts-per-step",
-        "2",
-        "--total-steps",
-        "400",
-        "--eval-every",
-        "40",
-        "--lr",
-        "1e-5",
-    ],
+    ("--preset cpu-study --buffer-size 224 --prompts-per-step 2 --total-steps 400 --eval-every 40 --lr 1e-5").split(),
     [
         dict(),  # uniform, the paper's
         dict(sampling="without-replacement"),
