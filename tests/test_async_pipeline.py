@@ -430,12 +430,7 @@ def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(agg):
     updated weights."""
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
+        *("-m torch.distributed.run --standalone --nproc_per_node 2 --master-port").split(),
         str(free_port()),
         __file__,
         agg,

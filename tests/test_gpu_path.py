@@ -235,12 +235,7 @@ def test_resume_on_two_ranks_reads_the_optimizer_state_on_rank_0_only(tmp_path):
     script.write_text(OPTIMIZER_BROADCAST)
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
+        *("-m torch.distributed.run --standalone --nproc_per_node 2 --master-port").split(),
         str(port),
         str(script),
     ]
