@@ -7,6 +7,7 @@
     python tools/sweep.py plot runs/NAME                                    # one run's curves, into its folder
     python tools/sweep.py render docs/study/summary.json                    # its table.md again, from the summary
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
+    python tools/sweep.py run --grid compute --out-dir runs/compute --seeds 20 21  # report: compute_study.py
 
 Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with --subprocess, and
 always for a run whose generator may be vLLM), named after its configuration: onpolicy-s0, N512-R32-grpo-s0,
@@ -66,10 +67,11 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke", "variants", "pareto"] = "study"
+    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute"] = "study"
     """which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first study, on
     --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform sampling, on cpu-study;
-    pareto: on-policy against replay on --preset cpu at three lrs, at equal generated rollouts)."""
+    pareto: on-policy against replay on --preset cpu at three lrs, at equal generated rollouts; compute: the
+    compute study's, at equal compute at the paper's mu)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -228,12 +230,45 @@ PARETO_GRID = (
         pareto_entry(buffer_size=240, prompts_per_step=1),  # the planner's N/R = 15, B/R = 8 at mu = 5.28
     ],
 )
+# The compute study (its report and rule: compute_study.py): on-policy against the replay buffers of its two
+# hypotheses, N = 512, R = 32 and the planner's N = 240, R = 16 (both B = 128), each at every lr of COMPUTE_LRS.
+# Every configuration runs to about on-policy's final compute at the paper's mu (trained rollouts + PAPER_MU x
+# generated rollouts, a replay run's first step generating B to fill its buffer) and ends on an evaluation; all are
+# evaluated every EVAL_ROLLOUTS generated rollouts.
+COMPUTE_LRS = [3e-6, 1e-5, 3e-5]
+COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on the pilot seeds 0-19
+PAPER_MU = 5.28
+
+
+def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128) -> dict:
+    R, B = prompts_per_step * 16, batch_size  # the cpu preset's G and B
+    budget, first, step = COMPUTE_ROLLOUTS * (1 + PAPER_MU), B * (1 + PAPER_MU), B + PAPER_MU * R
+    every = EVAL_ROLLOUTS // R
+    steps = 1 + int((budget - first) // step)
+    return dict(
+        buffer_size=buffer_size,
+        prompts_per_step=prompts_per_step,
+        total_steps=steps - steps % every,
+        eval_every=every,
+        lr=COMPUTE_LRS,
+    )
+
+
+COMPUTE_GRID = (
+    ["--preset", "cpu"],
+    [
+        compute_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
+        compute_entry(buffer_size=512, prompts_per_step=2),  # H1: B/R = 4
+        compute_entry(buffer_size=240, prompts_per_step=1),  # H2: the planner's N/R = 15, B/R = 8 at mu = 5.28
+    ],
+)
 GRIDS = {
     "study": STUDY_GRID,
     "cpu": DEFAULT_GRID,
     "smoke": SMOKE_GRID,
     "variants": VARIANTS_GRID,
     "pareto": PARETO_GRID,
+    "compute": COMPUTE_GRID,
 }
 
 
@@ -1066,15 +1101,18 @@ def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
 
 
 def render(summary_path: Path, table_path: Path) -> None:
-    """table.md rendered again from a report's summary.json (this report's or pareto.py's): the same bytes that
-    report wrote, as the table is a function of the summary alone."""
+    """table.md rendered again from a report's summary.json (this report's, pareto.py's or compute_study.py's): the
+    same bytes that report wrote, as the table is a function of the summary alone."""
+    import compute_study
     import pareto
 
     try:
         summary = read_json(summary_path)
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
-    render_table = pareto.table_md if "interval_90" in summary else table_md
+    render_table = (
+        compute_study.table_md if "aa" in summary else pareto.table_md if "interval_90" in summary else table_md
+    )
     try:
         table_path.write_text(render_table(summary))
     except OSError as e:

@@ -1,0 +1,412 @@
+"""compute_study.py: the compute study's report, a test of the paper's claim with its rule fixed before its runs.
+
+    python tools/sweep.py run --grid compute --out-dir runs/compute --seeds 20 21 ... 59   # the runs (resumable)
+    python tools/compute_study.py --out-dir runs/compute --report-dir docs/study/compute  # table.md, summary.json
+
+The hypotheses, at the paper's mu = 5.28 (compute = trained rollouts + 5.28 x generated rollouts):
+  H1: replay with N = 512, R = 32, B = 128 (B/R = 4, GRPO) reaches on-policy's accuracy levels with at least 30%
+      less compute. H2, tested only when H1 is met (so that the pair keeps one 5% error rate): the same for the
+      planner's N = 240, R = 16 (`replay_grpo.py plan --mu 5.28 --batch 128`).
+The statistic, on each set of seeds (all of them, and each of 2,000 paired bootstrap resamples of them: one
+resample of the seeds for every configuration and learning rate, as a seed fixes the warm start they share):
+  * a curve: the interquartile mean (IQM) over seeds of held-out greedy accuracy at each evaluation, per
+    configuration and learning rate;
+  * a configuration's frontier: the running maximum over evaluations of the maximum over its learning rates;
+  * the levels: 7 fractions, evenly from 84% to 96%, of on-policy's best IQM (its frontier's last value), computed
+    again in each resample;
+  * a cost to a level: the compute where the frontier first reaches it, interpolated linearly between the two
+    evaluations around the crossing; a frontier that never reaches it costs its run's final compute (censored: a
+    lower bound of the true cost, charged to the arm that misses);
+  * the saving: 1 - exp(mean over the levels of log(cost_replay / cost_on-policy)), in percent.
+The decision: met when the saving is at least 30% and the 5th percentile of its bootstrap is above 0.
+Reported without deciding: the frontier gap at equal compute (the paper's Fig. 4: best accuracy at each compute),
+the earlier study's rule (pareto.py: 90% of on-policy's best median, cost at the first evaluation past it) on these
+seeds, and an A/A check: on-policy's seeds in two halves compared by this statistic, where nothing differs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pareto
+import sweep
+import tyro
+from sweep import fmt_acc, fmt_cost, fmt_diff, fmt_interval, fmt_saving
+
+LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
+BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
+AXIS = "compute_paper_mu"
+LEVEL_NAMES = [f"{f:.0%}" for f in LEVELS]
+BUDGET_NAMES = [f"{b:g}" for b in BUDGETS]
+
+
+@dataclass
+class Args:
+    """The compute study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+
+    out_dir: str = "runs/compute"
+    """folder of the run folders (sweep.py run --grid compute)."""
+    report_dir: str | None = None
+    """where table.md, summary.json and the figures go (default: --out-dir)."""
+    seeds: list[int] | None = None
+    """the seeds reported (default: every seed that finished every configuration and learning rate)."""
+    reference: str = "onpolicy"
+    h1: str = "N512-R32-grpo"
+    """the configuration of the first hypothesis."""
+    h2: str = "N240-R16-grpo"
+    """the configuration of the second, tested only when the first is met (the planner's for mu = 5.28)."""
+    paper_mu: float = 5.28
+    saving_target: float = 30.0
+    """the saving (percent) the decision asks for."""
+    replicates: int = 2000
+    """paired bootstrap resamples of the seeds."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The statistic
+# ----------------------------------------------------------------------------------------------
+
+
+def iqm(a: np.ndarray) -> np.ndarray:
+    """The interquartile mean over axis 0: the mean of what is left after int(n / 4) values are cut from each
+    end (as scipy.stats.trim_mean(a, 0.25)); the mean itself for fewer than 4 values."""
+    a = np.sort(np.asarray(a, dtype=float), axis=0)
+    cut = len(a) // 4
+    return a[cut : len(a) - cut].mean(axis=0)
+
+
+def frontier(curves: list[np.ndarray]) -> np.ndarray:
+    """The running maximum over evaluations of the maximum over learning rates (curves share their x values)."""
+    return np.maximum.accumulate(np.max(curves, axis=0))
+
+
+def first_crossing(x: np.ndarray, f: np.ndarray, level: float) -> float:
+    """The x where a non-decreasing frontier f first reaches level, linear between the evaluations around it;
+    x's last value (the run's final compute) when it never does."""
+    hit = np.nonzero(f >= level)[0]
+    if not len(hit):
+        return float(x[-1])
+    i = int(hit[0])
+    if i == 0:
+        return float(x[0])
+    return float(x[i - 1] + (level - f[i - 1]) / (f[i] - f[i - 1]) * (x[i] - x[i - 1]))
+
+
+def level_saving(costs: list[float], reference_costs: list[float]) -> float:
+    """1 - exp(mean log(cost / reference cost)), in percent; nan where a cost is 0 (a level reached before any
+    training: the ratio says nothing)."""
+    c, r = np.asarray(costs, dtype=float), np.asarray(reference_costs, dtype=float)
+    if (c <= 0).any() or (r <= 0).any():
+        return math.nan
+    return float(100 * (1 - np.exp(np.mean(np.log(c / r)))))
+
+
+def frontier_at(x: np.ndarray, f: np.ndarray, budget: float) -> float:
+    """The frontier's value at a compute budget: the best reached at compute <= budget."""
+    return float(f[np.searchsorted(x, budget + 1e-9, side="left") - 1])
+
+
+def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
+    """The statistic on the seeds at positions idx (a resample may repeat some). arms: {config: {"x": compute at
+    each evaluation, "acc": {lr: [seed, evaluation]}}}, every array's seeds in one order."""
+    fr = {c: frontier([iqm(acc[idx]) for acc in arm["acc"].values()]) for c, arm in arms.items()}
+    best = float(fr[reference][-1])
+    levels = LEVELS * best
+    ref_x = arms[reference]["x"]
+    cost = {c: [first_crossing(arm["x"], fr[c], L) for L in levels] for c, arm in arms.items()}
+    out = {"best": best, "configs": {}}
+    for c, arm in arms.items():
+        at = [
+            frontier_at(arm["x"], fr[c], b * ref_x[-1]) - frontier_at(ref_x, fr[reference], b * ref_x[-1])
+            for b in BUDGETS
+        ]
+        out["configs"][c] = {
+            "cost": dict(zip(LEVEL_NAMES, cost[c])),
+            "ratio": {n: v / r if r > 0 else math.nan for n, v, r in zip(LEVEL_NAMES, cost[c], cost[reference])},
+            "reached": {n: float(fr[c][-1] >= L) for n, L in zip(LEVEL_NAMES, levels)},
+            "saving": level_saving(cost[c], cost[reference]),
+            "gap": dict(zip(BUDGET_NAMES, at)),
+            "frontier": {str(i): float(v) for i, v in enumerate(fr[c])},
+            "best_iqm": {lr: float(iqm(acc[idx]).max()) for lr, acc in arm["acc"].items()},
+        }
+    return out
+
+
+def bootstrap(arms: dict, reference: str, replicates: int, rng: np.random.Generator) -> tuple[dict, dict]:
+    """The point estimates on all seeds and the 5th/95th percentiles of every number over paired resamples."""
+    n = len(next(iter(next(iter(arms.values()))["acc"].values())))
+    point = estimates(arms, reference, np.arange(n))
+    reps = [estimates(arms, reference, rng.integers(0, n, n)) for _ in range(replicates)]
+    return point, sweep.intervals_of(pareto.stack(reps), (5, 95))
+
+
+def decide(saving: float, low: float | None, target: float) -> str:
+    return "met" if saving >= target and low is not None and low > 0 else "not met"
+
+
+# ----------------------------------------------------------------------------------------------
+# From the runs
+# ----------------------------------------------------------------------------------------------
+
+
+def arms_of(cells: dict) -> dict:
+    """pareto.cells_of's cells as this statistic's arms: compute at the paper's mu and accuracy per lr."""
+    return {
+        c: {"x": next(iter(by_lr.values()))["x"][AXIS], "acc": {lr: cell["acc"] for lr, cell in by_lr.items()}}
+        for c, by_lr in cells.items()
+    }
+
+
+def analyse(runs: list[dict], args: Args) -> dict:
+    if args.seeds is not None:
+        runs = [r for r in runs if r["seed"] in args.seeds]
+    cells, seeds, _ = pareto.cells_of(runs, args.paper_mu)
+    for name in (args.reference, args.h1, args.h2):
+        if name not in cells:
+            raise SystemExit(f"error: {name}: no finished runs in the seeds reported (have: {', '.join(cells)})")
+    if args.seeds is not None and sorted(args.seeds) != seeds:
+        raise SystemExit(f"error: --seeds: {sorted(set(args.seeds) - set(seeds))} have not finished every run")
+    if len(seeds) < 4:
+        raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
+    cells = {c: cells[c] for c in (args.reference, args.h1, args.h2)}
+    for c, by_lr in cells.items():
+        xs = [cell["x"][AXIS] for cell in by_lr.values()]
+        if any(len(x) != len(xs[0]) or not np.allclose(x, xs[0]) for x in xs):
+            raise SystemExit(f"error: {c}: its learning rates were evaluated at different compute")
+    arms = arms_of(cells)
+    point, ci = bootstrap(arms, args.reference, args.replicates, np.random.default_rng(0))
+
+    h = len(seeds) // 2  # A/A: on-policy's first half of the seeds against its second, paired by position
+    ref = arms[args.reference]
+    halves = {
+        half: {"x": ref["x"], "acc": {lr: a[part] for lr, a in ref["acc"].items()}}
+        for half, part in (("first half", slice(0, h)), ("second half", slice(h, 2 * h)))
+    }
+    aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, np.random.default_rng(1))
+
+    old = old_rule(runs, seeds, args)
+    decisions = {}
+    for name in (args.h1, args.h2):
+        low = ci["configs"][name]["saving"][0]
+        decisions[name] = decide(point["configs"][name]["saving"], low, args.saving_target)
+    if decisions[args.h1] != "met":
+        decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
+    return {
+        "seeds": seeds,
+        "paper_mu": args.paper_mu,
+        "reference": args.reference,
+        "h1": args.h1,
+        "h2": args.h2,
+        "saving_target": args.saving_target,
+        "replicates": args.replicates,
+        "levels": LEVELS.tolist(),
+        "budgets": list(BUDGETS),
+        "point": point,
+        "interval_90": ci,
+        "decision": {"H1": decisions[args.h1], "H2": decisions[args.h2]},
+        "aa": {
+            "seeds": [seeds[:h], seeds[h : 2 * h]],
+            "point": aa_point["configs"]["second half"]["saving"],
+            "interval_90": aa_ci["configs"]["second half"]["saving"],
+        },
+        "old_rule": old,
+        "configs": {c: {**pareto.config_row(by_lr), "x": arms[c]["x"].tolist()} for c, by_lr in cells.items()},
+        "start_greedy_acc": {int(s): float(a) for s, a in zip(seeds, next(iter(ref["acc"].values()))[:, 0])},
+        "_arms": arms,
+    }
+
+
+def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
+    """pareto.py's rule on these seeds: the saving to 90% of on-policy's best median, read at the first evaluation
+    past it, in generated rollouts and compute at the paper's mu, with its verdict."""
+    old = pareto.Args(
+        reference=args.reference,
+        primary=args.h1,
+        paper_mu=args.paper_mu,
+        same_lr=1e-5,
+        saving_target=args.saving_target,
+        replicates=args.replicates,
+    )
+    s = pareto.analyse(
+        [r for r in runs if r["seed"] in seeds and r["config"] in (args.reference, args.h1, args.h2)], old
+    )
+    return {
+        c: {
+            axis: {
+                "saving": s["point"]["configs"][c]["saving"][axis]["90%"],
+                "interval_90": s["interval_90"]["configs"][c]["saving"][axis]["90%"],
+            }
+            for axis in pareto.DECISION_AXES
+        }
+        | {"verdict": s["decision"][c]["verdict"]}
+        for c in (args.h1, args.h2)
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# table.md, summary.json, figures
+# ----------------------------------------------------------------------------------------------
+
+
+def table_md(s: dict) -> str:
+    """The compute study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
+    p, ci, ref = s["point"], s["interval_90"], s["reference"]
+    seeds = s["seeds"]
+    names = list(p["configs"][ref]["cost"])
+    lines = [
+        "# The compute study: replay against on-policy, the rule fixed before the runs",
+        "",
+        f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}); each number is on all of them, each [interval] the 5th and "
+        f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
+        "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
+        f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
+        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt_acc(ci['best'][0])}, {fmt_acc(ci['best'][1])}]; the "
+        f"levels: {', '.join(names)} of it, computed again in each resample.",
+        "",
+        "## Configurations",
+        "",
+        "| config | N | B | R | B/R | steps | evaluated every | final compute | lrs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c, k in s["configs"].items():
+        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
+        lines.append(
+            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
+            f"| {sweep.fmt(k['x'][-1])} | {lrs} |"
+        )
+    lines += [
+        "",
+        "## Decision",
+        "",
+        f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
+        "above 0. H2 is tested only when H1 is met.",
+        "",
+        "| hypothesis | config | saving | decision |",
+        "|---|---|---|---|",
+    ]
+    for h, c in (("H1", s["h1"]), ("H2", s["h2"])):
+        saving = fmt_interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt_saving(x, 1))
+        lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
+    lines += [
+        "",
+        "## Cost to each level (compute at the first crossing, interpolated) and its ratio to on-policy's",
+        "",
+        "A level a frontier never reaches costs its run's final compute (reached: the share of resamples where it "
+        "does, on all seeds in the point column).",
+        "",
+        "| config | level | cost | ratio to on-policy | reached (all seeds; resamples) |",
+        "|---|---|---|---|---|",
+    ]
+    for c, row in p["configs"].items():
+        for n in names:
+            rci = ci["configs"][c]
+            ratio = "—" if c == ref else fmt_interval(row["ratio"][n], rci["ratio"][n], lambda x: sweep.fmt(x))
+            lines.append(
+                f"| {c} | {n} | {fmt_interval(row['cost'][n], rci['cost'][n], fmt_cost)} | {ratio} | "
+                f"{'yes' if row['reached'][n] else 'no'} |"
+            )
+    lines += [
+        "",
+        "## Reported without deciding",
+        "",
+        "**The frontier gap at equal compute** (the paper's Fig. 4 reading): replay's frontier minus on-policy's, "
+        "at fractions of on-policy's final compute.",
+        "",
+        "| config | " + " | ".join(f"at {b} of the compute" for b in p["configs"][ref]["gap"]) + " |",
+        "|---|" + "---|" * len(p["configs"][ref]["gap"]),
+    ]
+    for c, row in p["configs"].items():
+        if c != ref:
+            cells = [fmt_interval(v, ci["configs"][c]["gap"][b], fmt_diff) for b, v in row["gap"].items()]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "**The earlier study's rule on these seeds** (pareto.py: the saving to 90% of on-policy's best median, read "
+        "at the first evaluation past it; met when at least the target with the interval's lower end above 0 on "
+        "both axes):",
+        "",
+        "| config | generated rollouts | compute at the paper's mu | verdict |",
+        "|---|---|---|---|",
+    ]
+    for c, o in s["old_rule"].items():
+        axes = [fmt_interval(o[a]["saving"], o[a]["interval_90"], fmt_saving) for a in pareto.DECISION_AXES]
+        lines.append(f"| {c} | {axes[0]} | {axes[1]} | {o['verdict']} |")
+    aa = s["aa"]
+    lines += [
+        "",
+        f"**A/A check**: on-policy on seeds {aa['seeds'][1][0]}-{aa['seeds'][1][-1]} against on-policy on seeds "
+        f"{aa['seeds'][0][0]}-{aa['seeds'][0][-1]} by the same statistic (paired by position): saving "
+        f"{fmt_interval(aa['point'], aa['interval_90'], lambda x: fmt_saving(x, 1))}, where nothing differs.",
+        "",
+        "## Best IQM per learning rate",
+        "",
+        "| config | " + " | ".join(f"lr {float(lr):g}" for lr in p["configs"][ref]["best_iqm"]) + " |",
+        "|---|" + "---|" * len(p["configs"][ref]["best_iqm"]),
+    ]
+    for c, row in p["configs"].items():
+        cells = [fmt_interval(v, ci["configs"][c]["best_iqm"][lr], fmt_acc) for lr, v in row["best_iqm"].items()]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Seeds",
+        "",
+        "Held-out greedy accuracy after the warm start (step 0, shared by every configuration of a seed):",
+        "",
+        "| seed | step 0 |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {s['start_greedy_acc'][str(k)]:.3f} |" for k in seeds]
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, dest: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, p, ci = s["_arms"], s["point"], s["interval_90"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, (c, arm) in enumerate(arms.items()):
+        x, row, band = arm["x"], p["configs"][c], ci["configs"][c]["frontier"]
+        axes[0].step(x, list(row["frontier"].values()), where="post", color=f"C{i}", label=c)
+        axes[0].fill_between(
+            x,
+            [band[k][0] for k in row["frontier"]],
+            [band[k][1] for k in row["frontier"]],
+            step="post",
+            color=f"C{i}",
+            alpha=0.12,
+        )
+        for lr, acc in arm["acc"].items():
+            axes[1].plot(
+                x, iqm(acc), color=f"C{i}", alpha=0.4 + 0.2 * list(arm["acc"]).index(lr), label=f"{c} lr {lr:g}"
+            )
+    for ax in axes:
+        ax.axhspan(s["levels"][0] * p["best"], s["levels"][-1] * p["best"], color="gray", alpha=0.12)
+        ax.set_xlabel(f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)")
+        ax.set_ylabel("held-out greedy accuracy (IQM over seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("Frontier over learning rates (bands: bootstrap 90%; grey: the levels)")
+    axes[1].set_title("Every learning rate")
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=6, ncol=3)
+    return [sweep.save_figure(fig, dest / "frontier.png")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = tyro.cli(Args, args=argv)
+    out = Path(args.out_dir)
+    runs = sweep.load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid compute --out-dir {out})")
+    s = analyse(runs, args)
+    sweep.write_report(Path(args.report_dir or out), s, private="_arms", table_md=table_md, plot=plot)
+    return s
+
+
+if __name__ == "__main__":
+    sweep.cli(main)
