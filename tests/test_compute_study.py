@@ -94,6 +94,7 @@ def test_a_curve_at_half_the_compute_saves_half_and_is_met():
     assert fast["saving"] == pytest.approx(50.0) and slow["saving"] == pytest.approx(0.0, abs=1e-9)
     assert all(r == pytest.approx(0.5) for r in fast["ratio"].values())
     assert s["interval_90"]["configs"]["fast"]["saving"] == pytest.approx([50.0, 50.0])  # so in every resample
+    assert set(s["interval_90"]["configs"]["fast"]["reached"].values()) == {1.0}
     assert s["decision"] == {"H1": "met", "H2": "not met"}  # H2 tested, and 0% is not 30%
     assert s["point"]["best"] == pytest.approx(cs.iqm([min(1.0, 1.0 + 0.02 * ((k * 7) % 5 - 2)) for k in range(8)]))
 
@@ -114,6 +115,8 @@ def test_a_frontier_that_misses_levels_is_charged_its_final_compute():
         reached = row["frontier"]["6"] >= f * best
         assert row["reached"][name] == float(reached)
         assert row["cost"][name] < final + 1e-9 if reached else row["cost"][name] == pytest.approx(final)
+        share = s["interval_90"]["configs"]["fast"]["reached"][name]  # of the resamples
+        assert 0 <= share <= 1 and (share > 0.5 if f < 0.87 else True) and (share < 1 if not reached else True)
     assert not all(row["reached"].values()) and any(row["reached"].values())
 
 
