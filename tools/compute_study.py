@@ -272,14 +272,17 @@ def table_md(s: dict) -> str:
         "",
         "## Configurations",
         "",
-        "| config | N | B | R | B/R | steps | evaluated every | final compute | lrs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Final compute: at the paper's mu. Measured mu: this machine's generation/training cost ratio (median over "
+        "the configuration's runs), which the decision does not use.",
+        "",
+        "| config | N | B | R | B/R | steps | evaluated every | final compute | lrs | measured mu |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, k in s["configs"].items():
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
-            f"| {sweep.fmt(k['x'][-1])} | {lrs} |"
+            f"| {sweep.fmt(k['x'][-1])} | {lrs} | {sweep.fmt_mu(k['mu'])} |"
         )
     lines += [
         "",
