@@ -8,37 +8,11 @@ import compute_study as cs
 import numpy as np
 import pytest
 import sweep
+from test_pareto import fake_run  # a finished run as sweep.load_runs returns it
 
 import replay_grpo
 
 MU = 5.28
-
-
-def fake_run(config: str, lr: float, seed: int, accs: list[float], R: int, B: int) -> dict:
-    """A finished run as sweep.load_runs returns it: one evaluation a step, R generated and B trained a step."""
-    records = [{"step": 0, "eval/greedy_acc": accs[0]}]
-    for step, a in enumerate(accs[1:], 1):
-        records.append(
-            {
-                "step": step,
-                "eval/greedy_acc": a,
-                "generated_rollouts": R * step,
-                "trained_rollouts": B * step,
-                "entropy": 0.4,
-                "mu": 1.0,
-            }
-        )
-    cfg = {
-        "lr": lr,
-        "buffer_size": 4 * B,
-        "batch_size": B,
-        "prompts_per_step": 1,
-        "group_size": R,
-        "total_steps": len(accs) - 1,
-        "eval_every": 1,
-    }
-    return {"name": f"{config}-lr{lr:g}-s{seed}", "config": config, "variant": f"-lr{lr:g}", "seed": seed,
-            "cfg": cfg, "records": records}  # fmt: skip
 
 
 def args(**kw) -> cs.Args:

@@ -406,13 +406,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    out = Path(args.out_dir)
-    runs = sweep.load_runs(out) if out.is_dir() else []
-    if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid compute --out-dir {out})")
-    s = analyse(runs, args)
-    sweep.write_report(Path(args.report_dir or out), s, private="_arms", table_md=table_md, plot=plot)
-    return s
+    return sweep.study_report(args, "compute", analyse, private="_arms", table_md=table_md, plot=plot)
 
 
 if __name__ == "__main__":

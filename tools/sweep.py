@@ -1100,6 +1100,18 @@ def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
     print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
 
 
+def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> dict:
+    """A study report's main after its arguments: the finished runs in args.out_dir (made by `run --grid grid`),
+    analysed, and the report written into args.report_dir (default: args.out_dir)."""
+    out = Path(args.out_dir)
+    runs = load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
+    s = analyse(runs, args)
+    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot)
+    return s
+
+
 def render(summary_path: Path, table_path: Path) -> None:
     """table.md rendered again from a report's summary.json (this report's, pareto.py's or compute_study.py's): the
     same bytes that report wrote, as the table is a function of the summary alone."""
