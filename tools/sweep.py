@@ -236,7 +236,7 @@ PARETO_GRID = (
 # generated rollouts, a replay run's first step generating B to fill its buffer) and ends on an evaluation; all are
 # evaluated every EVAL_ROLLOUTS generated rollouts.
 COMPUTE_LRS = [3e-6, 1e-5, 3e-5]
-COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on the pilot seeds 0-19
+COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on pilot seeds 0-5 (docs/study/compute)
 PAPER_MU = 5.28
 
 
