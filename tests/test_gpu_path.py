@@ -422,15 +422,23 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
     """--mode async: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
     of the policy but the trainer's lives in the trainer process."""
     import gc
+    import weakref
 
-    live, real = [], rg.train_step
+    built, live, real_init, real_step = weakref.WeakSet(), [], rg.HFGenerator.__init__, rg.train_step
+
+    def init(self, *args, **kwargs):  # only this run's generators: earlier tests' may still await collection
+        built.add(self)
+        real_init(self, *args, **kwargs)
 
     def train_step(*args, **kwargs):
-        live.append(sum(isinstance(o, rg.HFGenerator) and o.model is not None for o in gc.get_objects()))
-        return real(*args, **kwargs)
+        gc.collect()
+        live.append(sum(g.model is not None for g in built))
+        return real_step(*args, **kwargs)
 
+    monkeypatch.setattr(rg.HFGenerator, "__init__", init)
     monkeypatch.setattr(rg, "train_step", train_step)
     argv = SMALL + ["--mode", "async", "--num-generators", "1", "--eval-every", "2", "--total-steps", "4"]
     out = rg.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
     assert live == [0, 0, 0, 0], live
+    assert len(built) == 0  # the evaluators built for steps 0, 2 and 4 are gone too
     assert [r["step"] for r in metrics(out["run_dir"]) if "eval/greedy_acc" in r] == [0, 2, 4]
