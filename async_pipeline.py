@@ -1,41 +1,44 @@
 """async_pipeline.py: the paper's asynchronous system for replay_grpo.py (--mode async).
 
-W generator processes run make_rollouts in a loop with whatever weights they hold and put every
-finished request (prompts_per_step x G rollouts, advantages, behaviour log-probs and policy version
-frozen) on one bounded channel; a full channel makes them wait (backpressure). The trainers are
-torchrun ranks sharding the policy with FSDP2. Rank 0 owns the channel and deals new rollouts
-round-robin to the ranks; each keeps a ReplayBuffer shard of N/T, samples B/T per step and FSDP
-averages the gradients. Every k steps the full weights are gathered to rank 0 and written to a
-shared-memory mailbox that generators read between requests, so a rollout carries the version
-(= optimizer steps) that really made it.
+The generators are W OpenAI-compatible vLLM servers. Rank 0 launches them on its node (one per GPU after the
+trainers', or on the CPU) or connects to servers started elsewhere (--generator-urls). A thread per server runs
+make_rollouts request after request: prompts go as token ids with a seed drawn from the run's RNG, the answers come
+back with the sampled tokens' log-probs and the weight version of every token, and rewards, advantages and
+behaviour log-probs are frozen there. The trainers are torchrun ranks sharding the policy with FSDP2; rank 0 deals
+finished requests round-robin to the ranks, each keeps a ReplayBuffer shard of N/T, samples B/T per step, and FSDP
+averages the gradients. Every k steps the full weights are gathered to rank 0 once, in the compute dtype, and a
+publisher thread hands them to every server through vLLM's own API (pause keeping requests, load, label the
+version, resume): from a safetensors file on a shared filesystem (--weight-transfer disk), or by NCCL broadcast
+with vLLM's trainer-side weight-transfer engine (--weight-transfer nccl). A rollout's policy_version is its oldest
+token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
 
-    python replay_grpo.py --preset cpu --mode async --num-generators 1                  # T = 1
+    python replay_grpo.py --preset cpu --mode async --num-generators 2                  # T = 1, two servers
     torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
-
-On GPUs the T ranks use GPUs 0..T-1 with NCCL and generator i takes GPU T+i (with fewer GPUs they
-share: on one GPU, the trainer's), which it sees as its only device (CUDA_VISIBLE_DEVICES is set in
-the generator before CUDA starts there, so a vLLM engine lands on it too). The mailbox goes through
-host memory; at scale, weights would rather go from rank 0 to the engines by an NCCL broadcast (a
-process group spanning trainers and engines) or vLLM's weight-transfer API.
+    python replay_grpo.py ... --mode async --generator-urls http://node1:8000 http://node2:8000   # docs/async.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import http.client
+import json
 import math
-import multiprocessing as mp
 import os
-import pickle
-import queue
 import random
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
-import traceback
+import urllib.error
+import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
@@ -50,14 +53,6 @@ import kernels
 import replay_grpo as rg
 import run_folder
 from replay_grpo import PipelineError, UserError
-
-# A generator that delivers nothing while the channel has room for its requests is hung (or stopped): after
-# SILENT_FACTOR times the longest request any generator took (its weight pull and its generation), and at least
-# SILENT_FLOOR seconds, rank 0 kills it and stops the run. Before its first request it has START_SECONDS (a
-# model and an engine to load). Time the channel is full does not count: generators then wait for the trainers.
-SILENT_FACTOR = 10
-SILENT_FLOOR = 60.0
-START_SECONDS = 1800.0
 
 
 class LogprobPolicy(torch.nn.Module):
@@ -77,40 +72,6 @@ class LogprobPolicy(torch.nn.Module):
         out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
-
-
-class WeightMailbox:
-    """The latest published weights in shared memory, in the generators' dtype: rank 0 overwrites them in
-    place, a generator copies them out between requests when the version moved and loads its copy after
-    releasing the lock, so a publish waits at most for a memory copy, never for a generator's weight reload.
-    One copy for all W generators however often weights are published (a queue of state dicts would pile up
-    behind a slow generator)."""
-
-    def __init__(self, ctx, state_dict: dict, version: int, dtype: torch.dtype = torch.float32):
-        self.tensors = {k: v.detach().to("cpu", dtype, copy=True).share_memory_() for k, v in state_dict.items()}
-        self.version, self.lock = ctx.Value("q", version, lock=False), ctx.Lock()
-
-    def publish(self, state_dict: dict, version: int, alive=lambda: True) -> bool:
-        """Overwrite the weights; False, without waiting forever, when a generator died holding the lock
-        (alive() turned false: the run is then stopped by the dead generator's failure)."""
-        while not self.lock.acquire(timeout=1.0):
-            if not alive():
-                return False
-        try:
-            for k, t in self.tensors.items():
-                t.copy_(state_dict[k])
-            self.version.value = version
-        finally:
-            self.lock.release()
-        return True
-
-    def pull(self, generator) -> None:
-        if self.version.value == generator.policy_version:  # unlocked peek; the copy itself is locked
-            return
-        with self.lock:
-            version = self.version.value
-            weights = {k: t.clone() for k, t in self.tensors.items()}
-        generator.load_weights(weights, version)
 
 
 def available_cores() -> int:
@@ -143,196 +104,401 @@ def set_cpu_threads(role: str, processes: int) -> int:
         threads, why = torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     else:
         cores = available_cores()
-        threads, why = max(1, cores // processes), f"{cores} cores / {processes} processes on this machine"
+        threads, why = (
+            max(1, cores // processes),
+            f"{cores} cores / {processes} process{'es' * (processes != 1)} on this machine",
+        )
         torch._C.set_num_threads(threads)  # torch._C: an in-process vLLM CPU worker patches torch.set_num_threads
     print(f"threads: {role} uses {threads} torch thread{'s' * (threads > 1)} ({why})", flush=True)
     return threads
 
 
-def generator_streams(seed: int, index: int, first_group_id: int) -> random.Random:
-    """A generator process's prompt stream, its torch and numpy seeds (vLLM's GPU runner samples from numpy's):
-    its own per generator and per resume, so that no two generators sample the same noise."""
-    rng = random.Random(f"{seed}/{index}/{first_group_id}")
-    torch.manual_seed(rng.getrandbits(63))
-    np.random.seed(random.Random(f"numpy/{seed}/{index}/{first_group_id}").getrandbits(32))  # leaves rng as it was
-    return rng
+# ===== vLLM servers: launch, requests, weights ====================================================
+
+# A request to a server that answers nothing for longer than this fails the run: START_SECONDS for its first
+# (the server compiles and warms up), then REQUEST_FACTOR times the longest request so far, at least REQUEST_FLOOR.
+REQUEST_FACTOR = 10
+REQUEST_FLOOR = 60.0
+START_SECONDS = 1800.0
+READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
 
 
-def generator_main(
-    index: int,
-    cfg: rg.Args,
-    mailbox: WeightMailbox,
-    channel,
-    errors,
-    stop,
-    first_group_id: int,
-    gpu: str | None,
-    processes: int,
-) -> None:
-    """One generator process: make_rollouts with the newest weights, request after request."""
-    if gpu is not None:  # before CUDA starts in this process: GPU `gpu` becomes its cuda:0 (vLLM uses the first one)
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    set_cpu_threads(f"generator {index}", processes)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 stops us
-    import transformers
+class ServerError(PipelineError):
+    """A vLLM server did not start, died, or answered an error: one line naming it."""
 
-    transformers.utils.logging.disable_progress_bar()  # a spawned process: no weight-loading bars in the run's log
-    channel.cancel_join_thread()  # at exit, never wait to flush rollouts nobody will read
-    parent = mp.parent_process()
-    try:
-        task = rg.make_task(cfg)
-        device = torch.device("cpu" if gpu is None else "cuda:0")
-        # the architecture and tokenizer, in the compute dtype on the host (never fp32 on the GPU): the weights come
-        # from the mailbox before the first request
-        model, tok = rg.load_base_policy(cfg, torch.device("cpu"), kernels.compute_dtype(device))
-        rg.fit_to_context(cfg, task, tok, model)  # the prompts the trainer kept (it said what it skipped)
-        generator = rg.make_generator(
-            dataclasses.replace(cfg, generator="hf") if cfg.generator == "auto" else cfg,
-            model,
-            tok,
-            cfg.model,
-            colocated=False,
-            device=device,
+
+@dataclasses.dataclass
+class Server:
+    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log."""
+
+    url: str
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 300.0) -> dict:
+        """POST JSON, the answer as JSON ({} when empty); any failure is a ServerError naming the server."""
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:
+                text = answer.read()
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"vLLM server {self.url}: {path} answered {e.code}: {e.read()[:300]!r}") from None
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){self.died() or ''}") from None
+        return json.loads(text) if text.strip() else {}
+
+    def died(self) -> str | None:
+        """Launched here and exited: how, with the last lines of its log; else None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"; the server exited with code {self.proc.returncode}; the end of {self.log}: {self.log_tail()}"
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip() for line in text[-lines:])
+
+
+def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES entry of each launched server: the GPUs after the T trainers' (W + T <= n_gpus), else
+    shared round-robin (one GPU: the trainer's); None without GPUs. Mapped through an inherited CUDA_VISIBLE_DEVICES
+    (SLURM, containers; ordinals, UUIDs or MIG names alike): a child reads its value as physical devices."""
+    if not n_gpus:
+        return [None] * W
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
+    return [visible[(T + i) % n_gpus] for i in range(W)]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_servers(cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, log_dir: Path) -> list[Server]:
+    """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
+    wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
+    session so that Ctrl-C reaches the trainer first and stop_servers ends them."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = []
+    for i, gpu in enumerate(gpus):
+        port = free_port(cfg.generator_host)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
+        if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        log = log_dir / f"server{i}.log"
+        proc = subprocess.Popen(
+            server_command(cfg, folder, max_model_len, port, cpu=gpu is None),
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-        del model  # the generator holds its own copy (HF) or the engine's (vLLM)
-        generator.policy_version = -1  # start from the published weights
-        rng = generator_streams(cfg.seed, index, first_group_id)
-        idle, request = 0.0, 0
-        while not stop.is_set() and parent.is_alive():
-            t_pull = time.perf_counter()
-            mailbox.pull(generator)
-            t0 = time.perf_counter()
-            group_id = first_group_id + (request * cfg.num_generators + index) * cfg.prompts_per_step
-            examples = task.sample(rng, cfg.prompts_per_step)
-            rollouts, counts = rg.make_rollouts(generator, tok, task, examples, cfg, next_group_id=group_id)
-            msg = pickle.dumps(
-                {
-                    "rollouts": rollouts,
-                    "counters": dict(counts),
-                    "idle_seconds": idle,
-                    "busy_seconds": time.perf_counter() - t0,
-                    "generator": index,
-                    "request_seconds": time.perf_counter() - t_pull,
-                }
-            )  # bytes: no shared-memory fd per tensor
-            request += 1
-            t0 = time.perf_counter()
-            while not stop.is_set() and parent.is_alive():  # blocks while the channel is full
-                try:
-                    channel.put(msg, timeout=0.5)
-                    break
-                except queue.Full:
-                    pass
-            idle = time.perf_counter() - t0
-    except Exception:
-        errors.put((index, os.environ.get("CUDA_VISIBLE_DEVICES"), traceback.format_exc()))
-        raise SystemExit(1)
+        servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
+    return servers
 
 
-class GeneratorPool:
-    """The W generator processes, the bounded channel they fill, their error queue and lifecycle."""
+def server_command(cfg: rg.Args, folder, max_model_len: int, port: int | str, cpu: bool) -> list[str]:
+    """The launch line of one server (docs/async.md gives it for other nodes)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
+    cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
+    cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
+    cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
+    if cpu:
+        cmd += ["--enforce-eager"]
+    else:
+        cmd += ["--gpu-memory-utilization", "0.9", "--weight-transfer-config", '{"backend": "nccl"}']
+    return cmd
 
-    def __init__(
-        self,
-        cfg: rg.Args,
-        ctx,
-        mailbox: WeightMailbox,
-        first_group_id: int,
-        n_trainers: int,
-        processes: int = 1,
-        checkpoint: Path | None = None,
-    ):
-        self.checkpoint = checkpoint  # the run's, named when a generator hangs
-        self.capacity = max(4, 2 * cfg.num_generators)  # finished requests the channel holds
-        self.channel, self.errors, self.stop = ctx.Queue(maxsize=self.capacity), ctx.Queue(), ctx.Event()
-        self.gpus = generator_gpus(cfg.num_generators, n_trainers, torch.cuda.device_count())
-        self.procs = [
-            ctx.Process(
-                target=generator_main,
-                name=f"generator-{i}",
-                args=(i, cfg, mailbox, self.channel, self.errors, self.stop, first_group_id, gpu, processes),
-            )
-            for i, gpu in enumerate(self.gpus)
+
+def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
+    """Wait until every server answers /health, then warm each up with a two-token request; seconds waited. A
+    launched server that exits, or any that stays silent past `timeout`, is a ServerError with its log's last
+    lines."""
+    t0 = time.monotonic()
+    for s in servers:
+        while True:
+            try:
+                with urllib.request.urlopen(s.url + "/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except (OSError, http.client.HTTPException):
+                pass
+            if s.died():
+                raise ServerError(f"vLLM server {s.url} did not start{s.died()}")
+            if time.monotonic() - t0 > timeout:
+                raise ServerError(
+                    f"vLLM server {s.url} not healthy after {timeout:.0f} s"
+                    + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
+                )
+            time.sleep(1.0)
+    for s in servers:  # a server's first generation compiles and warms up (seconds to minutes on a CPU)
+        s.post("/inference/v1/generate", {"token_ids": [0], "sampling_params": {"max_tokens": 2}}, timeout)
+    return time.monotonic() - t0
+
+
+def stop_servers(servers: list[Server], timeout: float = 20.0) -> None:
+    """End the servers this run launched (their whole process groups: vLLM starts an engine process)."""
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGTERM)
+                os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server must see the SIGTERM
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        if s.proc is None:
+            continue
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # the engine process, if it outlived the server
+            os.killpg(s.proc.pid, signal.SIGKILL)
+
+
+class ServerGenerator:
+    """rg.make_rollouts' generator on one server: `POST /inference/v1/generate` per prompt (token ids in and out, n
+    samples, the sampled tokens' processed log-probs, a seed drawn from `rng`), the prompts in flight together so the
+    server batches them. Each Sample carries the oldest and newest weight versions of its tokens."""
+
+    def __init__(self, server: Server, eos_ids: list[int], rng: random.Random):
+        self.server, self.eos_ids, self.rng = server, eos_ids, rng
+        self.timeout, self.longest = START_SECONDS, 0.0  # seconds a request may take; the longest so far
+        self.pool = ThreadPoolExecutor(max_workers=rg.GEN_BATCH_PROMPTS)
+
+    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
+        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0)
+        params |= dict(ignore_eos=True, stop_token_ids=self.eos_ids, detokenize=False)  # stop where HF stops
+        bodies = [
+            {"token_ids": list(p), "sampling_params": {**params, "seed": self.rng.getrandbits(31)}} for p in prompts
         ]
-        for p in self.procs:  # not daemons: a vLLM engine starts processes of its own
-            p.start()
-        self.heard = [time.monotonic()] * len(self.procs)  # when each delivered last, or could not for a full channel
-        self.delivered = [False] * len(self.procs)
-        self.longest = 0.0  # seconds of the longest request so far
+        t0 = time.monotonic()
+        answers = list(self.pool.map(lambda b: self.server.post("/inference/v1/generate", b, self.timeout), bodies))
+        self.longest = max(self.longest, time.monotonic() - t0)
+        self.timeout = max(REQUEST_FLOOR, REQUEST_FACTOR * self.longest)
+        return [[self.sample(c) for c in sorted(a["choices"], key=lambda c: c["index"])] for a in answers]
+
+    @staticmethod
+    def sample(choice: dict) -> rg.Sample:
+        lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
+        versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
+        return rg.Sample(choice["token_ids"], lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
+
+
+class RolloutLoop:
+    """A thread per server running rg.make_rollouts request after request (rewards, advantages, behaviour log-probs
+    frozen) while the trainers step. At most `capacity` requests are in flight or finished and waiting (a thread
+    takes a slot before it starts one, the dealer frees it), so the capacity is the channel's real depth; receive
+    hands out the freshest finished first, and one passed over `capacity` times before any other."""
+
+    def __init__(self, cfg: rg.Args, servers: list[Server], task, tok, eos_ids: list[int], first_group_id: int):
+        self.cfg, self.servers, self.task, self.tok, self.eos_ids = cfg, servers, task, tok, eos_ids
+        W = len(servers)
+        self.capacity = max(W, cfg.batch_size // cfg.rollouts_per_step) if cfg.sampling == "queue" else max(4, 2 * W)
+        self.slots, self.ready, self.cond = threading.Semaphore(self.capacity), [], threading.Condition()
+        self.stop, self.errors, self.next_group_id = threading.Event(), [], first_group_id
+        self.threads = [
+            threading.Thread(target=self.run, args=(i, first_group_id), name=f"rollouts-{i}", daemon=True)
+            for i in range(W)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def run(self, index: int, first_group_id: int) -> None:
+        cfg = self.cfg
+        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # its own prompts and seeds, per resume too
+        generator = ServerGenerator(self.servers[index], self.eos_ids, rng)
+        try:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                while not self.slots.acquire(timeout=0.5):  # the channel is full: the trainers are behind
+                    if self.stop.is_set():
+                        return
+                t1 = time.perf_counter()
+                with self.cond:
+                    group_id = self.next_group_id
+                    self.next_group_id += cfg.prompts_per_step
+                examples = self.task.sample(rng, cfg.prompts_per_step)
+                rollouts, counts = rg.make_rollouts(generator, self.tok, self.task, examples, cfg, group_id)
+                msg = {"rollouts": rollouts, "counters": dict(counts), "idle_seconds": t1 - t0}
+                msg |= {"busy_seconds": time.perf_counter() - t1, "generator": index, "passed": 0}
+                with self.cond:
+                    self.ready.append(msg)
+                    self.cond.notify_all()
+        except Exception as e:  # the run stops on it (failure)
+            why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+            self.errors.append(e if isinstance(e, ServerError) else ServerError(f"rollout thread {index}: {why}"))
+        finally:
+            generator.pool.shutdown(wait=False, cancel_futures=True)
 
     def receive(self, wait: float, limit: int | None = None) -> list[dict]:
-        """Every finished request in the channel (at most `limit`), waiting up to `wait` seconds for the first."""
-        msgs, backlog = [], self.depth()
-        most = self.capacity + len(self.procs) + 1  # bounded: they keep producing
-        if limit is not None:
-            most = min(most, limit)
-        try:
-            if most > 0:
-                msgs.append(self.channel.get(timeout=wait) if wait > 0 else self.channel.get_nowait())
-            while len(msgs) < most:
-                msgs.append(self.channel.get_nowait())
-        except queue.Empty:
-            pass
-        now = time.monotonic()
-        full = len(msgs) >= self.capacity if backlog is None else backlog >= self.capacity  # None: macOS
-        if full or len(msgs) == limit:  # a generator may have waited for room, or still waits: it is not silent
-            self.heard = [now] * len(self.procs)
-        msgs = [pickle.loads(m) for m in msgs]
-        for m in msgs:
-            self.heard[m["generator"]], self.delivered[m["generator"]] = now, True
-            self.longest = max(self.longest, m["request_seconds"])
-        return msgs
-
-    def hung(self) -> str | None:
-        """A generator that has delivered nothing for longer than it may (SILENT_FACTOR above), killed, in one line;
-        None while every generator delivers."""
-        bound = max(SILENT_FLOOR, SILENT_FACTOR * self.longest)
-        for i, p in enumerate(self.procs):
-            silent = time.monotonic() - self.heard[i]
-            if silent > (bound if self.delivered[i] else max(bound, START_SECONDS)):
-                p.kill()  # a stopped process ends only so
-                kept = run_folder.what_is_kept(self.checkpoint.parent if self.checkpoint is not None else None)
-                return (
-                    f"generator {i} (pid {p.pid}) delivered no rollouts for {silent:.0f} s while the channel had "
-                    f"room (the bound: {SILENT_FACTOR} x the longest request, {self.longest:.1f} s, at least "
-                    f"{SILENT_FLOOR:.0f} s): it hangs or was stopped, so the run stops; {kept}"
-                )
-        return None
+        """Finished requests (at most `limit`), the freshest first, waiting up to `wait` seconds for the first."""
+        with self.cond:
+            if not self.ready and wait > 0 and limit != 0:
+                self.cond.wait_for(lambda: self.ready or self.errors, timeout=wait)
+            order = sorted(self.ready, key=lambda m: m["passed"] >= self.capacity)  # stable: newest last
+            taken = order[len(order) - (len(order) if limit is None else min(limit, len(order))) :][::-1]
+            self.ready = [m for m in self.ready if not any(m is t for t in taken)]
+            for m in self.ready:
+                m["passed"] += 1
+        for _ in taken:
+            self.slots.release()
+        return taken
 
     def failure(self) -> str | None:
-        """Why a generator stopped (its traceback, or its exit code / signal); None while all run."""
-        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
-        if not dead:
-            return None
-        try:  # a generator that raised sent its traceback before exiting
-            index, gpus, tb = self.errors.get(timeout=2)
-            return f"generator {index} (CUDA_VISIBLE_DEVICES={gpus}) failed:\n{tb.rstrip()}"
-        except queue.Empty:
-            i, p = dead[0]
-            how = f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-            return f"generator {i} (pid {p.pid}) died ({how})"
+        """Why the run must stop (a server error or death, in one line), or None."""
+        if self.errors:
+            return str(self.errors[0])
+        for s in self.servers:
+            if s.died():
+                return f"vLLM server {s.url} died{s.died()}"
+        return None
 
-    def depth(self) -> int | None:
-        try:
-            return self.channel.qsize()
-        except NotImplementedError:  # macOS
-            return None
+    def depth(self) -> int:
+        return len(self.ready)
 
-    def close(self, timeout: float = 15.0) -> None:
-        """Stop every generator; terminate (then kill) the ones still running after `timeout` seconds."""
+    def close(self) -> None:
         self.stop.set()
-        deadline = time.time() + timeout
-        # no draining here: a get() can block forever on a message a dying generator half wrote;
-        # generators never block on the channel for long (put with a timeout, then check stop)
-        while any(p.is_alive() for p in self.procs) and time.time() < deadline:
-            time.sleep(0.05)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-            p.join()
+        for t in self.threads:
+            t.join(timeout=1.0)  # a thread blocked in a request is a daemon: it ends with the process
+
+
+class DictSource:
+    """vLLM's WeightSource over a state dict on the host: each tensor goes to this GPU in the compute dtype only as
+    it is broadcast (one at a time, not a second copy of the model)."""
+
+    def __init__(self, weights: dict, dtype: torch.dtype):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        self.weights, self.dtype = weights, dtype
+        self.meta = [ParamMeta(k, dtype, tuple(v.shape)) for k, v in weights.items()]
+
+    def metadata(self):
+        return self.meta
+
+    def __iter__(self):
+        for k, v in self.weights.items():
+            yield k, v.to("cuda", self.dtype, non_blocking=True)
+
+
+class Publisher:
+    """Publishes the trainer's weights to every server on its own thread, so a step never waits for it (the queue
+    baseline waits: `wait=True`). Weights waiting to go are replaced by newer ones. Each server pauses (keeping its
+    requests), takes the weights, labels them with the version, and resumes; its in-flight requests come back with
+    version spans.
+
+    disk: rank 0 writes one safetensors file (the tied head written as lm_head.weight: a folder reload keeps the old
+    head otherwise) under the run folder, a shared filesystem across nodes, and each server runs
+    `reload_weights(weights_path=...)` through /collective_rpc. nccl: vLLM's trainer-side engine,
+    `NCCLTrainerWeightTransferEngine.trainer_init` then `send_weights` (start_weight_update, update_weights during the
+    NCCL broadcast, finish_weight_update) with `HTTPVLLMWeightSyncClient`, one NCCL group per server (vLLM's trainer
+    engine puts one server's workers at rank_offset 1)."""
+
+    def __init__(self, servers: list[Server], how: str, folder: Path, dtype: torch.dtype, tied: bool, address: str):
+        self.servers, self.how, self.folder, self.dtype, self.tied = servers, how, folder, dtype, tied
+        self.pending, self.cond, self.done_version, self.error = None, threading.Condition(), None, None
+        self.seconds, self.count = 0.0, 0  # time spent publishing, publishes done
+        self.engines = []
+        if how == "nccl":
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+
+            self.source = None
+            for s in servers:  # world: this rank and the server's one worker (tensor parallel 1)
+                info = NCCLTrainerInitInfo(address, free_port(address), world_size=2, rank=0)
+                engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                    info, client=HTTPVLLMWeightSyncClient(s.url), source=self
+                )
+                self.engines.append(engine)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.thread = threading.Thread(target=self.run, name="publisher", daemon=True)
+        self.thread.start()
+
+    def publish(self, weights: dict, version: int, wait: bool = False) -> None:
+        with self.cond:
+            self.pending = (dict(weights), version)  # its own dict: a checkpoint's save_pretrained empties the caller's
+            self.cond.notify_all()
+            if wait:  # an error is the dealer's to report
+                self.cond.wait_for(
+                    lambda: self.error or (self.done_version is not None and self.done_version >= version)
+                )
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending is not None)
+                (weights, version), self.pending = self.pending, None
+            t0 = time.perf_counter()
+            try:
+                self.send(weights, version)
+            except Exception as e:
+                with self.cond:
+                    why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+                    self.error = e if isinstance(e, ServerError) else ServerError(f"weight publish failed: {why}")
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.seconds, self.count, self.done_version = (
+                    self.seconds + time.perf_counter() - t0,
+                    self.count + 1,
+                    version,
+                )
+                self.cond.notify_all()
+
+    def send(self, weights: dict, version: int) -> None:
+        if self.how == "disk":
+            from safetensors.torch import save_file
+
+            tensors, seen = {}, set()
+            for k, v in weights.items():  # safetensors refuses two names on one storage (a tied head)
+                v = v.to(self.dtype).contiguous()
+                tensors[k] = v.clone() if v.data_ptr() in seen else v
+                seen.add(v.data_ptr())
+            if self.tied and "lm_head.weight" not in tensors:
+                tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+            save_file(tensors, self.folder / "model.safetensors.tmp")
+            os.replace(self.folder / "model.safetensors.tmp", self.folder / "model.safetensors")
+        workers = max(1, len(self.servers)) if self.how == "disk" else 1  # nccl: one broadcast at a time here
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda i: self.send_one(i, weights, version), range(len(self.servers))))
+
+    def send_one(self, i: int, weights: dict, version: int) -> None:
+        s = self.servers[i]
+        # keep: requests in flight stay, with their KV cache (clear_cache would recompute them, and with a per-request
+        # seed the CPU runner then fails: "CPU Generator does not use offset"); their later tokens get the new weights
+        s.post("/pause?mode=keep&clear_cache=false")
+        if self.how == "disk":
+            s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}})
+        else:
+            self.source = DictSource(weights, self.dtype)
+            self.engines[i].send_weights()
+        s.post("/update_weight_version", {"new_version": str(version)})
+        s.post("/resume")
+
+    def metadata(self):  # the nccl engines' WeightSource: the weights being sent
+        return self.source.metadata()
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+
+
+# ===== The trainers ==============================================================================
 
 
 def shard_policy(model, device: torch.device) -> LogprobPolicy:
@@ -353,18 +519,6 @@ def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
     set_optimizer_state_dict(
         policy, optimizer, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
-
-
-def generator_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
-    """The CUDA_VISIBLE_DEVICES entry of each generator: the GPUs after the T trainers' (W + T <= n_gpus), else
-    shared round-robin (one GPU: the trainer's); None without GPUs. The index is one into this process's
-    visible devices, so it is mapped through an inherited CUDA_VISIBLE_DEVICES (SLURM, containers; ordinals,
-    UUIDs or MIG names alike): a child reads its value as physical devices."""
-    if not n_gpus:
-        return [None] * W
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
-    return [visible[(T + i) % n_gpus] for i in range(W)]
 
 
 def full_weights(policy) -> dict:
@@ -424,9 +578,9 @@ def throughput_mu_gamma(totals: dict, T: int, W: int) -> tuple[float, float]:
 
 
 class Dealer:
-    """Rank 0: takes the generators' finished requests off the channel, adds their counts to the run totals and
+    """Rank 0: takes the servers' finished requests from the rollout loop, adds their counts to the run totals and
     deals their rollouts round-robin to the T ranks' shards (its state is checkpointed). With --sampling queue it
-    takes only requests that every shard has room for, so the channel fills and the generators wait."""
+    takes only requests that every shard has room for, so the loop's slots fill and its threads wait."""
 
     def __init__(self, cfg: rg.Args, T: int, state: dict | None = None):
         self.T = T
@@ -449,15 +603,14 @@ class Dealer:
             "held": list(self.held),
         }
 
-    def take(self, pool: GeneratorPool, totals: dict, step: int, wait: bool) -> tuple[list[dict], list, int]:
+    def take(self, loop: RolloutLoop, totals: dict, step: int, wait: bool, failure: str | None) -> tuple:
         """Each rank's message (its rollouts, and why the run must stop or None), the new rollouts and the tokens
         generated; waits up to a second for a request if `wait` (a shard could not draw a batch)."""
-        failure = pool.failure()
+        failure = failure or loop.failure()
         limit = None
         if self.room is not None:  # backpressure: only whole requests that every shard has room for
             limit = (self.room - max(self.held)) // self.share
-        msgs = [] if failure else pool.receive(wait=1.0 if wait else 0, limit=limit)
-        failure = failure or pool.hung()
+        msgs = [] if failure else loop.receive(wait=1.0 if wait else 0, limit=limit)
         parts, fresh, stop = self.deal(msgs, totals, step)
         tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
         out = [{"rollouts": p, "failure": failure or stop} for p in parts]
@@ -577,7 +730,7 @@ def check_sharding(cfg: rg.Args, T: int) -> None:
 
 def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
     """This rank's device, and its torch threads among the processes sharing this machine's cores: its trainer
-    ranks, and the W generators on rank 0's machine (returned: their number)."""
+    ranks, and the W servers rank 0 launches on its machine (returned: their number)."""
     local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
     set_cpu_threads(f"trainer rank {rank}", processes)
@@ -621,16 +774,47 @@ def barrier() -> None:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: shut the generators down too
+    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: stop the servers too
+
+
+def start_generators(cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device) -> list[Server]:
+    """--generator-urls as given, or W servers launched on this node from a plain folder of the current policy
+    (`model`: rank 0's host copy) under the run folder; not yet waited for."""
+    if cfg.generator_urls:
+        return [Server(url.rstrip("/")) for url in cfg.generator_urls]
+    try:
+        rg.import_vllm()
+    except rg.VLLMUnavailable as e:
+        raise UserError(f"--mode async launches vLLM servers: {e}") from None
+    folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
+    gpus = server_gpus(cfg.num_generators, T, torch.cuda.device_count() if device.type == "cuda" else 0)
+    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers")
+
+
+def weight_transfer(cfg: rg.Args, device: torch.device) -> str:
+    """--weight-transfer auto: NCCL on GPUs, the disk on a CPU (vLLM 0.32's NCCL engine needs CUDA)."""
+    if cfg.weight_transfer == "auto":
+        return "nccl" if device.type == "cuda" else "disk"
+    if cfg.weight_transfer == "nccl" and device.type != "cuda":
+        raise UserError("--weight-transfer nccl needs CUDA on the trainers (vLLM's NCCL engine): use disk on a CPU")
+    return cfg.weight_transfer
+
+
+def rendezvous_address(cfg: rg.Args) -> str:
+    """Where servers reach rank 0's NCCL endpoint: this node's address for servers on other nodes (torchrun's
+    MASTER_ADDR, else the host name's), --generator-host for servers launched here."""
+    if not cfg.generator_urls:
+        return cfg.generator_host
+    return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
 
 
 def train_async(cfg: rg.Args) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
     owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
-    device, processes = place_trainer(rank, W)
+    device, _ = place_trainer(rank, 0 if cfg.generator_urls else W)
     B, N = cfg.batch_size, cfg.buffer_size
-    pool, runlog, old_sigterm = None, None, signal.getsignal(signal.SIGTERM)
+    servers, loop, publisher, runlog, old_sigterm = [], None, None, None, signal.getsignal(signal.SIGTERM)
     try:
         # 0. setup: the run folder (rank 0 creates it), the policy sharded over the T ranks, a buffer shard each
         check_sharding(cfg, T)
@@ -665,28 +849,27 @@ def train_async(cfg: rg.Args) -> dict:
         ready = False  # every shard could draw a batch at the last look
         weights = full_weights(policy)
         if rank == 0:
-            ctx = mp.get_context("spawn")  # fork would copy the process group and threads
-            mailbox = WeightMailbox(ctx, weights, step, kernels.compute_dtype(device))
             signal.signal(signal.SIGTERM, _interrupt)
-            pool = GeneratorPool(
-                cfg,
-                ctx,
-                mailbox,
-                first_group_id=dealer.next_group_id,
-                n_trainers=T,
-                processes=processes,
-                checkpoint=ckpt,
-            )
+            how = weight_transfer(cfg, device)
+            servers = start_generators(cfg, run_dir, host_copy, tok, T, device)
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
-            print(
-                f"run folder: {run_dir}\nasync: W = {W} generator(s), T = {T} trainer rank(s); requests of "
-                f"{cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), buffer N = {N} ({N // T}/rank), "
-                f"channel {pool.capacity} requests, publish every {cfg.publish_every}"
-            )
-            if step == 0:  # while the generators start
+            print(f"run folder: {run_dir}")
+            if step == 0:  # while the servers start
                 evaluator = rg.HFGenerator(host_copy, tok, device)
                 last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
                 evaluator.close()
+            seconds = wait_ready(servers)
+            tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
+            dtype = kernels.compute_dtype(device)
+            publisher = Publisher(servers, how, run_dir / "published", dtype, tied, rendezvous_address(cfg))
+            publisher.publish(weights, step, wait=True)  # every server holds this policy before its first request
+            loop = RolloutLoop(cfg, servers, task, tok, rg.stop_token_ids(host_copy, tok), dealer.next_group_id)
+            print(
+                f"async: W = {W} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} s), "
+                f"T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} "
+                f"({B // T}/rank), buffer N = {N} ({N // T}/rank), {loop.capacity} requests in flight or waiting, "
+                f"weights by {how} every {cfg.publish_every} step(s)"
+            )
             bar = run_folder.Progress(step, cfg.total_steps)
 
         while step < cfg.total_steps:
@@ -694,7 +877,8 @@ def train_async(cfg: rg.Args) -> dict:
             #    trainers idle) only while a shard lacks a batch of B/T
             t0 = time.perf_counter()
             if rank == 0:
-                out, new, tokens = dealer.take(pool, totals, step, wait=not ready)
+                failure = publisher.error and str(publisher.error)
+                out, new, tokens = dealer.take(loop, totals, step, wait=not ready, failure=failure)
                 fresh += new
                 step_tokens += tokens
             box = [None]
@@ -703,7 +887,7 @@ def train_async(cfg: rg.Args) -> dict:
             shard.push(mine["rollouts"])
             if mine["failure"]:  # every rank stops here, none is left waiting in a collective
                 if rank == 0:
-                    pool.close()
+                    mine["failure"] += f"; {run_folder.what_is_kept(run_dir)}"
                 barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
                 raise PipelineError(
                     mine["failure"]
@@ -743,8 +927,8 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
-            if rank == 0 and step % cfg.publish_every == 0:  # generators pick it up before their next request
-                mailbox.publish(weights, step, alive=lambda: all(p.is_alive() for p in pool.procs))
+            if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
+                publisher.publish(weights, step, wait=cfg.sampling == "queue")
             evaluator = None
             if rank == 0 and evaluating:  # on the GPU for this evaluation only
                 host_copy.load_state_dict(weights)
@@ -764,7 +948,10 @@ def train_async(cfg: rg.Args) -> dict:
                     T=T,
                     W=W,
                     generated_tokens=step_tokens,
-                    queue_depth=pool.depth(),
+                    queue_depth=loop.depth(),
+                    publish_seconds=publisher.seconds,
+                    publishes=publisher.count,
+                    mixed_version_rollouts=totals.get("mixed_version_rollouts", 0),
                     rollouts_per_rank=list(dealer.dealt),
                     wait_seconds=wait_seconds,
                     sync_seconds=sync_seconds,
@@ -792,9 +979,13 @@ def train_async(cfg: rg.Args) -> dict:
             print_summary(totals, T, W)
         return {**last_eval, "run_dir": str(run_dir)}
     finally:
-        if pool is not None:
+        if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
-            pool.close()
+            if loop is not None:
+                loop.close()
+            if publisher is not None:
+                publisher.close()
+            stop_servers(servers)
             signal.signal(signal.SIGTERM, old_sigterm)
         if runlog is not None:
             runlog.close()

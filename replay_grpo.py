@@ -112,9 +112,14 @@ class Args:
     sample_every: int = 0  # also write a few trained rollouts to <run>/samples.jsonl every this many steps (0: off)
     verbose: bool = False  # let vLLM's and math-verify's own log lines (weight reloads, timeouts) reach the console
     # --- engine and infrastructure ---
-    mode: Literal["sync", "async"] = "sync"  # async: W generator processes stream to T trainers (torchrun, FSDP2)
-    num_generators: int = 1  # W (--mode async): generator processes (on GPUs: one per GPU the trainers do not use)
-    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers
+    mode: Literal["sync", "async"] = "sync"  # async: W vLLM servers stream to T trainers (torchrun, FSDP2)
+    num_generators: int = 1  # W (--mode async): vLLM servers (launched: one per GPU the trainers do not use)
+    generator_urls: list[str] = dataclasses.field(default_factory=list)  # async: servers started elsewhere (W URLs)
+    generator_host: str = "127.0.0.1"  # async: the address the launched servers listen on
+    weight_transfer: Literal["auto", "disk", "nccl"] = (
+        "auto"  # async: how weights reach the servers (auto: nccl on GPUs)
+    )
+    generator: Literal["auto", "vllm", "hf"] = "auto"  # sync: vllm, an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
@@ -272,6 +277,16 @@ def validate(cfg: Args) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    urls = cfg.generator_urls
+    need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
+    need(
+        not urls or len(urls) == cfg.num_generators,
+        f"--generator-urls lists {len(urls)} server(s) but --num-generators is {cfg.num_generators}: give both as W",
+    )
+    need(
+        all(u.startswith(("http://", "https://")) for u in urls),
+        f"--generator-urls {urls}: each is http(s)://HOST:PORT",
+    )
     validate_rules(cfg, need)
 
 
@@ -340,7 +355,10 @@ def parse_args(argv: list[str]) -> Args:
             preset = a.split("=", 1)[1]
     if preset not in PRESETS:
         raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
-    return tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
+    cfg = tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
+    if cfg.mode == "async" and any(a == "--generator" or a.startswith("--generator=") for a in argv):
+        raise UserError("--generator: --mode async generates on vLLM servers (--num-generators, --generator-urls)")
+    return cfg
 
 
 # ===== Tasks and rewards ==========================================================================
@@ -787,6 +805,7 @@ class Sample:
     completion_ids: list[int]
     logprobs: torch.Tensor | None  # behaviour log-probs of completion_ids (fp32), or None
     truncated: bool
+    versions: tuple[int, int] | None = None  # a server's: its tokens' oldest and newest weight versions
 
 
 def stop_token_ids(model, tok) -> list[int]:
@@ -1122,6 +1141,8 @@ def make_rollouts(
             if cfg.zero_variance_groups == "drop":
                 continue
         for s, r, a in zip(samples, rewards, adv):
+            if s.versions and s.versions[0] != s.versions[1]:  # its tokens span a publish
+                counts["mixed_version_rollouts"] += 1
             rollout = Rollout(
                 prompt_ids=pids,
                 completion_ids=s.completion_ids,
@@ -1129,7 +1150,7 @@ def make_rollouts(
                 reward=r,
                 advantage=a,
                 group_mean=mean,
-                policy_version=generator.policy_version,
+                policy_version=s.versions[0] if s.versions else generator.policy_version,  # its oldest token's
                 group_id=next_group_id + g,
                 truncated=s.truncated,
                 answer=ex.answer,

@@ -31,6 +31,9 @@ RESUMABLE = (
     "resume",
     "dist_timeout",
     "num_generators",
+    "generator_urls",
+    "generator_host",
+    "weight_transfer",
     "micro_batch_size",
     "vllm_gpu_memory_utilization",
     "activation_checkpointing",
@@ -155,7 +158,11 @@ def check_resume_config(cfg, run_dir: Path) -> None:
             "Resume with the saved values, or start a new --run-name"
         )
     # a flag config.json lacks (a folder older than the flag) ran as its default: only that value is vouched for
-    default = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cfg)}))
+    default = {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cfg)
+    }
+    default = json.loads(json.dumps(default))
     unsaved = [k for k in given if k not in saved and k not in RESUMABLE and given[k] != default[k]]
     if unsaved:
         listed = "; ".join(f"{flag(k)} {given[k]} (default: {default[k]})" for k in unsaved)

@@ -1,13 +1,16 @@
-"""--mode async through the real CLI: torchrun with 2 FSDP2 trainer ranks + 1 generator process,
-resume, a generator killed mid-run, and one process (T = 1) stopped by Ctrl-C. CPU, offline."""
+"""--mode async on real vLLM server processes (tests/conftest.py): served log-probs against the trainer's, publishes
+(tied and untied heads), version spans across a publish; through the real CLI, torchrun with 2 FSDP2 trainer ranks,
+resume with servers the run launches itself, a server killed mid-run, and one process (T = 1) stopped by Ctrl-C.
+CPU, offline."""
 
 import json
 import os
-import pickle
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +38,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def tiny(vllm_servers) -> list[str]:
+    """TINY on the session's tied-head server."""
+    return TINY + ["--generator-urls", vllm_servers["tied"].url]
 
 
 def torchrun(nproc: int, *args) -> list[str]:
@@ -110,8 +119,9 @@ class Run:
             time.sleep(0.2)
         return False
 
-    def generators(self) -> list[int]:
-        return [p for p in descendants(self.proc.pid) if "spawn_main" in cmdline(p)]
+    def servers(self) -> list[int]:
+        """The vLLM servers the run launched (their engine processes are below them)."""
+        return [p for p in descendants(self.proc.pid) if "vllm.entrypoints.openai.api_server" in cmdline(p)]
 
     def finish(self, timeout: float) -> tuple[int, str]:
         self.poll_until(lambda: self.proc.poll() is not None, timeout)
@@ -136,13 +146,15 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    """T = 2 trainer ranks (torchrun, FSDP2), W = 1 generator, 6 steps, publish every step."""
+def two_rank_run(tmp_path_factory, vllm_servers):
+    """T = 2 trainer ranks (torchrun, FSDP2), W = 1 server (the session's), 6 steps, publish every step."""
     out = tmp_path_factory.mktemp("async")
-    run = Run(torchrun(2, "--total-steps", "6", "--sample-every", "3", "--out-dir", str(out), "--run-name", "t2"))
+    url = vllm_servers["tied"].url
+    args = ["--total-steps", "6", "--sample-every", "3", "--out-dir", str(out), "--run-name", "t2"]
+    run = Run(torchrun(2, "--generator-urls", url, *args))
     rc, log = run.finish(timeout=240)
     assert rc == 0, log[-4000:]
-    assert len(run.seen) >= 4, run.seen  # 2 ranks + a generator at least (+ mp's resource tracker)
+    assert len(run.seen) >= 2, run.seen  # 2 ranks at least
     return out / "t2", log
 
 
@@ -165,7 +177,8 @@ def test_two_ranks_train_on_evenly_dealt_stale_rollouts(two_rank_run):
         n0, n1 = r["rollouts_per_rank"]
         assert abs(n0 - n1) <= 8 // 2  # dealt evenly (round-robin: +-1 rollout, within one B/T batch)
         assert r["buffer_size"] <= 16 and sum(r["staleness_hist"].values()) == 8
-        assert 0 <= r["queue_depth"] <= 4  # the channel is bounded
+        assert 0 <= r["queue_depth"] <= 4  # at most max(4, 2W) requests in flight or waiting
+        assert r["publishes"] >= 1 and r["publish_seconds"] > 0
     # rollouts made after weight publishes carry the newer version, never a future one
     newest = [max(r["fresh_versions"]) for r in steps if r["fresh_versions"]]
     assert newest == sorted(newest) and newest[-1] >= 2, newest
@@ -191,10 +204,10 @@ def test_two_ranks_train_on_evenly_dealt_stale_rollouts(two_rank_run):
     AutoModelForCausalLM.from_pretrained(ckpt)  # loadable by transformers (and vLLM)
 
 
-def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
+def test_resume_then_a_killed_server_stops_every_rank(two_rank_run):
     """Resume the 6-step run on 2 ranks (model, full optimizer state, per-rank buffer shards and
-    counters come back) with W = 2, then SIGKILL one generator: a clear error naming it, non-zero
-    exit, no hang, and the surviving generator is shut down too."""
+    counters come back) with W = 2 servers that the run launches itself, then SIGKILL one: one line naming it,
+    non-zero exit, no hang, the other server stopped too, and the checkpoint kept for --resume."""
     run_dir, _ = two_rank_run
     before = metrics(run_dir)[-1]
     run = Run(
@@ -214,15 +227,17 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
         )
     )
     state_file = run_dir / "checkpoint" / "trainer_state.pt"
-    assert run.poll_until(lambda: len(metrics(run_dir)) >= 9 and len(run.generators()) == 2, 180), run.proc.poll()
-    victim = min(run.generators())
-    os.kill(victim, signal.SIGKILL)
+    assert run.poll_until(lambda: len(metrics(run_dir)) >= 9 and len(run.servers()) == 2, 400), run.proc.poll()
+    victim = min(run.servers())
+    os.killpg(victim, signal.SIGKILL)  # the server and its engine process
     t_kill = time.time()
-    rc, log = run.finish(timeout=60)
+    rc, log = run.finish(timeout=90)
     assert rc != 0
-    assert time.time() - t_kill < 30, "the dead generator was noticed late"
-    assert f"(pid {victim}) died (killed by SIGKILL)" in log and "error: generator " in log, log[-3000:]
-    assert "rank 1 stopped by rank 0: generator " in log, log[-3000:]
+    assert time.time() - t_kill < 30, "the dead server was noticed late"
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "error: vLLM server http://127.0.0.1:" in errors[0], log[-3000:]
+    assert "exited with code -9" in errors[0] and "continue with --resume" in errors[0], errors
+    assert "rank 1 stopped by rank 0: vLLM server " in log, log[-3000:]
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == list(range(len(recs)))  # continued at 7, nothing repeated
     first = recs[7]
@@ -235,15 +250,15 @@ def test_resume_then_a_killed_generator_stops_every_rank(two_rank_run):
     assert adam_steps == {float(state["step"])}  # Adam's moments carried over from the first run
 
 
-def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path):
-    """The generator processes load the warm-started weights too: no transformers bar from them either."""
+def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path, tiny):
+    """A warm start, then the servers: no transformers bar in the run's log (the servers log to their own files)."""
     log = tmp_path / "log.txt"
     with log.open("w") as f:
         res = subprocess.run(
             [
                 sys.executable,
                 str(ROOT / "replay_grpo.py"),
-                *TINY,
+                *tiny,
                 "--sft-warmup-steps",
                 "20",
                 "--total-steps",
@@ -264,8 +279,9 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path):
 
 
 def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
-    """T = 1 as plain `python replay_grpo.py`; Ctrl-C (SIGINT to the process group) ends it cleanly,
-    even when it was started with SIGINT ignored, as a background job of a script starts it."""
+    """T = 1 as plain `python replay_grpo.py` launching its server; Ctrl-C (SIGINT to the process group) ends it
+    cleanly, server included, even when it was started with SIGINT ignored, as a background job of a script starts
+    it. The trainer shares the cores with the server it launched."""
     run = Run(
         [
             sys.executable,
@@ -281,32 +297,174 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     assert run.poll_until(
-        lambda: (
-            (tmp_path / "t1" / "metrics.jsonl").exists() and len(metrics(tmp_path / "t1")) >= 3 and run.generators()
-        ),
-        180,
+        lambda: (tmp_path / "t1" / "metrics.jsonl").exists() and len(metrics(tmp_path / "t1")) >= 3 and run.servers(),
+        400,
     ), run.proc.poll()
     os.killpg(run.proc.pid, signal.SIGINT)
     rc, log = run.finish(timeout=60)
-    assert rc == 130 and "interrupted" in log, log[-3000:]
+    assert rc == 130 and "interrupted" in log, log[-3000:]  # and no process left behind (Run.finish)
+    n = max(1, ap.available_cores() // 2)
+    assert f"threads: trainer rank 0 uses {n} torch thread{'s' * (n > 1)} ({ap.available_cores()} cores / 2 " in log
     recs = metrics(tmp_path / "t1")
     assert recs[1]["num_trainers"] == 1 and all(math_finite(r["loss"]) for r in recs[1:])
 
 
-def test_weight_mailbox_hands_over_the_latest_weights_once():
-    import multiprocessing as mp
+# --- the servers: served log-probs, publishes, version spans, the rollout loop's channel ------------------------
 
-    model, tok = warm_start.build_tiny_model(0)
-    gen = rg.HFGenerator(model, tok)
-    box = ap.WeightMailbox(mp.get_context("spawn"), model.state_dict(), 0)
-    new = {k: v + 1 for k, v in model.state_dict().items()}
-    box.publish({k: v - 1 for k, v in new.items()}, 2)
-    box.publish(new, 3)  # a generator that missed version 2 takes 3 directly
-    box.pull(gen)
-    assert gen.policy_version == 3
-    assert all(torch.equal(gen.model.state_dict()[k], v) for k, v in new.items())
-    gen.load_weights = lambda *a: pytest.fail("reloaded unchanged weights")
-    box.pull(gen)  # same version: nothing to copy
+
+def prompts_of(tok, texts=("12+7=", "3+45=", "99+1=")) -> list[list[int]]:
+    return [rg.render_prompt(tok, t) for t in texts]
+
+
+def served_and_trained(server, model, tok, version: int, tmp_path, tied: bool) -> tuple[list, torch.Tensor, list]:
+    """Publish `model` to `server` as `version` (the disk route), sample from it, and return the samples, their
+    served behaviour log-probs and the trainer's log-probs of the same completions."""
+    publisher = ap.Publisher([server], "disk", tmp_path / "published", torch.float32, tied, ap.socket.gethostname())
+    publisher.publish(model.state_dict(), version, wait=True)
+    assert publisher.error is None and publisher.count == 1
+    generator = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0))
+    prompts = prompts_of(tok)
+    groups = generator.generate(prompts, 4, 8, temperature=1.0)
+    samples = [s for g in groups for s in g]
+    pairs = [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)]
+    with torch.no_grad():
+        trained = rg.completion_logprobs(model, pairs, tok.pad_token_id, 1.0)
+    return samples, torch.cat([s.logprobs for s in samples]), trained
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, tmp_path, head):
+    """The served behaviour log-probs equal the trainer's log-softmax to 1e-4 for the published weights, and after
+    the next publish for the new ones (an untied head is published as its own tensor; a tied one is written out as
+    lm_head.weight, or a folder reload keeps the old head)."""
+    from conftest import untied_tiny
+
+    build = warm_start.build_tiny_model if head == "tied" else untied_tiny
+    server = vllm_servers[head]
+    (a, tok), (b, _) = build(11), build(12)
+    samples, served, trained = served_and_trained(server, a, tok, 5, tmp_path / "a", tied=head == "tied")
+    assert torch.allclose(served, trained, atol=1e-4), (served - trained).abs().max()
+    assert {s.versions for s in samples} == {(5, 5)}
+    samples, served, trained = served_and_trained(server, b, tok, 6, tmp_path / "b", tied=head == "tied")
+    assert torch.allclose(served, trained, atol=1e-4), (served - trained).abs().max()
+    assert {s.versions for s in samples} == {(6, 6)}
+    pairs = [(p, s.completion_ids) for p, s in zip([q for q in prompts_of(tok) for _ in range(4)], samples)]
+    with torch.no_grad():
+        old = rg.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
+    assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
+
+
+def generated_tokens(server) -> float:
+    """The server's count of generated tokens (its Prometheus /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_servers, tmp_path):
+    """A long request is paused (its tokens kept), the weights change, it resumes: its tokens carry both versions,
+    and make_rollouts counts it as mixed with the oldest version as its policy_version."""
+    model, tok = warm_start.build_tiny_model(13)
+    server = vllm_servers["tied"]
+    publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
+    publisher.publish(model.state_dict(), 20, wait=True)
+    body = {"token_ids": prompts_of(tok)[0], "sampling_params": {"n": 64, "max_tokens": 400, "logprobs": 0}}
+    body["sampling_params"] |= {"ignore_eos": True, "seed": 1, "temperature": 1.0}
+    answer, before = {}, generated_tokens(server)
+    request = threading.Thread(target=lambda: answer.update(server.post("/inference/v1/generate", body)))
+    request.start()
+    deadline = time.time() + 120
+    while generated_tokens(server) < before + 64 * 8 and time.time() < deadline:  # every sample under way
+        time.sleep(0.05)
+    publisher.publish({k: v * 1.01 for k, v in model.state_dict().items()}, 21, wait=True)
+    request.join(120)
+    spans = [[(int(s["version"]), s["start"], s["end"]) for s in c["weight_versions"]] for c in answer["choices"]]
+    assert all(sp[0][1] == 0 and sp[-1][2] == 400 for sp in spans), spans[:2]  # the spans cover every token
+    assert all(a[2] == b[1] and a[0] < b[0] for sp in spans for a, b in zip(sp, sp[1:])), spans[:2]  # in order
+    samples = [ap.ServerGenerator.sample(c) for c in answer["choices"]]
+    assert {s.versions for s in samples} <= {(20, 21), (21, 21)}  # a sample not yet started ran on 21 alone
+    samples = [s for s in samples if s.versions == (20, 21)]
+    assert len(samples) == 64, answer["choices"][0]["weight_versions"]
+
+    class Served:  # make_rollouts on these samples, as a generator hands them over
+        policy_version = 99
+
+        def generate(self, prompts, n, *args):
+            return [samples[:n]]
+
+    cfg = rg.parse_args(["--group-size", "4"])
+    task = rg.make_task(cfg)
+    rollouts, counts = rg.make_rollouts(Served(), tok, task, task.sample(random.Random(0), 1), cfg, 0)
+    assert counts["mixed_version_rollouts"] == 4 and {r.policy_version for r in rollouts} == {20}
+
+
+def test_the_rollout_loop_hands_out_the_freshest_first_within_its_slots():
+    """The channel (no servers: the dealer's side alone): at most `capacity` requests in flight or waiting, the
+    newest finished first, and one passed over `capacity` times goes before any newer one."""
+    cfg = rg.parse_args(TINY + ["--sampling", "queue", "--batch-size", "16", "--buffer-size", "16"])
+    loop = ap.RolloutLoop(cfg, [], task=None, tok=None, eos_ids=[], first_group_id=0)
+    assert loop.capacity == 2  # max(W, B/R) for the queue: B/R = 16/8
+    assert loop.slots.acquire(timeout=0) and loop.slots.acquire(timeout=0) and not loop.slots.acquire(timeout=0)
+    loop.ready = [{"id": i, "passed": 0} for i in range(2)]  # two finished, in the order they came
+    assert [m["id"] for m in loop.receive(wait=0, limit=1)] == [1]  # the freshest
+    assert loop.slots.acquire(timeout=0)  # its slot came back for a new request
+    loop.ready.append({"id": 2, "passed": 0})
+    assert [m["id"] for m in loop.receive(wait=0, limit=1)] == [2]  # 0 is passed over a second time
+    assert loop.slots.acquire(timeout=0)
+    loop.ready.append({"id": 3, "passed": 0})
+    assert [m["id"] for m in loop.receive(wait=0, limit=1)] == [0]  # passed over `capacity` times: its turn now
+    assert [m["id"] for m in loop.receive(wait=0, limit=None)] == [3] and loop.depth() == 0
+    loop.errors.append(ap.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
+    assert loop.failure() == "vLLM server http://x: /inference/v1/generate failed (timed out)"
+
+
+def test_a_server_error_is_one_line_naming_the_server(vllm_servers):
+    server = vllm_servers["tied"]
+    with pytest.raises(ap.ServerError) as e:
+        server.post("/collective_rpc", {"method": "no_such_method"})
+    assert str(e.value).startswith(f"vLLM server {server.url}: /collective_rpc answered 500") and "\n" not in str(
+        e.value
+    )
+    with pytest.raises(ap.ServerError, match=r"^vLLM server http://127.0.0.2:1: /health failed \("):
+        ap.Server("http://127.0.0.2:1").post("/health", timeout=5)
+
+
+def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
+    """A folder that holds no model: the launched server exits; the line names it and shows its log's last lines."""
+    import types
+
+    cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
+    (tmp_path / "empty").mkdir()
+    servers = ap.launch_servers(cfg, tmp_path / "empty", 512, [None], tmp_path / "log")
+    try:
+        with pytest.raises(ap.ServerError) as e:
+            ap.wait_ready(servers, timeout=600)
+    finally:
+        ap.stop_servers(servers)
+    line = str(e.value)
+    assert line.startswith(f"vLLM server {servers[0].url} did not start; the server exited with code 1")
+    assert f"the end of {tmp_path / 'log' / 'server0.log'}: " in line and "\n" not in line, line
+
+
+def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch):
+    """One server per GPU after the trainers' (round-robin when fewer), each seeing only its own; CPU servers run
+    eager with a bounded KV cache. The launch lines only (Popen recorded): no GPU here."""
+    assert ap.server_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
+    assert ap.server_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
+    assert ap.server_gpus(2, 1, 0) == [None, None]  # CPU
+    launched = []
+    monkeypatch.setattr(ap.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = rg.parse_args(TINY)
+    ap.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
+    (gpu2, env2), (gpu3, env3), (cpu, env_cpu) = launched
+    assert env2["CUDA_VISIBLE_DEVICES"] == "2" and env3["CUDA_VISIBLE_DEVICES"] == "3"
+    assert '{"backend": "nccl"}' in gpu2 and "--enforce-eager" not in gpu2
+    assert "--enforce-eager" in cpu and env_cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert all(env["VLLM_SERVER_DEV_MODE"] == "1" for _, env in launched)
+    assert {cmd[cmd.index("--host") + 1] for cmd, _ in launched} == {"127.0.0.1"}
 
 
 def test_merge_stats_weights_by_tokens():
@@ -331,40 +489,6 @@ def test_merge_stats_weights_by_tokens():
         "trained_tokens": 40,
         "logprob_mismatch_abs": 0.5,
     }
-
-
-def _pull_twice(box, out):
-    """Child process: take the published weights, then the next publish; report what it holds."""
-    model, tok = warm_start.build_tiny_model(1)
-    gen = rg.HFGenerator(model, tok)
-    for _ in range(2):
-        while box.version.value == gen.policy_version:
-            time.sleep(0.01)
-        box.pull(gen)
-        out.put(pickle.dumps((gen.policy_version, gen.model.state_dict())))  # bytes: outlives this process
-
-
-def test_weight_publish_reaches_a_generator_process():
-    """The mailbox's tensors are shared memory: a publish made after the process started reaches it."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    model, _ = warm_start.build_tiny_model(0)
-    first = model.state_dict()
-    box, out = ap.WeightMailbox(ctx, first, 4), ctx.Queue()
-    child = ctx.Process(target=_pull_twice, args=(box, out))
-    child.start()
-    try:
-        version, held = pickle.loads(out.get(timeout=120))
-        assert version == 4 and all(torch.equal(held[k], v) for k, v in first.items())
-        second = {k: v * 2 + 1 for k, v in first.items()}
-        box.publish(second, 7)
-        version, held = pickle.loads(out.get(timeout=60))
-        assert version == 7 and all(torch.equal(held[k], v) for k, v in second.items())
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
 
 
 def fsdp_check(agg: str) -> None:
@@ -439,107 +563,10 @@ def test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch(agg):
     assert res.returncode == 0 and "FSDP-OK" in res.stdout, (res.stdout + res.stderr)[-4000:]
 
 
-# --- GPU placement, timeouts and a dead reader, on CPU -------------------------------------------
+# --- the process group and the CPU threads -----------------------------------------------------------------
 
 
-def test_each_generator_gets_its_own_gpu_after_the_trainers():
-    assert ap.generator_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
-    assert ap.generator_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
-    assert ap.generator_gpus(2, 1, 0) == [None, None]  # CPU
-
-
-def test_spawned_generators_see_only_their_gpu(tmp_path, monkeypatch):
-    """Through the real pool: with 4 GPUs (as the parent counts them) and T = 2, the two generators start with
-    CUDA_VISIBLE_DEVICES=2 and =3. This machine has no CUDA, so each then fails and reports what it saw."""
-    import multiprocessing as mp
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    cfg = rg.parse_args(TINY + ["--num-generators", "2", "--out-dir", str(tmp_path)])
-    model, _ = warm_start.build_tiny_model(0)
-    ctx = mp.get_context("spawn")
-    box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
-    pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=2)
-    try:
-        seen = {}
-        for _ in range(2):
-            index, gpus, tb = pool.errors.get(timeout=120)
-            seen[index] = gpus
-            assert "CUDA" in tb or "cuda" in tb, tb  # it failed trying to use its GPU
-        assert seen == {0: "2", 1: "3"}
-        assert pool.gpus == ["2", "3"]
-    finally:
-        pool.close()
-
-
-def _hold_the_lock_and_hang(box, inside):
-    """A generator stuck while copying the weights out: it dies holding the mailbox's lock."""
-    box.lock.acquire()
-    inside.set()
-    time.sleep(3600)
-
-
-def mailbox_with_a_reader(target):
-    """A mailbox at version 1 and a spawned generator process running target(box, inside), once it set inside."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    model, _ = warm_start.build_tiny_model(0)
-    box, inside = ap.WeightMailbox(ctx, model.state_dict(), 1), ctx.Event()
-    child = ctx.Process(target=target, args=(box, inside))
-    child.start()
-    assert inside.wait(120), "the child never reached the mailbox"
-    return model, box, child
-
-
-def test_a_generator_killed_holding_the_mailbox_lock_does_not_hang_the_trainer():
-    import threading
-
-    model, box, child = mailbox_with_a_reader(_hold_the_lock_and_hang)
-    os.kill(child.pid, signal.SIGKILL)
-    child.join(10)
-    result = {}
-
-    def publish():
-        result.update(ok=box.publish(model.state_dict(), 2, alive=child.is_alive))
-
-    publisher = threading.Thread(target=publish, daemon=True)
-    t0 = time.time()
-    publisher.start()
-    publisher.join(30)
-    assert not publisher.is_alive(), "publish hung on the dead generator's lock"
-    assert result["ok"] is False and time.time() - t0 < 10 and box.version.value == 1
-
-
-class SlowLoader:
-    """A generator whose weight load takes 5 s."""
-
-    policy_version = -1
-
-    def __init__(self, inside):
-        self.inside = inside
-
-    def load_weights(self, state_dict, version):
-        self.inside.set()
-        time.sleep(5)
-        self.policy_version = version
-
-
-def _pull_slowly(box, inside):
-    box.pull(SlowLoader(inside))
-
-
-def test_a_publish_returns_while_a_generator_is_inside_a_slow_load():
-    model, box, child = mailbox_with_a_reader(_pull_slowly)
-    try:
-        t0 = time.perf_counter()
-        assert box.publish(model.state_dict(), 2, alive=child.is_alive)
-        assert time.perf_counter() - t0 < 1.0 and child.is_alive()  # the load (5 s) is still running
-        assert box.version.value == 2
-    finally:
-        child.join(30)
-
-
-def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
+def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch, tiny):
     import datetime
 
     seen = {}
@@ -550,32 +577,20 @@ def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "init_process_group", spy)
-    rg.main(TINY + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
+    rg.main(tiny + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
     assert seen["timeout"] == datetime.timedelta(minutes=7)
 
 
-# --- CPU threads: each process of the pipeline takes its share of the cores ---------------------------------
-
-
 @pytest.mark.parametrize("omp", [None, "2"])
-def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
-    """Without OMP_NUM_THREADS the trainer and the generator each take cores / 2 threads (two processes spinning
-    on the same cores run many times slower); a user's OMP_NUM_THREADS is honoured. Each says so in one line."""
+def test_a_trainer_with_servers_elsewhere_takes_every_core_unless_told(tmp_path, omp, tiny):
+    """With --generator-urls no server runs on the trainer's machine: it takes every core (the Ctrl-C test shows it
+    sharing them with a server it launched); a user's OMP_NUM_THREADS is honoured. It says so in one line."""
     env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     if omp:
         env["OMP_NUM_THREADS"] = omp
+    args = [*tiny, "--total-steps", "2", "--out-dir", str(tmp_path), "--run-name", "t"]
     res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "replay_grpo.py"),
-            *TINY,
-            "--total-steps",
-            "2",
-            "--out-dir",
-            str(tmp_path),
-            "--run-name",
-            "t",
-        ],
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -583,18 +598,16 @@ def test_async_processes_divide_the_cores_among_themselves(tmp_path, omp):
         timeout=300,
     )
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    share = max(1, ap.available_cores() // 2)
-    why = f"(OMP_NUM_THREADS={omp})" if omp else f"({ap.available_cores()} cores / 2 processes on this machine)"
-    for role in ("trainer rank 0", "generator 0"):
-        n = int(omp) if omp else share
-        assert f"threads: {role} uses {n} torch thread{'s' * (n > 1)} {why}" in res.stdout, res.stdout[-3000:]
+    n = int(omp) if omp else ap.available_cores()
+    why = f"(OMP_NUM_THREADS={omp})" if omp else f"({ap.available_cores()} cores / 1 process on this machine)"
+    assert f"threads: trainer rank 0 uses {n} torch thread{'s' * (n > 1)} {why}" in res.stdout, res.stdout[-3000:]
 
 
 if __name__ == "__main__":  # torchrun's workers of test_fsdp_step_on_two_ranks_equals_one_process_on_the_whole_batch
     fsdp_check(sys.argv[1])
 
 
-def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, monkeypatch):
+def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, monkeypatch, tiny):
     """Rank 0 saves the gathered fp32 masters through its copy in the compute dtype (bf16 on GPUs, simulated
     here): config.json says float32, so from_pretrained loads what the file holds."""
     from safetensors.torch import load_file
@@ -602,14 +615,14 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
     import kernels
 
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    rg.main(TINY + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])
+    rg.main(tiny + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])
     ckpt = tmp_path / "d" / "checkpoint"
     assert {t.dtype for t in load_file(ckpt / "model.safetensors").values()} == {torch.float32}
     assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
 
 
-def test_async_trains_with_activation_checkpointing_applied_before_fully_shard(tmp_path):
+def test_async_trains_with_activation_checkpointing_applied_before_fully_shard(tmp_path, tiny):
     """Each decoder layer checkpointed, then sharded: the FSDP2 units all-gather again for the recompute."""
-    out = rg.main(TINY + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
+    out = rg.main(tiny + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
     recs = metrics(Path(out["run_dir"]))[1:]
     assert len(recs) == 2 and all(r["grad_norm"] > 0 and r["nonfinite"] == 0 for r in recs), recs

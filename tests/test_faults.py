@@ -695,33 +695,37 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
     assert records_without_timing(tmp_path / "a") == records_without_timing(tmp_path / "b")
 
 
-# --- 8. --mode async: a generator that hangs stops the run ------------------------------------------
+# --- 8. --mode async: a server that hangs stops the run ----------------------------------------------
 
 
-def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_path):
-    """SIGSTOP, not a kill: the process lives on and delivers nothing. On-policy (N = B = R), where the trainer
-    would otherwise train the last batch over and over: the run stops after the bound, names the generator, keeps
-    the checkpoint of step 5 and leaves no process behind; --resume continues from it."""
-    args = small_args(tmp_path, "--mode", "async", "--num-generators", "1", "--run-name", "r", "--eval-every", "5")
+def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, vllm_servers, monkeypatch):
+    """SIGSTOP, not a kill: the server lives on and answers nothing. On-policy (N = B = R), where the trainer
+    would otherwise train the last batch over and over: the run stops once a request outlasts its bound, names the
+    server, keeps the checkpoint of step 5; --resume continues from it (on the server, running again)."""
+    server = vllm_servers["untied"]
+    args = small_args(
+        tmp_path, "--mode", "async", "--generator-urls", server.url, "--run-name", "r", "--eval-every", "5"
+    )
     run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
     try:
         started = run.poll_until(
             lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 180
         )
-        assert started and len(run.generators()) == 1, run.proc.poll()
-        (generator,) = run.generators()
-        os.kill(generator, signal.SIGSTOP)
+        assert started, run.proc.poll()
+        os.killpg(server.proc.pid, signal.SIGSTOP)  # the server and its engine process
         stopped = time.time()
-        rc, log = run.finish(timeout=ap.SILENT_FLOOR + 60)
+        rc, log = run.finish(timeout=ap.REQUEST_FLOOR + 60)
     finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGKILL)
     took = time.time() - stopped
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert rc == 1 and len(errors) == 1, log[-3000:]
-    assert errors[0].startswith(f"error: generator 0 (pid {generator}) delivered no rollouts for "), errors
+    assert errors[0].startswith(f"error: vLLM server {server.url}: /inference/v1/generate failed ("), errors
+    assert "timed out" in errors[0], errors
     assert f"the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in errors[0]
-    assert "Traceback" not in log and ap.SILENT_FLOOR < took < ap.SILENT_FLOOR + 30, (took, log[-3000:])
+    assert "Traceback" not in log and took < ap.REQUEST_FLOOR + 30, (took, log[-3000:])
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5
     resumed = subprocess.run(
@@ -736,31 +740,26 @@ def test_a_stopped_generator_stops_the_run_in_one_line_and_the_run_resumes(tmp_p
     assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(state["step"] + 3))
 
 
-def test_generators_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, monkeypatch):
-    """A slow trainer: the real pool's two generators fill the channel and wait for room longer than the bound,
-    while the trainer's shards have no room for a request (--sampling queue: it takes none) and then when it takes
-    them all. That silence is the trainer's, not theirs: no generator is taken for hung."""
-    import multiprocessing as mp
-
-    monkeypatch.setattr(ap, "SILENT_FLOOR", 1.0)
-    cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--num-generators", "2"))
-    model, _ = warm_start.build_tiny_model(0)
-    ctx = mp.get_context("spawn")
-    box = ap.WeightMailbox(ctx, model.state_dict(), 0)  # kept referenced: its lock must outlive the spawn
-    pool = ap.GeneratorPool(cfg, ctx, box, 0, n_trainers=1)
+def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vllm_servers, monkeypatch):
+    """A slow trainer: the rollout loop's slots fill and its threads wait far longer than a request may take, while
+    the trainer takes nothing (--sampling queue, no room). That wait is the trainer's: no request is started, none
+    times out, and the loop delivers again once the trainer takes."""
+    monkeypatch.setattr(ap, "REQUEST_FLOOR", 1.0)
+    monkeypatch.setattr(ap, "START_SECONDS", 60.0)
+    cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--generator-urls", vllm_servers["tied"].url))
+    model, tok = warm_start.build_tiny_model(0)
+    server = vllm_servers["tied"]
+    publisher = ap.Publisher([server], "disk", tmp_path / "p", torch.float32, True, "127.0.0.1")
+    publisher.publish(model.state_dict(), 0, wait=True)
+    loop = ap.RolloutLoop(cfg, [server], rg.make_task(cfg), tok, rg.stop_token_ids(model, tok), 0)
     try:
-        deadline = time.time() + 180
-        while not all(pool.delivered) and time.time() < deadline:
-            pool.receive(wait=1.0)
-            assert pool.failure() is None
-        assert all(pool.delivered)
-        bound = max(ap.SILENT_FLOOR, ap.SILENT_FACTOR * pool.longest)
-        until = time.time() + 3 * bound
-        while time.time() < until:  # the trainer has no room: it takes nothing, the channel fills
-            assert not pool.receive(wait=0, limit=0) and pool.hung() is None
-            time.sleep(0.1)
-        assert pool.depth() == pool.capacity
-        assert len(pool.receive(wait=0)) >= pool.capacity and pool.hung() is None
-        assert pool.receive(wait=5.0) and pool.hung() is None  # with room, they deliver again
+        deadline = time.time() + 120
+        while loop.depth() < loop.capacity and time.time() < deadline:
+            time.sleep(0.2)
+        assert loop.depth() == loop.capacity and loop.failure() is None
+        time.sleep(5)  # 5 x the bound a request may take, with every slot held
+        assert loop.failure() is None and loop.depth() == loop.capacity
+        assert len(loop.receive(wait=0)) == loop.capacity
+        assert loop.receive(wait=30.0) and loop.failure() is None  # with room, it delivers again
     finally:
-        pool.close()
+        loop.close()

@@ -162,24 +162,14 @@ def test_resume_restores_numpy_stream(numpy_seeded_sampling, tmp_path):
     assert training_records(tmp_path / "cut") == training_records(tmp_path / "full")
 
 
-def test_each_generator_process_draws_its_own_numpy_stream():
-    draws = {}
-    for index in (0, 1):
-        ap.generator_streams(seed=0, index=index, first_group_id=0)
-        draws[index] = np.random.random(4).tolist()
-    ap.generator_streams(seed=0, index=0, first_group_id=0)
-    assert np.random.random(4).tolist() == draws[0]  # reproducible
-    assert draws[0] != draws[1]
-
-
 # --- defect: generators ignored an inherited CUDA_VISIBLE_DEVICES ---------------------------------
 
 
-def test_generator_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
+def test_server_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert ap.generator_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
+    assert ap.server_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,MIG-bb")
-    assert ap.generator_gpus(1, 1, 2) == ["MIG-bb"]
+    assert ap.server_gpus(1, 1, 2) == ["MIG-bb"]
 
 
 # --- defect: every rank read the full optimizer state on resume -----------------------------------
@@ -391,34 +381,30 @@ def test_the_hf_copy_is_cast_from_the_masters_without_an_fp32_copy(bf16):
         assert torch.equal(gen.model.get_parameter(name), p.detach().to(torch.bfloat16)), name
 
 
-def test_a_generator_process_builds_its_generator_from_the_compute_dtype_on_the_host(bf16, monkeypatch):
-    """A generator process never holds fp32 weights on its device: it loads the policy in the compute dtype on the
-    host (the weights come from the mailbox), then its generator is built on its device from that."""
-    import queue
-    import signal
-    import threading
+def test_the_disk_publish_writes_the_compute_dtype_once_with_the_head(tmp_path):
+    """Weights leave the trainer in the compute dtype (bf16 on GPUs): one safetensors file per publish, the tied
+    head written as its own lm_head.weight (a folder reload keeps the old head otherwise). No server: the file."""
+    from safetensors.torch import load_file
 
-    seen = []
-    real = rg.make_generator
-
-    def make_generator(cfg, model, tok, model_dir, colocated=True, device=None):
-        seen.append(({p.dtype for p in model.parameters()}, {p.device.type for p in model.parameters()}, device))
-        return real(cfg, model, tok, model_dir, colocated=colocated, device=device)
-
-    class Channel(queue.Queue):
-        def cancel_join_thread(self):
-            pass
-
-    monkeypatch.setattr(rg, "make_generator", make_generator)
-    monkeypatch.setattr(signal, "signal", lambda *args: None)  # the process's SIGINT handling: not pytest's
-    stop, errors = threading.Event(), queue.Queue()
-    stop.set()  # build the generator, then stop before the first request
-    cfg = rg.parse_args(SMALL)
-    ap.generator_main(0, cfg, None, Channel(), errors, stop, first_group_id=0, gpu=None, processes=1)
-    assert errors.empty() and seen == [({torch.bfloat16}, {"cpu"}, torch.device("cpu"))], (seen, errors.queue)
+    model, _ = warm_start.build_tiny_model(0)
+    publisher = ap.Publisher([], "disk", tmp_path, torch.bfloat16, tied=True, address="127.0.0.1")
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    publisher.publish(weights, 3)  # the step goes on at once, and may save a checkpoint that empties the dict
+    weights.clear()
+    with publisher.cond:
+        assert publisher.cond.wait_for(lambda: publisher.done_version == 3 or publisher.error, timeout=60)
+    assert (
+        publisher.error is None
+        and publisher.done_version == 3
+        and [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    )
+    written = load_file(tmp_path / "model.safetensors")
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert torch.equal(written["lm_head.weight"], model.model.embed_tokens.weight.detach().to(torch.bfloat16))
+    assert written.keys() == model.state_dict().keys() | {"lm_head.weight"}
 
 
-def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, monkeypatch):
+def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, monkeypatch, vllm_servers):
     """--mode async: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
     of the policy but the trainer's lives in the trainer process."""
     import gc
@@ -437,7 +423,7 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
 
     monkeypatch.setattr(rg.HFGenerator, "__init__", init)
     monkeypatch.setattr(rg, "train_step", train_step)
-    argv = SMALL + ["--mode", "async", "--num-generators", "1", "--eval-every", "2", "--total-steps", "4"]
+    argv = SMALL + ["--mode", "async", "--generator-urls", vllm_servers["tied"].url, "--eval-every", "2"]
     out = rg.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
     assert live == [0, 0, 0, 0], live
     assert len(built) == 0  # the evaluators built for steps 0, 2 and 4 are gone too

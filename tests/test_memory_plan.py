@@ -120,10 +120,10 @@ def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeyp
 
 
 def test_the_readmes_7b_async_command_fits_80_gb_ranks(monkeypatch):
-    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5 --generator vllm
+    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5
     --batch-size 60 --buffer-size 84 --prompts-per-step 1: W + T = 8 GPUs of 80 GB."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5", "--generator", "vllm"]
+    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5"]
     argv += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
     plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3)
     assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30

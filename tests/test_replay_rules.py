@@ -381,24 +381,24 @@ def test_each_rule_trains_in_the_synchronous_loop(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", RULES)
-def test_each_rule_trains_in_the_async_pipeline(tmp_path, name):
+def test_each_rule_trains_in_the_async_pipeline(tmp_path, name, vllm_servers):
     cmd = [
         sys.executable,
         str(ROOT / "replay_grpo.py"),
         *small_args(tmp_path, *RULES[name], "--run-name", name),
         "--mode",
         "async",
-        "--num-generators",
-        "1",
+        "--generator-urls",
+        vllm_servers["tied"].url,
     ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     check_rule_run(name, metrics(tmp_path / name))
 
 
-def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path):
-    """--mode async --sampling queue: nothing is evicted unused; what the trainer took from the generators is
-    trained on once or still waits in the queue (the checkpoint's buffer, never used)."""
+def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path, vllm_servers):
+    """--mode async --sampling queue on two servers: nothing is evicted unused; what the trainer took from the
+    servers is trained on once or still waits in the queue (the checkpoint's buffer, never used)."""
     cmd = [
         sys.executable,
         str(ROOT / "replay_grpo.py"),
@@ -409,6 +409,9 @@ def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path)
         "async",
         "--num-generators",
         "2",
+        "--generator-urls",
+        vllm_servers["tied"].url,
+        vllm_servers["untied"].url,
     ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

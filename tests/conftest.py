@@ -1,0 +1,49 @@
+"""Real vLLM server processes for the tests of --mode async, shared by the whole session (a server takes half a
+minute to start on 2 cores). They listen on 127.0.0.2, not the trainers' own address, so that nothing assumes
+localhost. Without vLLM these tests skip with the reason, except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI)."""
+
+import importlib.util
+import os
+import types
+
+import pytest
+
+import async_pipeline as ap
+import replay_grpo as rg
+import warm_start
+
+SERVER_HOST = "127.0.0.2"
+
+
+def untied_tiny(seed: int):
+    """The tiny Qwen2 with its own LM head (tie_word_embeddings False), initialised apart from the embedding."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model, tok = warm_start.build_tiny_model(seed)
+    model.config.tie_word_embeddings = False
+    torch.manual_seed(seed + 1)
+    untied = Qwen2ForCausalLM(model.config)
+    untied.generation_config = model.generation_config
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    return untied, tok
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tmp_path_factory):
+    """{"tied": Server, "untied": Server}: each serving a tiny Qwen2 folder, launched by async_pipeline itself."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":
+            raise RuntimeError("vLLM is not installed: " + rg.VLLM_INSTALL)
+        pytest.skip("vLLM is not installed (" + rg.VLLM_INSTALL + ")")
+    root = tmp_path_factory.mktemp("servers")
+    cfg = types.SimpleNamespace(generator_host=SERVER_HOST, seed=0)
+    servers = {}
+    try:
+        for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
+            folder = rg.export_plain_folder(model, tok, str(root / name))
+            (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
+        ap.wait_ready(list(servers.values()), timeout=600)
+        yield servers
+    finally:
+        ap.stop_servers(list(servers.values()))
