@@ -179,7 +179,9 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def launch_servers(cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, log_dir: Path) -> list[Server]:
+def launch_servers(
+    cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
+) -> list[Server]:
     """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
     wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
     session so that Ctrl-C reaches the trainer first and stop_servers ends them."""
@@ -194,7 +196,7 @@ def launch_servers(cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, l
             env["CUDA_VISIBLE_DEVICES"] = gpu
         log = log_dir / f"server{i}.log"
         proc = subprocess.Popen(
-            server_command(cfg, folder, max_model_len, port, cpu=gpu is None),
+            server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
             env=env,
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
@@ -204,8 +206,8 @@ def launch_servers(cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, l
     return servers
 
 
-def server_command(cfg: rg.Args, folder, max_model_len: int, port: int | str, cpu: bool) -> list[str]:
-    """The launch line of one server (docs/async.md gives it for other nodes)."""
+def server_command(cfg: rg.Args, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
+    """The launch line of one server (docs/async.md gives it for other nodes); `memory`: its share of its GPU."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
     cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
@@ -214,7 +216,7 @@ def server_command(cfg: rg.Args, folder, max_model_len: int, port: int | str, cp
     if cpu:
         cmd += ["--enforce-eager"]
     else:
-        cmd += ["--gpu-memory-utilization", "0.9", "--weight-transfer-config", '{"backend": "nccl"}']
+        cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
     return cmd
 
 
@@ -787,14 +789,19 @@ def start_generators(cfg: rg.Args, run_dir: Path, model, tok, T: int, device: to
     except rg.VLLMUnavailable as e:
         raise UserError(f"--mode async launches vLLM servers: {e}") from None
     folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
-    gpus = server_gpus(cfg.num_generators, T, torch.cuda.device_count() if device.type == "cuda" else 0)
-    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers")
+    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    gpus = server_gpus(cfg.num_generators, T, n_gpus)
+    own = cfg.num_generators + T <= n_gpus  # else a server shares its GPU: --vllm-gpu-memory-utilization of it
+    memory = 0.9 if own else cfg.vllm_gpu_memory_utilization
+    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory)
 
 
-def weight_transfer(cfg: rg.Args, device: torch.device) -> str:
-    """--weight-transfer auto: NCCL on GPUs, the disk on a CPU (vLLM 0.32's NCCL engine needs CUDA)."""
+def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
+    """--weight-transfer auto: NCCL when every server has a GPU of its own (NCCL refuses two ranks on one GPU), else
+    the disk (on a CPU: vLLM 0.32's NCCL engine needs CUDA)."""
     if cfg.weight_transfer == "auto":
-        return "nccl" if device.type == "cuda" else "disk"
+        own = bool(cfg.generator_urls) or cfg.num_generators + T <= torch.cuda.device_count()
+        return "nccl" if device.type == "cuda" and own else "disk"
     if cfg.weight_transfer == "nccl" and device.type != "cuda":
         raise UserError("--weight-transfer nccl needs CUDA on the trainers (vLLM's NCCL engine): use disk on a CPU")
     return cfg.weight_transfer
@@ -850,7 +857,7 @@ def train_async(cfg: rg.Args) -> dict:
         weights = full_weights(policy)
         if rank == 0:
             signal.signal(signal.SIGTERM, _interrupt)
-            how = weight_transfer(cfg, device)
+            how = weight_transfer(cfg, device, T)
             servers = start_generators(cfg, run_dir, host_copy, tok, T, device)
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}")

@@ -53,7 +53,7 @@ from run_folder import UserError  # a mistake in flags, input files or the run f
 
 
 class PipelineError(RuntimeError):
-    """--mode async: a generator process failed (or rank 0 stopped the run because of one)."""
+    """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
 
 
 # ===== Config =====================================================================================
