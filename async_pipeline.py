@@ -293,6 +293,8 @@ class ServerGenerator:
     def sample(choice: dict) -> rg.Sample:
         lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
         versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
+        if not versions:  # without them no rollout could say which policy made it
+            raise ServerError("a vLLM server answered without weight_versions spans: it needs vLLM 0.32 or later")
         return rg.Sample(choice["token_ids"], lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
@@ -330,7 +332,9 @@ class RolloutLoop:
                     group_id = self.next_group_id
                     self.next_group_id += cfg.prompts_per_step
                 examples = self.task.sample(rng, cfg.prompts_per_step)
-                rollouts, counts = rg.make_rollouts(generator, self.tok, self.task, examples, cfg, group_id)
+                rollouts, counts = rg.make_rollouts(
+                    generator, self.tok, self.task, examples, cfg, next_group_id=group_id
+                )
                 msg = {"rollouts": rollouts, "counters": dict(counts), "idle_seconds": t1 - t0}
                 msg |= {"busy_seconds": time.perf_counter() - t1, "generator": index, "passed": 0}
                 with self.cond:
@@ -347,10 +351,11 @@ class RolloutLoop:
         with self.cond:
             if not self.ready and wait > 0 and limit != 0:
                 self.cond.wait_for(lambda: self.ready or self.errors, timeout=wait)
-            order = sorted(self.ready, key=lambda m: m["passed"] >= self.capacity)  # stable: newest last
+            # stable: the newest last, after it the overdue ones, the longest passed over last of all
+            order = sorted(self.ready, key=lambda m: m["passed"] if m["passed"] >= self.capacity else -1)
             taken = order[len(order) - (len(order) if limit is None else min(limit, len(order))) :][::-1]
             self.ready = [m for m in self.ready if not any(m is t for t in taken)]
-            for m in self.ready:
+            for m in self.ready if taken else []:  # passed over only when another was taken
                 m["passed"] += 1
         for _ in taken:
             self.slots.release()
@@ -793,7 +798,7 @@ def start_generators(cfg: rg.Args, run_dir: Path, model, tok, T: int, device: to
     gpus = server_gpus(cfg.num_generators, T, n_gpus)
     own = cfg.num_generators + T <= n_gpus  # else a server shares its GPU: --vllm-gpu-memory-utilization of it
     memory = 0.9 if own else cfg.vllm_gpu_memory_utilization
-    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory)
+    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory=memory)
 
 
 def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
@@ -858,7 +863,7 @@ def train_async(cfg: rg.Args) -> dict:
         if rank == 0:
             signal.signal(signal.SIGTERM, _interrupt)
             how = weight_transfer(cfg, device, T)
-            servers = start_generators(cfg, run_dir, host_copy, tok, T, device)
+            servers = start_generators(cfg, run_dir, host_copy, tok, T=T, device=device)
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}")
             if step == 0:  # while the servers start
@@ -868,9 +873,13 @@ def train_async(cfg: rg.Args) -> dict:
             seconds = wait_ready(servers)
             tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
             dtype = kernels.compute_dtype(device)
-            publisher = Publisher(servers, how, run_dir / "published", dtype, tied, rendezvous_address(cfg))
+            publisher = Publisher(
+                servers, how, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg)
+            )
             publisher.publish(weights, step, wait=True)  # every server holds this policy before its first request
-            loop = RolloutLoop(cfg, servers, task, tok, rg.stop_token_ids(host_copy, tok), dealer.next_group_id)
+            loop = RolloutLoop(
+                cfg, servers, task, tok, rg.stop_token_ids(host_copy, tok), first_group_id=dealer.next_group_id
+            )
             print(
                 f"async: W = {W} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} s), "
                 f"T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} "

@@ -417,6 +417,8 @@ def test_the_rollout_loop_hands_out_the_freshest_first_within_its_slots():
     loop.ready.append({"id": 3, "passed": 0})
     assert [m["id"] for m in loop.receive(wait=0, limit=1)] == [0]  # passed over `capacity` times: its turn now
     assert [m["id"] for m in loop.receive(wait=0, limit=None)] == [3] and loop.depth() == 0
+    loop.ready = [{"id": 4, "passed": 0}]
+    assert loop.receive(wait=0, limit=0) == [] and loop.ready[0]["passed"] == 0  # nothing taken, none passed over
     loop.errors.append(ap.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
     assert loop.failure() == "vLLM server http://x: /inference/v1/generate failed (timed out)"
 
