@@ -116,9 +116,7 @@ class Args:
     num_generators: int = 1  # W (--mode async): vLLM servers (launched: one per GPU the trainers do not use)
     generator_urls: list[str] = dataclasses.field(default_factory=list)  # async: servers started elsewhere (W URLs)
     generator_host: str = "127.0.0.1"  # async: the address the launched servers listen on
-    weight_transfer: Literal["auto", "disk", "nccl"] = (
-        "auto"  # async: how weights reach the servers (auto: nccl on GPUs)
-    )
+    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # async: how weights reach the servers (docs/async.md)
     generator: Literal["auto", "vllm", "hf"] = "auto"  # sync: vllm, an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch

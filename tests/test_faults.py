@@ -338,6 +338,11 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--arith-terms", "3000"], "--arith-terms 3000: every eval prompt is longer than the model's context (512"),
         (["--mode", "async", "--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
         (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
+        (["--generator-urls", "http://a:1"], "--generator-urls: only --mode async drives servers"),
+        (["--mode", "async", "--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
+        (["--mode", "async", "--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
+        (["--mode", "async", "--generator", "vllm"], "--generator: --mode async generates on vLLM servers"),
+        (["--mode", "async", "--weight-transfer", "nccl"], "--weight-transfer nccl needs CUDA on the trainers"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
