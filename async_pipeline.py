@@ -145,6 +145,9 @@ class Server:
         except urllib.error.HTTPError as e:
             raise ServerError(f"vLLM server {self.url}: {path} answered {e.code}: {e.read()[:300]!r}") from None
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(2.0)
             raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){self.died() or ''}") from None
         return json.loads(text) if text.strip() else {}
 

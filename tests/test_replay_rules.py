@@ -415,8 +415,11 @@ def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path,
     ]
     res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    last = metrics(tmp_path / "q")[-1]
+    recs = metrics(tmp_path / "q")
+    last = recs[-1]
     assert last["replay_hist"] == {"1": 96} and last["trained_rollouts"] == 96
+    newest = [max(r["fresh_versions"]) for r in recs[1:] if r["fresh_versions"]]  # each publish is awaited
+    assert newest == sorted(newest) and newest[-1] >= 4 and last["publishes"] == 13, newest
     shard = torch.load(tmp_path / "q" / "checkpoint" / "buffer_rank0.pt", weights_only=False)["buffer"]
     waiting = shard["items"]
     assert all(r["uses"] == 0 for r in waiting) and len(waiting) <= 16
