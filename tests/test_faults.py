@@ -703,34 +703,32 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
 # --- 8. --mode async: a server that hangs stops the run ----------------------------------------------
 
 
-def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, vllm_servers, monkeypatch):
-    """SIGSTOP, not a kill: the server lives on and answers nothing. On-policy (N = B = R), where the trainer
-    would otherwise train the last batch over and over: the run stops once a request outlasts its bound, names the
-    server, keeps the checkpoint of step 5; --resume continues from it (on the server, running again)."""
-    server = vllm_servers["untied"]
-    args = small_args(
-        tmp_path, "--mode", "async", "--generator-urls", server.url, "--run-name", "r", "--eval-every", "5"
-    )
+def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path):
+    """SIGSTOP, not a kill: the server the run launched lives on and answers nothing. On-policy (N = B = R), where
+    the trainer would otherwise train the last batch over and over: the run stops once a request outlasts its bound
+    (10 x the longest so far, at least 60 s; a busy machine's requests take seconds), names the server, keeps the
+    checkpoint and stops the server; --resume continues from it on a new one."""
+    args = small_args(tmp_path, "--mode", "async", "--run-name", "r", "--eval-every", "5")
     run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
     try:
         started = run.poll_until(
-            lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 180
+            lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 400
         )
-        assert started, run.proc.poll()
-        os.killpg(server.proc.pid, signal.SIGSTOP)  # the server and its engine process
+        assert started and len(run.servers()) == 1, run.proc.poll()
+        (server,) = run.servers()
+        os.killpg(server, signal.SIGSTOP)  # the server and its engine process
         stopped = time.time()
-        rc, log = run.finish(timeout=ap.REQUEST_FLOOR + 60)
+        rc, log = run.finish(timeout=300)  # and no process left behind: the stopped server was ended too
     finally:
-        os.killpg(server.proc.pid, signal.SIGCONT)
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGKILL)
     took = time.time() - stopped
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert rc == 1 and len(errors) == 1, log[-3000:]
-    assert errors[0].startswith(f"error: vLLM server {server.url}: /inference/v1/generate failed ("), errors
-    assert "timed out" in errors[0], errors
+    assert errors[0].startswith("error: vLLM server http://127.0.0.1:"), errors
+    assert "/inference/v1/generate failed (timed out)" in errors[0], errors
     assert f"the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in errors[0]
-    assert "Traceback" not in log and took < ap.REQUEST_FLOOR + 30, (took, log[-3000:])
+    assert "Traceback" not in log and ap.REQUEST_FLOOR <= took < 300, (took, log[-3000:])
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5
     resumed = subprocess.run(
@@ -739,7 +737,7 @@ def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "r")] == list(range(state["step"] + 3))
