@@ -23,8 +23,8 @@ simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Ch
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
   memory plan  that run's train steps' measured peak (generator apart) within the plan's estimate
-  async      --mode async, T = 1, W = 1 on the one GPU: a clean start, increasing policy versions, a
-             clean exit with no process left (read from /proc)
+  async      --mode async --sampling queue, T = 1, W = 1 vLLM server on the one GPU (each publish
+             awaited): a clean start, increasing policy versions, a clean exit with no process left
   vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
              publish the engine's greedy output equals HF's; engine vs trainer log-probs below the
              warning threshold; memory released while asleep and taken back on wake
@@ -290,7 +290,7 @@ def check_async(out: Path, smoke: bool) -> None:
         *(
             "--preset cpu --mode async --num-generators 1 --sft-warmup-steps 0 --total-steps 12 "
             "--eval-size 8 --eval-every 0 --loss asymre --prompts-per-step 2 --batch-size 32 "
-            "--buffer-size 64 --out-dir"
+            "--buffer-size 64 --sampling queue --out-dir"
         ).split(),
         str(out),
         "--run-name",
