@@ -275,16 +275,10 @@ def validate(cfg: Args) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
-    urls = cfg.generator_urls
+    urls, W = cfg.generator_urls, cfg.num_generators
     need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
-    need(
-        not urls or len(urls) == cfg.num_generators,
-        f"--generator-urls lists {len(urls)} server(s) but --num-generators is {cfg.num_generators}: give both as W",
-    )
-    need(
-        all(u.startswith(("http://", "https://")) for u in urls),
-        f"--generator-urls {urls}: each is http(s)://HOST:PORT",
-    )
+    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
+    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
     validate_rules(cfg, need)
 
 
