@@ -383,13 +383,13 @@ class RolloutLoop:
 
 
 class DictSource:
-    """vLLM's WeightSource over a state dict on the host: each tensor goes to this GPU in the compute dtype only as
-    it is broadcast (one at a time, not a second copy of the model)."""
+    """vLLM's WeightSource over a state dict on the host: each tensor goes to the trainer's device in the compute
+    dtype only as it is broadcast (one at a time, not a second copy of the model)."""
 
-    def __init__(self, weights: dict, dtype: torch.dtype):
+    def __init__(self, weights: dict, dtype: torch.dtype, device: torch.device):
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        self.weights, self.dtype = weights, dtype
+        self.weights, self.dtype, self.device = weights, dtype, device
         self.meta = [ParamMeta(k, dtype, tuple(v.shape)) for k, v in weights.items()]
 
     def metadata(self):
@@ -397,7 +397,7 @@ class DictSource:
 
     def __iter__(self):
         for k, v in self.weights.items():
-            yield k, v.to("cuda", self.dtype, non_blocking=True)
+            yield k, v.to(self.device, self.dtype, non_blocking=True)
 
 
 class Publisher:
@@ -413,8 +413,11 @@ class Publisher:
     NCCL broadcast, finish_weight_update) with `HTTPVLLMWeightSyncClient`, one NCCL group per server (vLLM's trainer
     engine puts one server's workers at rank_offset 1)."""
 
-    def __init__(self, servers: list[Server], how: str, folder: Path, dtype: torch.dtype, tied: bool, address: str):
+    def __init__(
+        self, servers: list[Server], how: str, folder: Path, dtype: torch.dtype, tied: bool, address: str, device=None
+    ):
         self.servers, self.how, self.folder, self.dtype, self.tied = servers, how, folder, dtype, tied
+        self.device = device or torch.device("cuda")  # where nccl broadcasts from
         self.pending, self.cond, self.done_version, self.error = None, threading.Condition(), None, None
         self.seconds, self.count = 0.0, 0  # time spent publishing, publishes done
         self.engines = []
@@ -492,7 +495,7 @@ class Publisher:
         if self.how == "disk":
             s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}})
         else:
-            self.source = DictSource(weights, self.dtype)
+            self.source = DictSource(weights, self.dtype, self.device)
             self.engines[i].send_weights()
         s.post("/update_weight_version", {"new_version": str(version)})
         s.post("/resume")
@@ -877,7 +880,7 @@ def train_async(cfg: rg.Args) -> dict:
             tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
             dtype = kernels.compute_dtype(device)
             publisher = Publisher(
-                servers, how, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg)
+                servers, how, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg), device=device
             )
             publisher.publish(weights, step, wait=True)  # every server holds this policy before its first request
             loop = RolloutLoop(

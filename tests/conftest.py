@@ -1,10 +1,14 @@
 """Real vLLM server processes for the tests of --mode async, shared by the whole session (a server takes half a
 minute to start on 2 cores). They listen on 127.0.0.2, not the trainers' own address, so that nothing assumes
-localhost. Without vLLM these tests skip with the reason, except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI)."""
+localhost. Without vLLM these tests skip with the reason, except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI).
+
+The servers also take `--weight-transfer-config {"backend": "nccl"}`, as launched servers on GPUs do, with the CPU
+stand-in for the NCCL data plane (tests/vllm_plugin) on their PYTHONPATH, so that the nccl route runs on a CPU."""
 
 import importlib.util
 import os
 import types
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,8 @@ import replay_grpo as rg
 import warm_start
 
 SERVER_HOST = "127.0.0.2"
+PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
+NCCL_CONFIG = ["--weight-transfer-config", '{"backend": "nccl"}']
 
 
 def untied_tiny(seed: int):
@@ -29,6 +35,15 @@ def untied_tiny(seed: int):
     return untied, tok
 
 
+def cpu_data_plane() -> dict:
+    """The stand-in's functions by their names in vllm's nccl_engine module, for a trainer in this process (loaded
+    from its file: its folder on sys.path would make vLLM load it as a plugin here too)."""
+    spec = importlib.util.spec_from_file_location("cpu_weight_transport", PLUGIN / "cpu_weight_transport.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DATA_PLANE
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(tmp_path_factory):
     """{"tied": Server, "untied": Server}: each serving a tiny Qwen2 folder, launched by async_pipeline itself."""
@@ -38,11 +53,14 @@ def vllm_servers(tmp_path_factory):
         pytest.skip("vLLM is not installed (" + rg.VLLM_INSTALL + ")")
     root = tmp_path_factory.mktemp("servers")
     cfg = types.SimpleNamespace(generator_host=SERVER_HOST, seed=0)
-    servers = {}
+    servers, command = {}, ap.server_command
     try:
-        for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
-            folder = rg.export_plain_folder(model, tok, str(root / name))
-            (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PYTHONPATH", os.pathsep.join([str(PLUGIN), os.environ.get("PYTHONPATH", "")]))
+            mp.setattr(ap, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
+            for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
+                folder = rg.export_plain_folder(model, tok, str(root / name))
+                (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
         ap.wait_ready(list(servers.values()), timeout=600)
         yield servers
     finally:

@@ -318,12 +318,12 @@ def prompts_of(tok, texts=("12+7=", "3+45=", "99+1=")) -> list[list[int]]:
     return [rg.render_prompt(tok, t) for t in texts]
 
 
-def served_and_trained(server, model, tok, version: int, tmp_path, tied: bool) -> tuple[list, torch.Tensor, list]:
-    """Publish `model` to `server` as `version` (the disk route), sample from it, and return the samples, their
-    served behaviour log-probs and the trainer's log-probs of the same completions."""
-    publisher = ap.Publisher([server], "disk", tmp_path / "published", torch.float32, tied, ap.socket.gethostname())
+def served_and_trained(publisher, server, model, tok, version: int) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Publish `model` to `server` as `version`, sample from it, and return the samples, their served behaviour
+    log-probs and the trainer's log-probs of the same completions."""
+    count = publisher.count
     publisher.publish(model.state_dict(), version, wait=True)
-    assert publisher.error is None and publisher.count == 1
+    assert publisher.error is None and publisher.count == count + 1
     generator = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0))
     prompts = prompts_of(tok)
     groups = generator.generate(prompts, 4, 8, temperature=1.0)
@@ -334,22 +334,31 @@ def served_and_trained(server, model, tok, version: int, tmp_path, tied: bool) -
     return samples, torch.cat([s.logprobs for s in samples]), trained
 
 
+@pytest.mark.parametrize("how", ["disk", "nccl"])
 @pytest.mark.parametrize("head", ["tied", "untied"])
-def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, tmp_path, head):
+def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, tmp_path, head, how, monkeypatch):
     """The served behaviour log-probs equal the trainer's log-softmax to 1e-4 for the published weights, and after
     the next publish for the new ones (an untied head is published as its own tensor; a tied one is written out as
-    lm_head.weight, or a folder reload keeps the old head)."""
-    from conftest import untied_tiny
+    lm_head.weight, or a folder reload keeps the old head). nccl: vLLM's trainer and worker engines and their HTTP
+    routes, with the CPU stand-in for the NCCL group and broadcast (tests/vllm_plugin) on both sides."""
+    from conftest import cpu_data_plane, untied_tiny
+    from vllm.distributed.weight_transfer import nccl_engine
 
+    for name, function in cpu_data_plane().items():
+        monkeypatch.setattr(nccl_engine, name, function)
     build = warm_start.build_tiny_model if head == "tied" else untied_tiny
     server = vllm_servers[head]
     (a, tok), (b, _) = build(11), build(12)
-    samples, served, trained = served_and_trained(server, a, tok, 5, tmp_path / "a", tied=head == "tied")
+    tied, cpu = head == "tied", torch.device("cpu")
+    publisher = ap.Publisher([server], how, tmp_path, torch.float32, tied=tied, address="127.0.0.1", device=cpu)
+    samples, served, trained = served_and_trained(publisher, server, a, tok, 5)
     assert torch.allclose(served, trained, atol=1e-4), (served - trained).abs().max()
     assert {s.versions for s in samples} == {(5, 5)}
-    samples, served, trained = served_and_trained(server, b, tok, 6, tmp_path / "b", tied=head == "tied")
+    samples, served, trained = served_and_trained(publisher, server, b, tok, 6)
+    publisher.close()
     assert torch.allclose(served, trained, atol=1e-4), (served - trained).abs().max()
     assert {s.versions for s in samples} == {(6, 6)}
+    assert how == "disk" or not (tmp_path / "model.safetensors").exists()  # the weights went over the group
     pairs = [(p, s.completion_ids) for p, s in zip([q for q in prompts_of(tok) for _ in range(4)], samples)]
     with torch.no_grad():
         old = rg.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
