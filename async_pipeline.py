@@ -25,6 +25,7 @@ import datetime
 import http.client
 import json
 import math
+import multiprocessing
 import os
 import random
 import signal
@@ -34,9 +35,10 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -270,6 +272,27 @@ def stop_servers(servers: list[Server], timeout: float = 20.0) -> None:
             os.killpg(s.proc.pid, signal.SIGKILL)
 
 
+def on_daemons(fn, n: int) -> list:
+    """[fn(0), ..., fn(n - 1)] run together on daemon threads, raising the first error: a thread blocked on a hung
+    server must not hold the process at its exit (an executor's threads are joined then)."""
+    results, errors = [None] * n, []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 class ServerGenerator:
     """rg.make_rollouts' generator on one server: `POST /inference/v1/generate` per prompt (token ids in and out, n
     samples, the sampled tokens' processed log-probs, a seed drawn from `rng`), the prompts in flight together so the
@@ -278,7 +301,6 @@ class ServerGenerator:
     def __init__(self, server: Server, eos_ids: list[int], rng: random.Random):
         self.server, self.eos_ids, self.rng = server, eos_ids, rng
         self.timeout, self.longest = START_SECONDS, 0.0  # seconds a request may take; the longest so far
-        self.pool = ThreadPoolExecutor(max_workers=rg.GEN_BATCH_PROMPTS)
 
     def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0)
@@ -287,7 +309,7 @@ class ServerGenerator:
             {"token_ids": list(p), "sampling_params": {**params, "seed": self.rng.getrandbits(31)}} for p in prompts
         ]
         t0 = time.monotonic()
-        answers = list(self.pool.map(lambda b: self.server.post("/inference/v1/generate", b, self.timeout), bodies))
+        answers = on_daemons(lambda i: self.server.post("/inference/v1/generate", bodies[i], self.timeout), len(bodies))
         self.longest = max(self.longest, time.monotonic() - t0)
         self.timeout = max(REQUEST_FLOOR, REQUEST_FACTOR * self.longest)
         return [[self.sample(c) for c in sorted(a["choices"], key=lambda c: c["index"])] for a in answers]
@@ -299,6 +321,20 @@ class ServerGenerator:
         if not versions:  # without them no rollout could say which policy made it
             raise ServerError("a vLLM server answered without weight_versions spans: it needs vLLM 0.32 or later")
         return rg.Sample(choice["token_ids"], lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
+
+
+class Scorer:
+    """make_rollouts' scorer for the rollout threads: rewards computed in a process of their own, whose main thread
+    holds the verifier's time limit (a SIGALRM, which a thread cannot set), one request's texts at a time."""
+
+    def __init__(self):
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
+        return self.pool.submit(rg.score_texts, verifier, texts, gold).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RolloutLoop:
@@ -313,6 +349,7 @@ class RolloutLoop:
         self.capacity = max(W, cfg.batch_size // cfg.rollouts_per_step) if cfg.sampling == "queue" else max(4, 2 * W)
         self.slots, self.ready, self.cond = threading.Semaphore(self.capacity), [], threading.Condition()
         self.stop, self.errors, self.next_group_id = threading.Event(), [], first_group_id
+        self.scorer = Scorer()
         self.threads = [
             threading.Thread(target=self.run, args=(i, first_group_id), name=f"rollouts-{i}", daemon=True)
             for i in range(W)
@@ -336,7 +373,7 @@ class RolloutLoop:
                     self.next_group_id += cfg.prompts_per_step
                 examples = self.task.sample(rng, cfg.prompts_per_step)
                 rollouts, counts = rg.make_rollouts(
-                    generator, self.tok, self.task, examples, cfg, next_group_id=group_id
+                    generator, self.tok, self.task, examples, cfg, next_group_id=group_id, scorer=self.scorer
                 )
                 msg = {"rollouts": rollouts, "counters": dict(counts), "idle_seconds": t1 - t0}
                 msg |= {"busy_seconds": time.perf_counter() - t1, "generator": index, "passed": 0}
@@ -344,10 +381,11 @@ class RolloutLoop:
                     self.ready.append(msg)
                     self.cond.notify_all()
         except Exception as e:  # the run stops on it (failure)
-            why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-            self.errors.append(e if isinstance(e, ServerError) else ServerError(f"rollout thread {index}: {why}"))
-        finally:
-            generator.pool.shutdown(wait=False, cancel_futures=True)
+            with self.cond:
+                self.errors.append(
+                    e if isinstance(e, ServerError) else ServerError(f"rollout thread {index}: {type(e).__name__}: {e}")
+                )
+                self.cond.notify_all()
 
     def receive(self, wait: float, limit: int | None = None) -> list[dict]:
         """Finished requests (at most `limit`), the freshest first, waiting up to `wait` seconds for the first."""
@@ -367,7 +405,7 @@ class RolloutLoop:
     def failure(self) -> str | None:
         """Why the run must stop (a server error or death, in one line), or None."""
         if self.errors:
-            return str(self.errors[0])
+            return " ".join(str(self.errors[0]).split())
         for s in self.servers:
             if s.died():
                 return f"vLLM server {s.url} died{s.died()}"
@@ -380,6 +418,7 @@ class RolloutLoop:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=1.0)  # a thread blocked in a request is a daemon: it ends with the process
+        self.scorer.close()
 
 
 class DictSource:
@@ -419,6 +458,7 @@ class Publisher:
         self.servers, self.how, self.folder, self.dtype, self.tied = servers, how, folder, dtype, tied
         self.device = device or torch.device("cuda")  # where nccl broadcasts from
         self.pending, self.cond, self.done_version, self.error = None, threading.Condition(), None, None
+        self.sending = False  # weights handed over and not yet on every server
         self.seconds, self.count = 0.0, 0  # time spent publishing, publishes done
         self.engines = []
         if how == "nccl":
@@ -439,14 +479,16 @@ class Publisher:
         self.thread = threading.Thread(target=self.run, name="publisher", daemon=True)
         self.thread.start()
 
-    def publish(self, weights: dict, version: int, wait: bool = False) -> None:
+    def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None) -> None:
+        """Hand the weights over; with `wait`, until every server holds them, a publish fails, a launched server
+        dies or `failure()` says why the run stops (the dealer reports each)."""
         with self.cond:
             self.pending = (dict(weights), version)  # its own dict: a checkpoint's save_pretrained empties the caller's
+            self.sending = True
             self.cond.notify_all()
-            if wait:  # an error is the dealer's to report
-                self.cond.wait_for(
-                    lambda: self.error or (self.done_version is not None and self.done_version >= version)
-                )
+            while wait and not self.error and (self.done_version is None or self.done_version < version):
+                if not self.cond.wait(1.0) and (failure() or any(s.died() for s in self.servers)):
+                    return
 
     def run(self) -> None:
         while True:
@@ -463,11 +505,8 @@ class Publisher:
                     self.cond.notify_all()
                 return
             with self.cond:
-                self.seconds, self.count, self.done_version = (
-                    self.seconds + time.perf_counter() - t0,
-                    self.count + 1,
-                    version,
-                )
+                self.seconds += time.perf_counter() - t0
+                self.count, self.done_version, self.sending = self.count + 1, version, self.pending is not None
                 self.cond.notify_all()
 
     def send(self, weights: dict, version: int) -> None:
@@ -483,9 +522,10 @@ class Publisher:
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
             save_file(tensors, self.folder / "model.safetensors.tmp")
             os.replace(self.folder / "model.safetensors.tmp", self.folder / "model.safetensors")
-        workers = max(1, len(self.servers)) if self.how == "disk" else 1  # nccl: one broadcast at a time here
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda i: self.send_one(i, weights, version), range(len(self.servers))))
+            on_daemons(lambda i: self.send_one(i, weights, version), len(self.servers))
+        else:  # nccl: one broadcast at a time
+            for i in range(len(self.servers)):
+                self.send_one(i, weights, version)
 
     def send_one(self, i: int, weights: dict, version: int) -> None:
         s = self.servers[i]
@@ -506,7 +546,10 @@ class Publisher:
     def __iter__(self):
         return iter(self.source)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """The nccl groups, after the publish under way (a group shut down mid-broadcast leaves its peer waiting)."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.engines or not self.sending or self.error, timeout=timeout)
         for engine in self.engines:
             engine.shutdown()
 
@@ -819,11 +862,13 @@ def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
 
 
 def rendezvous_address(cfg: rg.Args) -> str:
-    """Where servers reach rank 0's NCCL endpoint: this node's address for servers on other nodes (torchrun's
-    MASTER_ADDR, else the host name's), --generator-host for servers launched here."""
+    """Where servers reach rank 0's NCCL endpoint: --generator-host for servers launched here; for servers elsewhere
+    this node's address on the route to the first of them (torchrun's MASTER_ADDR is 127.0.0.1 on one node)."""
     if not cfg.generator_urls:
         return cfg.generator_host
-    return os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a UDP connect picks the route and sends nothing
+        s.connect((urllib.parse.urlsplit(cfg.generator_urls[0]).hostname, 9))
+        return s.getsockname()[0]
 
 
 def train_async(cfg: rg.Args) -> dict:
@@ -950,7 +995,7 @@ def train_async(cfg: rg.Args) -> dict:
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
             if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
-                publisher.publish(weights, step, wait=cfg.sampling == "queue")
+                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure)
             evaluator = None
             if rank == 0 and evaluating:  # on the GPU for this evaluation only
                 host_copy.load_state_dict(weights)
@@ -1003,12 +1048,14 @@ def train_async(cfg: rg.Args) -> dict:
     finally:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
-            if loop is not None:
-                loop.close()
-            if publisher is not None:
-                publisher.close()
-            stop_servers(servers)
-            signal.signal(signal.SIGTERM, old_sigterm)
+            try:
+                if loop is not None:
+                    loop.close()
+                if publisher is not None:
+                    publisher.close()
+            finally:  # the servers stop whatever happened above (a second Ctrl-C included)
+                stop_servers(servers)
+                signal.signal(signal.SIGTERM, old_sigterm)
         if runlog is not None:
             runlog.close()
         if owns_group:

@@ -627,10 +627,9 @@ def _timeout(signum, frame):
 
 def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT) -> tuple[float, str | None]:
     """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke. The time limit is a
-    SIGALRM, so it holds in a process's main thread only (where every loop here scores)."""
-    limited = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGALRM, _timeout) if limited else None
-    signal.setitimer(signal.ITIMER_REAL, timeout if limited else 0)
+    SIGALRM, so score in a process's main thread (a ValueError elsewhere; async_pipeline scores in a process)."""
+    old = signal.signal(signal.SIGALRM, _timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         return float(bool(verifier(completion, gold))), None
     except TimeoutError:
@@ -638,9 +637,12 @@ def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT)
     except Exception:
         return 0.0, "error"
     finally:
-        if limited:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def score_texts(verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
+    return [score(verifier, text, gold) for text in texts]
 
 
 # ===== Models and per-token log-probs =============================================================
@@ -1112,10 +1114,10 @@ def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
 
 
 def make_rollouts(
-    generator, tok, task: Task, examples: list[Example], cfg: Args, next_group_id: int
+    generator, tok, task: Task, examples: list[Example], cfg: Args, next_group_id: int, scorer=score_texts
 ) -> tuple[list[Rollout], Counter]:
-    """G completions per prompt, scored, group statistics frozen; and the counts of what was generated (rollouts,
-    tokens, verifier failures, zero-variance groups)."""
+    """G completions per prompt, scored by `scorer`, group statistics frozen; and the counts of what was generated
+    (rollouts, tokens, verifier failures, zero-variance groups)."""
     verifier = VERIFIERS[task.verifier]
     prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
     groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
@@ -1124,7 +1126,7 @@ def make_rollouts(
         counts["generated_rollouts"] += len(samples)
         counts["generated_tokens"] += sum(len(s.completion_ids) for s in samples)
         texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
-        scored = [score(verifier, text, ex.answer) for text in texts]
+        scored = scorer(verifier, texts, ex.answer)
         counts.update(f"verifier_{failure}s" for _, failure in scored if failure)
         rewards = [r for r, _ in scored]
         adv, mean = group_advantages(rewards)

@@ -365,6 +365,30 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
     assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
 
 
+def test_closing_the_nccl_publisher_waits_for_the_broadcast_under_way(vllm_servers, tmp_path, monkeypatch):
+    """The run's end closes the publisher while its last publish may still be broadcasting: the group is shut down
+    only after it (a group shut down mid-broadcast leaves the server's worker waiting in it)."""
+    from conftest import cpu_data_plane
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    plane = cpu_data_plane()
+
+    def slow_producer(*args, **kwargs):  # a broadcast that takes a while
+        time.sleep(2.0)
+        plane["packed_nccl_broadcast_producer"](*args, **kwargs)
+
+    for name, function in plane.items():
+        monkeypatch.setattr(nccl_engine, name, function)
+    monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", slow_producer)
+    model, _ = warm_start.build_tiny_model(0)
+    server, cpu = vllm_servers["tied"], torch.device("cpu")
+    publisher = ap.Publisher([server], "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
+    publisher.publish(model.state_dict(), 3)
+    time.sleep(0.5)  # the broadcast is under way
+    publisher.close()
+    assert publisher.error is None and publisher.done_version == 3, publisher.error
+
+
 def generated_tokens(server) -> float:
     """The server's count of generated tokens (its Prometheus /metrics)."""
     import urllib.request

@@ -9,8 +9,10 @@ import pathlib
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -766,3 +768,94 @@ def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vl
         assert loop.receive(wait=30.0) and loop.failure() is None  # with room, it delivers again
     finally:
         loop.close()
+
+
+# --- 9. --mode async: what hangs never holds the run -------------------------------------------------------
+
+
+def silent_server() -> tuple[socket.socket, str]:
+    """A listening socket that never answers: connections are taken by the kernel, requests hang."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def sleeps_10_s(completion: str, gold: str) -> bool:  # a verifier that hangs (module level: a process imports it)
+    time.sleep(10)
+    return True
+
+
+def test_a_verifier_scored_off_the_main_thread_is_refused_and_leaves_the_time_limit_alone():
+    """score()'s limit is the process's one SIGALRM timer: a thread cannot set it, so score() refuses to run there
+    (unbounded) and leaves the main thread's limit in place."""
+    stop, refused = threading.Event(), []
+
+    def score_until_stopped():
+        while not stop.is_set():
+            try:
+                rg.score(rg.numeric_match, "1", "1")
+            except ValueError as e:
+                refused.append(e)
+
+    thread = threading.Thread(target=score_until_stopped)
+    thread.start()
+    t0 = time.time()
+    try:
+        reward, failure = rg.score(sleeps_10_s, "1", "1", timeout=1.0)
+    finally:
+        stop.set()
+        thread.join()
+    assert (reward, failure) == (0.0, "timeout") and time.time() - t0 < 5 and refused
+
+
+def test_the_rollout_threads_score_with_the_verifiers_time_limit():
+    """The rollout loop's scorer runs the verifier in a process whose main thread holds the limit, so a hung
+    verifier costs VERIFY_TIMEOUT per completion and is counted as a timeout, even when called from a thread."""
+    scorer, out = ap.Scorer(), []
+    try:
+        thread = threading.Thread(target=lambda: out.append(scorer(sleeps_10_s, ["1"], "1")))
+        thread.start()
+        thread.join(60)
+        assert out == [[(0.0, "timeout")]]
+        assert scorer(rg.numeric_match, ["7", "8"], "7") == [(1.0, None), (0.0, None)]
+    finally:
+        scorer.close()
+
+
+def test_a_request_blocked_on_a_hung_server_does_not_hold_the_process_at_exit():
+    """A rollout thread waits on a server that answers nothing; the process ends at once when its main thread does
+    (Ctrl-C on a run whose servers were started elsewhere), not when the request's time is up."""
+    code = (
+        "import random, threading, time, socket, async_pipeline as ap\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
+        "server = ap.Server(f'http://127.0.0.1:{s.getsockname()[1]}')\n"
+        "gen = ap.ServerGenerator(server, [0], random.Random(0))\n"
+        "threading.Thread(target=gen.generate, args=([[1, 2], [3]], 2, 4, 1.0), daemon=True).start()\n"
+        "time.sleep(2)\n"
+    )
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), timeout=120)
+    assert res.returncode == 0 and time.time() - t0 < 60
+
+
+def test_a_publish_awaited_by_the_queue_returns_when_the_run_must_stop(tmp_path):
+    """--sampling queue waits for each publish; a server that hangs in the middle of one must not hold the trainer
+    beyond the moment the rollout loop knows why the run stops."""
+    listener, url = silent_server()
+    publisher = ap.Publisher([ap.Server(url)], "disk", tmp_path, torch.float32, tied=True, address="")
+    model, _ = warm_start.build_tiny_model(0)
+    t0, reason = time.time(), []
+    threading.Timer(2.0, lambda: reason.append("a rollout thread failed")).start()
+    publisher.publish(model.state_dict(), 1, wait=True, failure=lambda: reason and reason[0])
+    assert 2.0 <= time.time() - t0 < 10 and publisher.done_version is None
+    listener.close()
+
+
+def test_the_nccl_rendezvous_is_on_the_route_to_servers_elsewhere(monkeypatch):
+    """Servers on other nodes reach rank 0 at its address on the route to them, whatever torchrun's MASTER_ADDR
+    (127.0.0.1 on one node) says; servers launched here at --generator-host."""
+    monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")
+    cfg = rg.parse_args(["--mode", "async", "--generator-urls", "http://127.0.0.2:8000"])
+    assert ap.rendezvous_address(cfg) == "127.0.0.1"
+    assert ap.rendezvous_address(rg.parse_args(["--mode", "async", "--generator-host", "127.0.0.3"])) == "127.0.0.3"
