@@ -325,13 +325,14 @@ class ServerGenerator:
 
 class Scorer:
     """make_rollouts' scorer for the rollout threads: rewards computed in a process of their own, whose main thread
-    holds the verifier's time limit (a SIGALRM, which a thread cannot set), one request's texts at a time."""
+    holds the verifier's time limit (a SIGALRM, which a thread cannot set). One text per task, so that closing it
+    waits for one verifier at most."""
 
     def __init__(self):
         self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
     def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
-        return self.pool.submit(rg.score_texts, verifier, texts, gold).result()
+        return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
