@@ -9,7 +9,8 @@ sleep-mode engine per process and never frees it, so every training that builds 
 `python replay_grpo.py` and the vllm-* checks in a child `gpu_check.py --only vllm`; their rows join the
 one table. Verdicts: FAIL is a wrong result or a crash (exit 1); MISSED is a speed or memory target of the
 kernels not reached, measured and shown, not a failure of the GPU path. --smoke on a CPU
-simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16). Checks:
+simulates a bf16 GPU's precision policy (REPLAY_GRPO_COMPUTE_DTYPE=bfloat16) in the precision and qwen-0.5b
+checks and runs the others in fp32 (a CPU without bf16 instructions multiplies bf16 ~40x slower). Checks:
   kernels    token_logprobs at N=16384, V=151936, d=896 and 3584 (bf16): triton and compile against
              naive torch in the same run (time, extra peak memory, log-prob and gradient error, the
              matmul path taken) and the targets: <= 1.5 GiB extra at d=3584, time <= naive at 3584,
@@ -55,6 +56,7 @@ import warm_start
 
 ROWS = []  # (check, measured, target, verdict)
 MISSED = "missed"  # a row's `ok` when only a speed or memory target was not reached
+SIMULATE_BF16 = False  # --smoke on a CPU: the precision and qwen-0.5b checks under a bf16 GPU's precision policy
 
 
 def row(check: str, measured: str, target: str, ok: bool | str | None) -> None:
@@ -169,18 +171,20 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
         shape = dict(hidden_size=128, layers=2, vocab_size=1024)
     warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
-        argv = [
-            *(
-                "--preset cpu --sft-warmup-steps 0 --total-steps 6 --prompts-per-step 4 --batch-size 128 "
-                "--buffer-size 256 --max-new-tokens 64 --micro-batch-size 32 --eval-size 8 --eval-every 0 "
-                "--loss asymre --lr 1e-5 --out-dir"
-            ).split(),
-            str(out),
-            "--run-name",
-            "qwen",
-        ]
-        rg.main(argv)
-        start = real_build(0, **shape)[0].state_dict()
+        with simulated_bf16():
+            argv = [
+                *(
+                    "--preset cpu --sft-warmup-steps 0 --total-steps 6 --prompts-per-step 4 --batch-size 128 "
+                    "--buffer-size 256 --max-new-tokens 64 --micro-batch-size 32 --eval-size 8 --eval-every 0 "
+                    "--loss asymre --lr 1e-5 --out-dir"
+                ).split(),
+                str(out),
+                "--run-name",
+                "qwen",
+            ]
+            rg.main(argv)
+            start = real_build(0, **shape)[0].state_dict()
+            c = kernels.compute_dtype(torch.device(dev)).itemsize
     finally:
         warm_start.build_tiny_model = real_build
     from safetensors.torch import load_file
@@ -205,7 +209,6 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     cfg = rg.parse_args(argv)
     model, tok = real_build(0, **shape)
     longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
-    c = kernels.compute_dtype(torch.device(dev)).itemsize
     plan = kernels.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
     planned = (plan["train"] - plan["rows"]["generator (resident)"]) / 2**30  # the generator's share is apart
     row(
@@ -230,6 +233,11 @@ def compute_dtype_forced(name: str):
             os.environ[kernels.COMPUTE_DTYPE_ENV] = saved
 
 
+def simulated_bf16():
+    """--smoke on a CPU: a bf16 GPU's precision policy; elsewhere the device's own."""
+    return compute_dtype_forced("bfloat16") if SIMULATE_BF16 else contextlib.nullcontext()
+
+
 def check_precision(dev: str, smoke: bool) -> None:
     """At the GPU presets' learning rates, a few optimizer steps under the run's precision policy move the weights
     as fp32 masters do (bf16 weights would lose nearly every update)."""
@@ -251,11 +259,12 @@ def check_precision(dev: str, smoke: bool) -> None:
     ]
     for lr in (1e-6, 6e-8):
         cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", str(lr), "--micro-batch-size", "8"])
-        model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
-        compute = rg.HFGenerator(model, tok).model.dtype  # what the generators and the autocast forward use
+        with simulated_bf16():
+            model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
+            compute = rg.HFGenerator(model, tok).model.dtype  # what the generators and the autocast forward use
         start = copy.deepcopy(model.state_dict())
         moved = {}
-        for name, policy in (("policy", contextlib.nullcontext()), ("fp32", compute_dtype_forced("float32"))):
+        for name, policy in (("policy", simulated_bf16()), ("fp32", compute_dtype_forced("float32"))):
             m = copy.deepcopy(model)
             with policy:
                 opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0)
@@ -458,8 +467,8 @@ def main() -> int:
         )
         return 0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.smoke and dev == "cpu":  # a bf16 GPU's precision policy, simulated: bf16 compute on fp32 masters
-        os.environ[kernels.COMPUTE_DTYPE_ENV] = "bfloat16"
+    global SIMULATE_BF16
+    SIMULATE_BF16 = args.smoke and dev == "cpu"  # a bf16 GPU's precision policy, simulated: bf16 compute, fp32 masters
     try:
         import triton
 
