@@ -705,11 +705,11 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
 # --- 8. --mode async: a server that hangs stops the run ----------------------------------------------
 
 
-def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path):
+def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, vllm_servers):
     """SIGSTOP, not a kill: the server the run launched lives on and answers nothing. On-policy (N = B = R), where
     the trainer would otherwise train the last batch over and over: the run stops once a request outlasts its bound
     (10 x the longest so far, at least 60 s; a busy machine's requests take seconds), names the server, keeps the
-    checkpoint and stops the server; --resume continues from it on a new one."""
+    checkpoint and stops the server; --resume continues from it on another (the session's)."""
     args = small_args(tmp_path, "--mode", "async", "--run-name", "r", "--eval-every", "5")
     run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
     try:
@@ -734,7 +734,8 @@ def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5
     resumed = subprocess.run(
-        [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)],
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)]
+        + ["--generator-urls", vllm_servers["tied"].url],
         cwd=ROOT,
         env=ENV,
         capture_output=True,

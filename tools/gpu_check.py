@@ -182,6 +182,8 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
                 "--run-name",
                 "qwen",
             ]
+            if smoke:  # a quarter of the work (bf16 on a CPU)
+                argv += "--batch-size 32 --buffer-size 64 --max-new-tokens 16 --micro-batch-size 16".split()
             rg.main(argv)
             start = real_build(0, **shape)[0].state_dict()
             c = kernels.compute_dtype(torch.device(dev)).itemsize
@@ -492,7 +494,9 @@ def main() -> int:
     t_start = time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for name in CHECKS:
+            t0 = time.time()
             run_check(name, dev, tmp, args.smoke)
+            print(f"gpu_check: {name} took {time.time() - t0:.0f} s", flush=True)
     width = max(len(r[0]) for r in ROWS)
     print(f"\n{'check':{width}}  verdict  measured  [target]")
     for check, measured, target, verdict in ROWS:
