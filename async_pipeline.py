@@ -1,16 +1,16 @@
 """async_pipeline.py: the paper's asynchronous system for replay_grpo.py (--mode async).
 
-The generators are W OpenAI-compatible vLLM servers. Rank 0 launches them on its node (one per GPU after the
-trainers', or on the CPU) or connects to servers started elsewhere (--generator-urls). A thread per server runs
-make_rollouts request after request: prompts go as token ids with a seed drawn from the run's RNG, the answers come
-back with the sampled tokens' log-probs and the weight version of every token, and rewards, advantages and
-behaviour log-probs are frozen there. The trainers are torchrun ranks sharding the policy with FSDP2; rank 0 deals
-finished requests round-robin to the ranks, each keeps a ReplayBuffer shard of N/T, samples B/T per step, and FSDP
-averages the gradients. Every k steps the full weights are gathered to rank 0 once, in the compute dtype, and a
-publisher thread hands them to every server through vLLM's own API (pause keeping requests, load, label the
-version, resume): from a safetensors file on a shared filesystem (--weight-transfer disk), or by NCCL broadcast
-with vLLM's trainer-side weight-transfer engine (--weight-transfer nccl). A rollout's policy_version is its oldest
-token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
+The generators are W OpenAI-compatible vLLM servers. Rank 0 launches them on its node (one per GPU after the trainers',
+or on the CPU) or connects to servers started elsewhere (--generator-urls). A thread per server runs make_rollouts
+request after request: prompts go as token ids with a seed drawn from the run's RNG, the answers come back with the
+sampled tokens' log-probs and the weight version of every token, and rewards, advantages and behaviour log-probs are
+frozen there. The trainers are torchrun ranks sharding the policy with FSDP2; rank 0 deals finished requests round-robin
+to the ranks, each keeps a ReplayBuffer shard of N/T, samples B/T per step, and FSDP averages the gradients. Every k
+steps the full fp32 weights are gathered to rank 0's host once (the checkpoint and the evaluation use them too), and a
+publisher thread hands them to every server in the compute dtype through vLLM's own API (pause keeping requests, load,
+label the version, resume): from a safetensors file on a shared filesystem (--weight-transfer disk), or by NCCL
+broadcast with vLLM's trainer-side weight-transfer engine (--weight-transfer nccl). A rollout's policy_version is its
+oldest token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
 
     python replay_grpo.py --preset cpu --mode async --num-generators 2                  # T = 1, two servers
     torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
