@@ -192,22 +192,27 @@ def launch_servers(
     session so that Ctrl-C reaches the trainer first and stop_servers ends them."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = []
-    for i, gpu in enumerate(gpus):
-        port = free_port(cfg.generator_host)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
-        if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        log = log_dir / f"server{i}.log"
-        proc = subprocess.Popen(
-            server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
-            env=env,
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
+    try:
+        for i, gpu in enumerate(gpus):
+            port = free_port(cfg.generator_host)
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
+            if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            log = log_dir / f"server{i}.log"
+            with open(log, "w") as out:  # the server writes to its own copy of the file descriptor
+                proc = subprocess.Popen(
+                    server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
+    except BaseException:  # a failed launch or Ctrl-C: the ones started live in their own sessions, so end them here
+        stop_servers(servers)
+        raise
     return servers
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -523,6 +524,23 @@ def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch
     assert "--enforce-eager" in cpu and env_cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert all(env["VLLM_SERVER_DEV_MODE"] == "1" for _, env in launched)
     assert {cmd[cmd.index("--host") + 1] for cmd, _ in launched} == {"127.0.0.1"}
+
+
+def test_servers_launched_before_a_failed_launch_are_stopped(tmp_path, monkeypatch):
+    """They run in their own sessions (Ctrl-C reaches the trainer first), so nothing else would end them."""
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if started:
+            raise KeyboardInterrupt  # Ctrl-C while the second server is being launched
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(ap.subprocess, "Popen", popen)
+    cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+    assert len(started) == 1 and started[0].poll() is not None
 
 
 def test_merge_stats_weights_by_tokens():
