@@ -56,7 +56,7 @@ def vllm_servers(tmp_path_factory):
     servers, command = {}, ap.server_command
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("PYTHONPATH", os.pathsep.join([str(PLUGIN), os.environ.get("PYTHONPATH", "")]))
+            mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
             mp.setattr(ap, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
             for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
                 folder = rg.export_plain_folder(model, tok, str(root / name))

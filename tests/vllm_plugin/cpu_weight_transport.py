@@ -7,7 +7,7 @@ group's rendezvous (a TCPStore group instead of an NCCL communicator) and the pa
 through the store instead of packed buffers on CUDA streams).
 
 The servers load it through the `vllm.general_plugins` entry point of the dist-info beside it (this folder on their
-PYTHONPATH); a trainer calls `install()`."""
+PYTHONPATH); a trainer in a test patches the same names from DATA_PLANE."""
 
 import torch
 
