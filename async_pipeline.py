@@ -129,6 +129,11 @@ class ServerError(PipelineError):
     """A vLLM server did not start, died, or answered an error: one line naming it."""
 
 
+def as_server_error(what: str, e: Exception) -> ServerError:
+    """The error a thread hands to the dealer: a ServerError as it is, anything else as one line naming `what`."""
+    return e if isinstance(e, ServerError) else ServerError(" ".join(f"{what}: {type(e).__name__}: {e}".split()))
+
+
 @dataclasses.dataclass
 class Server:
     """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log."""
@@ -328,13 +333,26 @@ class ServerGenerator:
         return rg.Sample(choice["token_ids"], lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
+def exit_with_parent(parent: int) -> None:
+    """In a helper process: end it once `parent` is gone (a trainer ended by torchrun's SIGTERM never closes it, and
+    it would hold the run's output pipes open)."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class Scorer:
     """make_rollouts' scorer for the rollout threads: rewards computed in a process of their own, whose main thread
     holds the verifier's time limit (a SIGALRM, which a thread cannot set). One text per task, so that closing it
     waits for one verifier at most."""
 
     def __init__(self):
-        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        spawn = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
         return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
@@ -388,9 +406,7 @@ class RolloutLoop:
                     self.cond.notify_all()
         except Exception as e:  # the run stops on it (failure)
             with self.cond:
-                self.errors.append(
-                    e if isinstance(e, ServerError) else ServerError(f"rollout thread {index}: {type(e).__name__}: {e}")
-                )
+                self.errors.append(as_server_error(f"rollout thread {index}", e))
                 self.cond.notify_all()
 
     def receive(self, wait: float, limit: int | None = None) -> list[dict]:
@@ -411,7 +427,7 @@ class RolloutLoop:
     def failure(self) -> str | None:
         """Why the run must stop (a server error or death, in one line), or None."""
         if self.errors:
-            return " ".join(str(self.errors[0]).split())
+            return str(self.errors[0])
         for s in self.servers:
             if s.died():
                 return f"vLLM server {s.url} died{s.died()}"
@@ -506,8 +522,7 @@ class Publisher:
                 self.send(weights, version)
             except Exception as e:
                 with self.cond:
-                    why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-                    self.error = e if isinstance(e, ServerError) else ServerError(f"weight publish failed: {why}")
+                    self.error = as_server_error("weight publish failed", e)
                     self.cond.notify_all()
                 return
             with self.cond:

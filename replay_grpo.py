@@ -1549,7 +1549,7 @@ def evaluate(
             rewards = []
             for group, ex in zip(groups, task.eval):
                 texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in group]
-                rewards.append([score(verifier, text, ex.answer)[0] for text in texts])
+                rewards.append([r for r, _ in score_texts(verifier, texts, ex.answer)])
             return groups, rewards
 
         out, samples = {}, []

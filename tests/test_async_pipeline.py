@@ -130,7 +130,10 @@ class Run:
             os.killpg(self.proc.pid, signal.SIGKILL)
             out = self.proc.communicate()[0].decode()
             pytest.fail(f"run did not end within {timeout}s:\n{out[-3000:]}")
-        out = self.proc.communicate()[0].decode()
+        try:
+            out = self.proc.communicate(timeout=30)[0].decode()
+        except subprocess.TimeoutExpired:  # a process left behind still holds the run's output open
+            pytest.fail(f"processes left behind: {[(p, cmdline(p)) for p in self.seen if alive(p)]}")
         time.sleep(0.5)  # let the kernel reap what was reparented
         left = [(p, cmdline(p)) for p in self.seen if alive(p)]
         assert not left, f"processes left behind: {left}"

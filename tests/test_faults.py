@@ -860,3 +860,22 @@ def test_the_nccl_rendezvous_is_on_the_route_to_servers_elsewhere(monkeypatch):
     cfg = rg.parse_args(["--mode", "async", "--generator-urls", "http://127.0.0.2:8000"])
     assert ap.rendezvous_address(cfg) == "127.0.0.1"
     assert ap.rendezvous_address(rg.parse_args(["--mode", "async", "--generator-host", "127.0.0.3"])) == "127.0.0.3"
+
+
+def test_the_scorer_process_ends_with_its_trainer():
+    """A trainer ended abruptly (torchrun's SIGTERM) never closes its scorer: the scorer ends by itself, and does
+    not hold the run's output open."""
+    code = "import os, async_pipeline as ap; s = ap.Scorer(); print(s.pool.submit(os.getpid).result()); os._exit(0)"
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(ENV, PYTHONPATH=str(ROOT)),
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )  # returns once every holder of its pipes is gone
+    pid = int(res.stdout.split()[-1])
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{pid}"), pid
