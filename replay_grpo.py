@@ -129,21 +129,13 @@ class Args:
         return self.prompts_per_step * self.group_size
 
 
-# Fixed settings (a flag each would only clutter --help; edit them here):
+# Fixed settings of the method (a flag each would only clutter --help; edit them here):
 PRIORITY_EPS = 0.01  # eps of the priority (|A| + eps)^alpha: a zero-advantage rollout can still be drawn
 STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
 BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "priority_alpha", "priority_tau")  # its rules
-PASS_K_PROMPTS = 50  # held-out prompts for pass@k
-GEN_BATCH_PROMPTS = 64  # prompts per generation call (each expands to G sequences)
-VERIFY_TIMEOUT = 5.0  # seconds a verifier may take on one completion (reward 0 beyond, counted)
 MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
-MAX_PASS_K = 256  # largest --pass-k (its samples are generated at every evaluation)
-MAX_EVAL_SIZE = 100_000  # largest --eval-size
-MAX_ROLLOUTS = 65_536  # largest --group-size, --batch-size, --buffer-size (held in memory, G in one generation call)
-MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the model's own, if smaller; vLLM's cap)
-SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
@@ -208,149 +200,558 @@ PRESETS = {name: dataclasses.replace(args, preset=name) for name, args in PRESET
 PresetName = Literal[tuple(PRESETS)]  # the --preset choices (Args reads its annotation when a command line is parsed)
 
 
-def validate(cfg: Args) -> None:
-    """Refuse settings that cannot work: one line naming the flag and what would be valid."""
+# ===== Rollouts and the replay buffer =============================================================
 
-    def need(ok, message):
-        if not ok:
-            raise UserError(message)
 
-    def flag(name):
-        return f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+@dataclass
+class Rollout:
+    """One completion, with everything the loss needs frozen at generation time."""
 
-    for names, test, valid in (
-        (
-            "group_size prompts_per_step batch_size buffer_size total_steps max_new_tokens pass_k micro_batch_size "
-            "publish_every num_generators eval_size arith_terms sft_patience sft_check_prompts".split(),
-            lambda v: v >= 1,
-            ">= 1",
-        ),
-        ("eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout".split(), lambda v: v >= 0, ">= 0"),
-        (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
-        (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
-        (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
-        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
-        (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
-        (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
-        (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
-        (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
-        (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
-        (("asymre_delta_v",), lambda v: -1 <= v <= 1, "in [-1, 1] (rewards are 0 or 1)"),
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the sampler's own token ids, never re-encoded text
+    behaviour_logprobs: torch.Tensor  # fp32 [len(completion_ids)], at the training temperature
+    reward: float
+    advantage: float  # GRPO z-score within its group, frozen
+    group_mean: float  # V-hat for AsymRE, frozen
+    policy_version: int  # optimizer steps in the weights that generated it
+    group_id: int
+    truncated: bool = False
+    uses: int = 0
+    last_use_step: int = -1
+    answer: str = ""  # the gold answer, for the samples a run writes
+
+    @property
+    def correct(self) -> bool:
+        return self.reward > 0
+
+
+def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
+    """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
+
+
+class ReplayBuffer:
+    """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
+    with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
+    sample(B, step) draws B distinct rollouts and counts each use: uniformly, removing nothing (the paper's), or
+    by another rule (RULES): only never-used ones (without-replacement); never-used ones first (at-least-once);
+    all those pushed since the last sample, the rest by priority (fresh-anchored); by priority (|A| + eps)^alpha
+    x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
+    rollouts older than that many policy versions before sampling, max_uses those used that many times."""
+
+    def __init__(
+        self,
+        capacity: int,
+        positive_bias: float = 0.0,
+        seed: int = 0,
+        sampling: str = "uniform",
+        max_age: int | None = None,
+        max_uses: int | None = None,
+        priority_alpha: float = 0.0,
+        priority_tau: float | None = None,
     ):
-        for name in names:
-            need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
-    need(
-        cfg.group_size >= 2 or cfg.loss != "grpo",
-        f"--group-size {cfg.group_size}: GRPO needs at least 2 "
-        "completions per prompt to form an advantage (use >= 2, the paper uses 16)",
-    )
-    need(
-        cfg.buffer_size >= cfg.batch_size,
-        f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
-        f"{cfg.batch_size}: a batch is sampled without replacement from the buffer, so N must be >= B",
-    )
-    protected = round(cfg.positive_bias * cfg.buffer_size)
-    need(
-        cfg.buffer_size - protected >= 1,
-        f"--positive-bias {cfg.positive_bias} with --buffer-size "
-        f"{cfg.buffer_size} reserves all {protected} slots for older correct rollouts, leaving none for the "
-        "freshest ones (every new incorrect rollout would be evicted on arrival): lower it or raise --buffer-size",
-    )
-    need(
-        cfg.rollouts_per_step <= cfg.buffer_size,
-        f"--prompts-per-step {cfg.prompts_per_step} x --group-size "
-        f"{cfg.group_size} = {cfg.rollouts_per_step} fresh rollouts a step exceed --buffer-size {cfg.buffer_size}: "
-        "the buffer would evict fresh rollouts on arrival (R must be <= N)",
-    )
-    need(
-        cfg.pass_k <= MAX_PASS_K,
-        f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
-        f"{PASS_K_PROMPTS} prompts at every evaluation)",
-    )
-    need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
-    need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
-    for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
-        need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
-    need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
-    need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
-    urls, W = cfg.generator_urls, cfg.num_generators
-    need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
-    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
-    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
-    validate_rules(cfg, need)
+        self.capacity = capacity
+        self.n_protected = int(round(positive_bias * capacity))
+        if capacity - self.n_protected < 1:
+            raise ValueError(
+                f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
+            )
+        self.sampling = sampling
+        self.max_age = max_age
+        self.max_uses = max_uses
+        self.priority_alpha = priority_alpha
+        self.priority_tau = priority_tau
+        self.items: deque[Rollout] = deque()
+        self.rng = random.Random(seed)
+        self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
+        self.pushed = 0  # rollouts pushed since the last sample (fresh-anchored takes all of them)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, rollouts: list[Rollout]) -> None:
+        for r in rollouts:
+            self.items.append(r)
+            self.pushed += 1
+            while len(self.items) > self.capacity:
+                self._evict_one()
+
+    def _evict_one(self) -> None:
+        older = len(self.items) - (self.capacity - self.n_protected)  # items[:older]: outside the freshest
+        protected, kept = set(), 0
+        for i in range(older - 1, -1, -1):  # freshest correct older rollouts first
+            if kept == self.n_protected:
+                break
+            if self.items[i].correct:
+                protected.add(i)
+                kept += 1
+        victim = next(i for i in range(len(self.items)) if i not in protected)
+        self._remove([victim])
+
+    def _remove(self, indices) -> None:
+        """Evict the rollouts at `indices`, counting their uses."""
+        for i in sorted(set(indices), reverse=True):
+            self.evicted_uses[self.items[i].uses] += 1
+            del self.items[i]
+
+    def _expire(self, step: int) -> None:
+        """The age cap: evict rollouts more than max_age policy versions older than the trainer (at `step`)."""
+        if self.max_age is not None:
+            self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age])
+
+    def _never_used(self) -> list[int]:
+        return [i for i, r in enumerate(self.items) if r.uses == 0]
+
+    def _drawable(self) -> list[int]:
+        """Indices a batch may be drawn from: the rule's pool (every rollout, or the never-used ones)."""
+        return self._never_used() if self.RULES[self.sampling][1] else list(range(len(self.items)))
+
+    def ready(self, batch_size: int, step: int) -> bool:
+        """Whether sample(batch_size, step) can draw a batch (the age cap applied first)."""
+        self._expire(step)
+        return len(self._drawable()) >= batch_size
+
+    def _weighted(self, pool: list[int], k: int, step: int) -> list[int]:
+        """k of `pool` without replacement, with the priority weights (uniform when there are none)."""
+        if self.priority_alpha == 0 and self.priority_tau is None:
+            return self.rng.sample(pool, k)
+        keys = []
+        for i in pool:  # in logs, so that no exponent or age overflows or underflows a weight
+            r = self.items[i]
+            log_w = self.priority_alpha * math.log(abs(r.advantage) + PRIORITY_EPS)
+            if self.priority_tau is not None:
+                log_w -= (step - r.policy_version) / self.priority_tau
+            e = -math.log(1.0 - self.rng.random())
+            keys.append(log_w - math.log(e) if e > 0 else math.inf)
+        # Efraimidis-Spirakis: the k largest u^(1/w), here log w - log(-log u) in the same order, are successive
+        # draws proportional to w, without replacement
+        order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
+        return [pool[j] for j in order[:k]]
+
+    # The draws: each returns the indices of a batch of k from its pool (_drawable).
+    def _uniform(self, k: int, step: int) -> list[int]:
+        return self.rng.sample(self._drawable(), k)
+
+    def _at_least_once(self, k: int, step: int) -> list[int]:
+        unused = self._never_used()
+        if len(unused) >= k:
+            return self.rng.sample(unused, k)
+        return unused + self.rng.sample([i for i, r in enumerate(self.items) if r.uses > 0], k - len(unused))
+
+    def _fresh_anchored(self, k: int, step: int) -> list[int]:
+        n = len(self.items)
+        fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
+        return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
+
+    def _priority(self, k: int, step: int) -> list[int]:
+        return self._weighted(list(range(len(self.items))), k, step)
+
+    def _freshest(self, k: int, step: int) -> list[int]:  # the paper's transfer queue is a LIFO
+        return list(range(len(self.items) - 1, len(self.items) - 1 - k, -1))
+
+    # --sampling: rule -> (draw, draws only never-used rollouts, a drawn rollout leaves the buffer). A new rule is
+    # an entry here (its name becomes a --sampling choice) and, if it has constraints, a check in validate_rules.
+    RULES = {
+        "uniform": (_uniform, False, False),  # the paper's buffer
+        "without-replacement": (_uniform, True, False),  # the paper's Fig. 18 variants
+        "at-least-once": (_at_least_once, False, False),
+        "fresh-anchored": (_fresh_anchored, False, False),  # arXiv 2606.04560
+        "priority": (_priority, False, False),  # |A|-priority with FreshPER's age decay
+        "queue": (_freshest, False, True),  # the paper's no-buffer baseline: each rollout once
+    }
+
+    def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
+        """B distinct rollouts, and the steps since each reused one's previous use."""
+        if not self.ready(batch_size, step):
+            raise ValueError(
+                f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
+                f"--sampling {self.sampling}), a batch needs {batch_size}"
+            )
+        draw, _, consumes = self.RULES[self.sampling]
+        indices = draw(self, batch_size, step)
+        batch = [self.items[i] for i in indices]
+        since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
+        for r in batch:
+            r.uses += 1
+            r.last_use_step = step
+        self.pushed = 0
+        if consumes:
+            self._remove(indices)
+        elif self.max_uses is not None:
+            self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
+        return batch, since_last_use
+
+    def state_dict(self) -> dict:
+        return {
+            "capacity": self.capacity,
+            "n_protected": self.n_protected,
+            "items": [dataclasses.asdict(r) for r in self.items],
+            "rng": self.rng.getstate(),
+            "evicted_uses": dict(self.evicted_uses),
+            "pushed": self.pushed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.capacity = state["capacity"]
+        self.n_protected = state["n_protected"]
+        known = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints also stored correct, birth_step
+        self.items = deque(Rollout(**{k: v for k, v in r.items() if k in known}) for r in state["items"])
+        self.rng.setstate(state["rng"])
+        old = state["evicted_uses"]  # older checkpoints: a list of use counts
+        self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
+        self.pushed = state.get("pushed", 0)
 
 
-def validate_rules(cfg: Args, need) -> None:
-    """Refuse buffer rules that cannot work, or flags that the chosen rule would ignore."""
+Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args reads its annotation when parsed)
+
+
+def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
+    """The buffer of --buffer-size (or a shard of it) with the run's rules."""
+    return ReplayBuffer(capacity=capacity, seed=seed, **{name: getattr(cfg, name) for name in BUFFER_FLAGS})
+
+
+# ===== Losses and the train step ==================================================================
+
+
+def token_loss(
+    loss: str,
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantage: torch.Tensor,
+    reward: torch.Tensor,
+    group_mean: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    delta_v: float,
+    lengths: torch.Tensor | None = None,
+    ratio_level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss to minimise, the ratio pi/pi_behaviour, and a mask of clipped tokens.
+
+    grpo:   -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A),  rho = exp(logp - behaviour)
+    asymre: -(r - (V + delta_v)) * logp                       (no ratio, no clipping)
+    ratio_level "sequence" (grpo): rho is the sequence's, the geometric mean of its token ratios (GSPO's
+    length-normalised sequence ratio), clipped per sequence; `lengths` are the completions' token counts.
+    """
+    log_ratio = logp - behaviour
+    if ratio_level == "sequence":
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths)
+        seq_sum = torch.zeros(len(lengths), device=logp.device, dtype=log_ratio.dtype).index_add(0, seq, log_ratio)
+        log_ratio = (seq_sum / lengths).repeat_interleave(lengths)
+    ratio = torch.exp(log_ratio)
+    if loss == "asymre":
+        return -(reward - (group_mean + delta_v)) * logp, ratio, torch.zeros_like(logp, dtype=torch.bool)
+    unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
+    return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
+
+
+def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int) -> torch.Tensor:
+    """Per-token weights summing to 1 over the batch: micro-batch losses add up to the batch loss."""
+    if agg == "token-mean":
+        return torch.full((sum(lengths),), 1.0 / total_tokens)
+    return torch.cat([torch.full((n,), 1.0 / (n * n_seqs)) for n in lengths])
+
+
+def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
+    """One value per rollout, repeated over its completion tokens."""
+    return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
+
+
+def all_ranks(flag: torch.Tensor) -> bool:
+    """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
+def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int) -> dict:
+    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
+    device = next(model.parameters()).device
+    lengths = [len(r.completion_ids) for r in batch]
+    total_tokens = norm_tokens = sum(lengths)
+    if cfg.loss_agg == "token-mean" and dist.is_initialized() and dist.get_world_size() > 1:
+        # T ranks: FSDP averages their gradients, so divide by the whole batch's tokens / T (not by
+        # this rank's) to get the gradient of the batch token mean, as one process computes it
+        n = torch.tensor(float(total_tokens), device=device)
+        dist.all_reduce(n)
+        norm_tokens = n.item() / dist.get_world_size()
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
+    ratio_max, nonfinite = 0.0, False
+    staleness_sums = {}  # add_staleness_sums
+    for start in range(0, len(batch), cfg.micro_batch_size):
+        mb = batch[start : start + cfg.micro_batch_size]
+        mb_len = lengths[start : start + cfg.micro_batch_size]
+        pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
+        logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
+        repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
+        behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
+        tok_loss, ratio, clipped = token_loss(
+            loss=cfg.loss,
+            logp=logp,
+            behaviour=behaviour,
+            advantage=per_token([r.advantage for r in mb], repeats),
+            reward=per_token([r.reward for r in mb], repeats),
+            group_mean=per_token([r.group_mean for r in mb], repeats),
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            delta_v=cfg.asymre_delta_v,
+            lengths=repeats,
+            ratio_level=cfg.ratio_level,
+        )
+        loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
+        if not all_ranks(torch.isfinite(loss)):
+            nonfinite = True
+            break
+        loss.backward()
+        with torch.no_grad():
+            sums["loss"] += loss.item()
+            sums["entropy"] += ent.sum().item()
+            sums["clipped"] += clipped.sum().item()
+            sums["ratio"] += ratio.sum().item()
+            ratio_max = max(ratio_max, ratio.max().item())
+            add_staleness_sums(
+                staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
+            )
+            # sampler/trainer agreement, on rollouts made by exactly the weights trained now
+            fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
+            if fresh.any():
+                d = (logp - behaviour)[fresh]
+                sums["mismatch_abs"] += d.abs().sum().item()
+                sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
+                sums["mismatch_tokens"] += int(fresh.sum())
+    params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    nonfinite = nonfinite or not torch.isfinite(grad_norm)
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
+    else:
+        optimizer.step()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
+        if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
+            raise UserError(
+                f"the weights are not finite after the optimizer step at policy version {version} "
+                f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
+            )
+    m = sums.pop("mismatch_tokens")
+    stats = {
+        "loss": sums["loss"],
+        "entropy": sums["entropy"] / total_tokens,
+        "clip_frac": sums["clipped"] / total_tokens,
+        "ratio_mean": sums["ratio"] / total_tokens,
+        "ratio_max": ratio_max,
+        "grad_norm": float("nan") if nonfinite else float(grad_norm),
+        "nonfinite": int(nonfinite),
+        "trained_tokens": total_tokens,
+        "staleness_sums": staleness_sums,
+    }
+    if m:
+        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
+        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
+    return stats
+
+
+# ===== The rollout maker: G completions per prompt, scored, group statistics frozen =================
+
+
+def make_rollouts(
+    generator, tok, task: Task, examples: list[Example], cfg: Args, next_group_id: int, scorer=None
+) -> tuple[list[Rollout], Counter]:
+    """G completions per prompt, scored by `scorer` (default score_texts), group statistics frozen; and the counts of
+    what was generated (rollouts, tokens, verifier failures, zero-variance groups)."""
+    scorer = score_texts if scorer is None else scorer
+    verifier = VERIFIERS[task.verifier]
+    prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
+    groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
+    rollouts, counts = [], Counter()
+    for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
+        counts["generated_rollouts"] += len(samples)
+        counts["generated_tokens"] += sum(len(s.completion_ids) for s in samples)
+        texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
+        scored = scorer(verifier, texts, ex.answer)
+        counts.update(f"verifier_{failure}s" for _, failure in scored if failure)
+        rewards = [r for r, _ in scored]
+        adv, mean = group_advantages(rewards)
+        if len(set(rewards)) == 1:
+            counts["zero_variance_groups"] += 1
+            if cfg.zero_variance_groups == "drop":
+                continue
+        for s, r, a in zip(samples, rewards, adv):
+            if s.versions and s.versions[0] != s.versions[1]:  # its tokens span a publish
+                counts["mixed_version_rollouts"] += 1
+            rollout = Rollout(
+                prompt_ids=pids,
+                completion_ids=s.completion_ids,
+                behaviour_logprobs=s.logprobs,
+                reward=r,
+                advantage=a,
+                group_mean=mean,
+                policy_version=s.versions[0] if s.versions else generator.policy_version,  # its oldest token's
+                group_id=next_group_id + g,
+                truncated=s.truncated,
+                answer=ex.answer,
+            )
+            rollouts.append(rollout)
+    return rollouts, counts
+
+
+def all_dropped_message(requests: int, step: int) -> str:
+    return (
+        f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
+        "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
+        "--zero-variance-groups keep, or another task or warm start"
+    )
+
+
+# ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
+
+
+def train(cfg: Args) -> dict:
+    """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_folder.seed_everything(cfg.seed)
+    kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    need(
-        cfg.max_age is None or cfg.max_age >= max(1, cfg.publish_every - 1),
-        f"--max-age {cfg.max_age}: must be "
-        f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)",
+    run_name, run_dir, ckpt = run_folder.open_run(cfg)
+    task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
+    kernels.check_memory_plan(cfg, model, task.longest_prompt, device)  # refuses a run that cannot fit
+    kernels.checkpoint_layers(model, cfg.activation_checkpointing)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
+    memory = kernels.StepMemory(device)
+    with memory.generator_share():  # left out of each step's peak, and logged apart
+        generator = make_generator(cfg, model, tok, model_dir)
+    published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
+    task_rng = random.Random(cfg.seed)
+    totals = new_totals()  # run totals (checkpointed)
+    step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
+    if state is not None:  # an optimizer state of another model raises ValueError: named
+        run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
+        buffer.load_state_dict(state["buffer"])
+        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
+            published = state["generator_weights"]
+        generator.load_weights(published or model.state_dict(), state["generator_version"])
+        task_rng.setstate(state["task_rng"])
+        totals.update(state.get("totals", state.get("counters")))  # "counters" in older checkpoints
+        step, next_group_id = state["step"], state["next_group_id"]
+        run_folder.set_rng_state(state["rng"])
+    runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
+
+    on_policy = "  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""
+    print(
+        f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
+        f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
+        f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}"
     )
-    prioritized = cfg.priority_alpha > 0 or cfg.priority_tau is not None
-    need(
-        not prioritized or cfg.sampling in ("priority", "fresh-anchored"),
-        f"--priority-alpha / --priority-tau: "
-        f"only --sampling priority and fresh-anchored draw by priority, not --sampling {cfg.sampling}",
-    )
-    need(
-        prioritized or cfg.sampling != "priority",
-        "--sampling priority needs --priority-alpha > 0 or "
-        "--priority-tau (with neither, every weight is 1: that is --sampling uniform)",
-    )
-    need(
-        cfg.sampling != "fresh-anchored" or B >= R,
-        f"--sampling fresh-anchored: a batch holds every fresh rollout, "
-        f"so --batch-size {B} must be >= R = {R} (--prompts-per-step x --group-size)",
-    )
-    need(cfg.ratio_level == "token" or cfg.loss == "grpo", "--ratio-level sequence: only --loss grpo has a ratio")
-    unprotected = N - round(cfg.positive_bias * N)
-    need(
-        cfg.sampling != "without-replacement" or unprotected >= B,
-        f"--sampling without-replacement: "
-        f"--positive-bias {cfg.positive_bias} keeps {N - unprotected} of the --buffer-size {N} slots for older "
-        f"rollouts, leaving {unprotected} for never-used ones, fewer than --batch-size {B}",
-    )
-    if cfg.sampling != "queue":
-        return
-    need(
-        cfg.positive_bias == 0,
-        f"--sampling queue --positive-bias {cfg.positive_bias}: the queue consumes every "
-        "rollout once and keeps none back: use --positive-bias 0",
-    )
-    need(
-        cfg.max_age is None and cfg.max_uses is None,
-        "--sampling queue: every rollout is used once and none is evicted, so --max-age and --max-uses do not apply",
-    )
-    need(
-        B % R == 0,
-        f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
-        "--group-size), so that whole requests fill a batch and no rollout waits forever",
-    )
-    need(
-        cfg.mode == "sync" or cfg.zero_variance_groups == "keep",
-        "--sampling queue --mode async needs "
-        "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly",
-    )
+    last_eval = {}
+    if step == 0:
+        last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
+
+    start_step = step
+    bar = run_folder.Progress(step, cfg.total_steps)
+    while step < cfg.total_steps:
+        # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
+        #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing
+        #    groups again until R survive, so that N = B = R stays exactly on-policy.
+        t0 = time.perf_counter()
+        fresh: list[Rollout] = []
+        tokens_before = totals["generated_tokens"]
+        while len(fresh) < R or not buffer.ready(B, step):
+            prompts = cfg.prompts_per_step  # the buffer still lacks a batch
+            if len(fresh) < R:
+                prompts = (R - len(fresh)) // cfg.group_size  # the groups still missing
+            examples = task.sample(task_rng, prompts)
+            new, counts = make_rollouts(generator, tok, task, examples, cfg, next_group_id=next_group_id)
+            add_counts(totals, counts)
+            next_group_id += prompts
+            fresh += new
+            buffer.push(new)
+            empty_requests = 0 if new else empty_requests + 1
+            if empty_requests >= MAX_EMPTY_REQUESTS:
+                raise UserError(all_dropped_message(empty_requests, step))
+        gen_seconds = time.perf_counter() - t0
+
+        # 2. sample a batch (its uses are counted) and take one optimizer step
+        batch, since_last_use = buffer.sample(B, step)
+        t0 = time.perf_counter()
+        model.train()
+        generator.sleep()  # colocated vLLM: free its GPU memory for the step
+        memory.start_step()
+        stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
+        optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
+        train_seconds = time.perf_counter() - t0
+        sums = batch_sums(batch, step)
+        step += 1  # the policy version of the updated weights
+        nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
+        if nonfinite_streak >= MAX_NONFINITE_STEPS:
+            raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
+
+        # 3. publish weights to the generator every k steps
+        if step % cfg.publish_every == 0:
+            generator.load_weights(model.state_dict(), step)
+            published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None
+
+        # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
+        count_step(totals, stats, batch_size=B, train_seconds=train_seconds)
+        totals["gen_seconds"] += gen_seconds
+        record = step_record(
+            step=step,
+            stats=stats,
+            fresh=fresh,
+            sums=sums,
+            since_last=since_last_use,
+            buffer_size=len(buffer),
+            evicted_uses=buffer.evicted_uses,
+            batch_size=B,
+            totals=totals,
+            generated_tokens=totals["generated_tokens"] - tokens_before,
+            gen_seconds=gen_seconds,
+            train_seconds=train_seconds,
+            **memory.record(),
+        )
+        evaluating = is_eval_step(cfg, step)
+        evaluator = None
+        if evaluating:  # the trained weights: the generator's when it has them
+            evaluator = generator if generator.policy_version == step else HFGenerator(model, tok)
+        last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
+        if evaluating:
+            lagging = generator.policy_version != step
+            trainer_state = {
+                "step": step,
+                "mode": "sync",
+                "trainers": 1,
+                "next_group_id": next_group_id,
+                "task_rng": task_rng.getstate(),
+                "totals": totals,
+                "buffer": buffer.state_dict(),
+                "rng": run_folder.rng_state(),
+                "generator_version": generator.policy_version,
+                "generator_weights": published if lagging else None,
+            }
+            run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
+    bar.close()
+    runlog.close()
+    generator.close()
+    if step > start_step:
+        mu = measured_mu(totals)
+        print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")
+    return {**last_eval, "run_dir": str(run_dir)}
 
 
-def parse_args(argv: list[str]) -> Args:
-    """--preset NAME picks the defaults; every other flag overrides them."""
-    preset = "cpu"
-    for i, a in enumerate(argv):  # the last --preset wins, as for every other flag
-        if a == "--preset" and i + 1 < len(argv):
-            preset = argv[i + 1]
-        elif a.startswith("--preset="):
-            preset = a.split("=", 1)[1]
-    if preset not in PRESETS:
-        raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
-    cfg = tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
-    if cfg.mode == "async" and any(a == "--generator" or a.startswith("--generator=") for a in argv):
-        raise UserError("--generator: --mode async generates on vLLM servers (--num-generators, --generator-urls)")
-    return cfg
+# ######## The method ends here. What it runs on: tasks, models, generation, evaluation, records, checks ########
+
+
+# Fixed settings of what the method runs on:
+PASS_K_PROMPTS = 50  # held-out prompts for pass@k
+GEN_BATCH_PROMPTS = 64  # prompts per generation call (each expands to G sequences)
+VERIFY_TIMEOUT = 5.0  # seconds a verifier may take on one completion (reward 0 beyond, counted)
+MAX_PASS_K = 256  # largest --pass-k (its samples are generated at every evaluation)
+MAX_EVAL_SIZE = 100_000  # largest --eval-size
+MAX_ROLLOUTS = 65_536  # largest --group-size, --batch-size, --buffer-size (held in memory, G in one generation call)
+MAX_MODEL_LEN = 4096  # positions a prompt and its completion may take (the model's own, if smaller; vLLM's cap)
+SAMPLES = 4  # completions written to <run>/samples.jsonl at each evaluation (and every --sample-every steps)
 
 
 # ===== Tasks and rewards ==========================================================================
@@ -1082,445 +1483,6 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
     return generator
 
 
-# ===== Rollouts and the replay buffer =============================================================
-
-
-@dataclass
-class Rollout:
-    """One completion, with everything the loss needs frozen at generation time."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]  # the sampler's own token ids, never re-encoded text
-    behaviour_logprobs: torch.Tensor  # fp32 [len(completion_ids)], at the training temperature
-    reward: float
-    advantage: float  # GRPO z-score within its group, frozen
-    group_mean: float  # V-hat for AsymRE, frozen
-    policy_version: int  # optimizer steps in the weights that generated it
-    group_id: int
-    truncated: bool = False
-    uses: int = 0
-    last_use_step: int = -1
-    answer: str = ""  # the gold answer, for the samples a run writes
-
-    @property
-    def correct(self) -> bool:
-        return self.reward > 0
-
-
-def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
-    """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
-    r = torch.tensor(rewards, dtype=torch.float64)
-    return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
-
-
-def make_rollouts(
-    generator, tok, task: Task, examples: list[Example], cfg: Args, next_group_id: int, scorer=score_texts
-) -> tuple[list[Rollout], Counter]:
-    """G completions per prompt, scored by `scorer`, group statistics frozen; and the counts of what was generated
-    (rollouts, tokens, verifier failures, zero-variance groups)."""
-    verifier = VERIFIERS[task.verifier]
-    prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
-    groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
-    rollouts, counts = [], Counter()
-    for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
-        counts["generated_rollouts"] += len(samples)
-        counts["generated_tokens"] += sum(len(s.completion_ids) for s in samples)
-        texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
-        scored = scorer(verifier, texts, ex.answer)
-        counts.update(f"verifier_{failure}s" for _, failure in scored if failure)
-        rewards = [r for r, _ in scored]
-        adv, mean = group_advantages(rewards)
-        if len(set(rewards)) == 1:
-            counts["zero_variance_groups"] += 1
-            if cfg.zero_variance_groups == "drop":
-                continue
-        for s, r, a in zip(samples, rewards, adv):
-            if s.versions and s.versions[0] != s.versions[1]:  # its tokens span a publish
-                counts["mixed_version_rollouts"] += 1
-            rollout = Rollout(
-                prompt_ids=pids,
-                completion_ids=s.completion_ids,
-                behaviour_logprobs=s.logprobs,
-                reward=r,
-                advantage=a,
-                group_mean=mean,
-                policy_version=s.versions[0] if s.versions else generator.policy_version,  # its oldest token's
-                group_id=next_group_id + g,
-                truncated=s.truncated,
-                answer=ex.answer,
-            )
-            rollouts.append(rollout)
-    return rollouts, counts
-
-
-def all_dropped_message(requests: int, step: int) -> str:
-    return (
-        f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
-        "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
-        "--zero-variance-groups keep, or another task or warm start"
-    )
-
-
-class ReplayBuffer:
-    """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
-    with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
-    sample(B, step) draws B distinct rollouts and counts each use: uniformly, removing nothing (the paper's), or
-    by another rule (RULES): only never-used ones (without-replacement); never-used ones first (at-least-once);
-    all those pushed since the last sample, the rest by priority (fresh-anchored); by priority (|A| + eps)^alpha
-    x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
-    rollouts older than that many policy versions before sampling, max_uses those used that many times."""
-
-    def __init__(
-        self,
-        capacity: int,
-        positive_bias: float = 0.0,
-        seed: int = 0,
-        sampling: str = "uniform",
-        max_age: int | None = None,
-        max_uses: int | None = None,
-        priority_alpha: float = 0.0,
-        priority_tau: float | None = None,
-    ):
-        self.capacity = capacity
-        self.n_protected = int(round(positive_bias * capacity))
-        if capacity - self.n_protected < 1:
-            raise ValueError(
-                f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
-            )
-        self.sampling = sampling
-        self.max_age = max_age
-        self.max_uses = max_uses
-        self.priority_alpha = priority_alpha
-        self.priority_tau = priority_tau
-        self.items: deque[Rollout] = deque()
-        self.rng = random.Random(seed)
-        self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
-        self.pushed = 0  # rollouts pushed since the last sample (fresh-anchored takes all of them)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def push(self, rollouts: list[Rollout]) -> None:
-        for r in rollouts:
-            self.items.append(r)
-            self.pushed += 1
-            while len(self.items) > self.capacity:
-                self._evict_one()
-
-    def _evict_one(self) -> None:
-        older = len(self.items) - (self.capacity - self.n_protected)  # items[:older]: outside the freshest
-        protected, kept = set(), 0
-        for i in range(older - 1, -1, -1):  # freshest correct older rollouts first
-            if kept == self.n_protected:
-                break
-            if self.items[i].correct:
-                protected.add(i)
-                kept += 1
-        victim = next(i for i in range(len(self.items)) if i not in protected)
-        self._remove([victim])
-
-    def _remove(self, indices) -> None:
-        """Evict the rollouts at `indices`, counting their uses."""
-        for i in sorted(set(indices), reverse=True):
-            self.evicted_uses[self.items[i].uses] += 1
-            del self.items[i]
-
-    def _expire(self, step: int) -> None:
-        """The age cap: evict rollouts more than max_age policy versions older than the trainer (at `step`)."""
-        if self.max_age is not None:
-            self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age])
-
-    def _never_used(self) -> list[int]:
-        return [i for i, r in enumerate(self.items) if r.uses == 0]
-
-    def _drawable(self) -> list[int]:
-        """Indices a batch may be drawn from: the rule's pool (every rollout, or the never-used ones)."""
-        return self._never_used() if self.RULES[self.sampling][1] else list(range(len(self.items)))
-
-    def ready(self, batch_size: int, step: int) -> bool:
-        """Whether sample(batch_size, step) can draw a batch (the age cap applied first)."""
-        self._expire(step)
-        return len(self._drawable()) >= batch_size
-
-    def _weighted(self, pool: list[int], k: int, step: int) -> list[int]:
-        """k of `pool` without replacement, with the priority weights (uniform when there are none)."""
-        if self.priority_alpha == 0 and self.priority_tau is None:
-            return self.rng.sample(pool, k)
-        keys = []
-        for i in pool:  # in logs, so that no exponent or age overflows or underflows a weight
-            r = self.items[i]
-            log_w = self.priority_alpha * math.log(abs(r.advantage) + PRIORITY_EPS)
-            if self.priority_tau is not None:
-                log_w -= (step - r.policy_version) / self.priority_tau
-            e = -math.log(1.0 - self.rng.random())
-            keys.append(log_w - math.log(e) if e > 0 else math.inf)
-        # Efraimidis-Spirakis: the k largest u^(1/w), here log w - log(-log u) in the same order, are successive
-        # draws proportional to w, without replacement
-        order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
-        return [pool[j] for j in order[:k]]
-
-    # The draws: each returns the indices of a batch of k from its pool (_drawable).
-    def _uniform(self, k: int, step: int) -> list[int]:
-        return self.rng.sample(self._drawable(), k)
-
-    def _at_least_once(self, k: int, step: int) -> list[int]:
-        unused = self._never_used()
-        if len(unused) >= k:
-            return self.rng.sample(unused, k)
-        return unused + self.rng.sample([i for i, r in enumerate(self.items) if r.uses > 0], k - len(unused))
-
-    def _fresh_anchored(self, k: int, step: int) -> list[int]:
-        n = len(self.items)
-        fresh = list(range(n - 1, n - 1 - min(self.pushed, n, k), -1))  # at most k, freshest first
-        return fresh + self._weighted(list(range(n - len(fresh))), k - len(fresh), step)
-
-    def _priority(self, k: int, step: int) -> list[int]:
-        return self._weighted(list(range(len(self.items))), k, step)
-
-    def _freshest(self, k: int, step: int) -> list[int]:  # the paper's transfer queue is a LIFO
-        return list(range(len(self.items) - 1, len(self.items) - 1 - k, -1))
-
-    # --sampling: rule -> (draw, draws only never-used rollouts, a drawn rollout leaves the buffer). A new rule is
-    # an entry here (its name becomes a --sampling choice) and, if it has constraints, a check in validate_rules.
-    RULES = {
-        "uniform": (_uniform, False, False),  # the paper's buffer
-        "without-replacement": (_uniform, True, False),  # the paper's Fig. 18 variants
-        "at-least-once": (_at_least_once, False, False),
-        "fresh-anchored": (_fresh_anchored, False, False),  # arXiv 2606.04560
-        "priority": (_priority, False, False),  # |A|-priority with FreshPER's age decay
-        "queue": (_freshest, False, True),  # the paper's no-buffer baseline: each rollout once
-    }
-
-    def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
-        """B distinct rollouts, and the steps since each reused one's previous use."""
-        if not self.ready(batch_size, step):
-            raise ValueError(
-                f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
-                f"--sampling {self.sampling}), a batch needs {batch_size}"
-            )
-        draw, _, consumes = self.RULES[self.sampling]
-        indices = draw(self, batch_size, step)
-        batch = [self.items[i] for i in indices]
-        since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
-        for r in batch:
-            r.uses += 1
-            r.last_use_step = step
-        self.pushed = 0
-        if consumes:
-            self._remove(indices)
-        elif self.max_uses is not None:
-            self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
-        return batch, since_last_use
-
-    def state_dict(self) -> dict:
-        return {
-            "capacity": self.capacity,
-            "n_protected": self.n_protected,
-            "items": [dataclasses.asdict(r) for r in self.items],
-            "rng": self.rng.getstate(),
-            "evicted_uses": dict(self.evicted_uses),
-            "pushed": self.pushed,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.capacity = state["capacity"]
-        self.n_protected = state["n_protected"]
-        known = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints also stored correct, birth_step
-        self.items = deque(Rollout(**{k: v for k, v in r.items() if k in known}) for r in state["items"])
-        self.rng.setstate(state["rng"])
-        old = state["evicted_uses"]  # older checkpoints: a list of use counts
-        self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
-        self.pushed = state.get("pushed", 0)
-
-
-Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args reads its annotation when parsed)
-
-
-def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
-    """The buffer of --buffer-size (or a shard of it) with the run's rules."""
-    return ReplayBuffer(capacity=capacity, seed=seed, **{name: getattr(cfg, name) for name in BUFFER_FLAGS})
-
-
-# ===== Losses and the train step ==================================================================
-
-
-def token_loss(
-    loss: str,
-    logp: torch.Tensor,
-    behaviour: torch.Tensor,
-    advantage: torch.Tensor,
-    reward: torch.Tensor,
-    group_mean: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    delta_v: float,
-    lengths: torch.Tensor | None = None,
-    ratio_level: str = "token",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss to minimise, the ratio pi/pi_behaviour, and a mask of clipped tokens.
-
-    grpo:   -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A),  rho = exp(logp - behaviour)
-    asymre: -(r - (V + delta_v)) * logp                       (no ratio, no clipping)
-    ratio_level "sequence" (grpo): rho is the sequence's, the geometric mean of its token ratios (GSPO's
-    length-normalised sequence ratio), clipped per sequence; `lengths` are the completions' token counts.
-    """
-    log_ratio = logp - behaviour
-    if ratio_level == "sequence":
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths)
-        seq_sum = torch.zeros(len(lengths), device=logp.device, dtype=log_ratio.dtype).index_add(0, seq, log_ratio)
-        log_ratio = (seq_sum / lengths).repeat_interleave(lengths)
-    ratio = torch.exp(log_ratio)
-    if loss == "asymre":
-        return -(reward - (group_mean + delta_v)) * logp, ratio, torch.zeros_like(logp, dtype=torch.bool)
-    unclipped, clipped = ratio * advantage, ratio.clamp(1 - clip_low, 1 + clip_high) * advantage
-    return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
-
-
-def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int) -> torch.Tensor:
-    """Per-token weights summing to 1 over the batch: micro-batch losses add up to the batch loss."""
-    if agg == "token-mean":
-        return torch.full((sum(lengths),), 1.0 / total_tokens)
-    return torch.cat([torch.full((n,), 1.0 / (n * n_seqs)) for n in lengths])
-
-
-def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
-    """One value per rollout, repeated over its completion tokens."""
-    return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
-
-
-def staleness_bucket(staleness: int) -> str:
-    """The STALENESS_BUCKETS label of a staleness: '0', '1', '2-3', '4-7' or '8+'."""
-    return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
-
-
-def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
-    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
-    lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
-    rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
-    per_token = torch.stack([clipped.to(ratio.dtype), abs_log_ratio, ratio, ratio * ratio])
-    per_rollout = torch.zeros(4, len(batch), device=ratio.device, dtype=ratio.dtype)
-    per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
-    for r, n, (n_clipped, abs_log, w, w2) in zip(batch, lengths.tolist(), per_rollout):
-        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += n
-        row[2] += round(n_clipped)
-        row[3] += abs_log
-        row[4] += w
-        row[5] += w2
-
-
-def by_staleness(sums: dict) -> dict:
-    """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
-    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
-    out = {}
-    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label]
-        out[label] = {
-            "rollouts": rollouts,
-            "tokens": tokens,
-            "clip_frac": clipped / tokens,
-            "abs_log_ratio": abs_log_ratio / tokens,
-            "ess": w * w / w2,
-        }
-    return out
-
-
-def all_ranks(flag: torch.Tensor) -> bool:
-    """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = flag.to(torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag)
-
-
-def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int) -> dict:
-    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
-    device = next(model.parameters()).device
-    lengths = [len(r.completion_ids) for r in batch]
-    total_tokens = norm_tokens = sum(lengths)
-    if cfg.loss_agg == "token-mean" and dist.is_initialized() and dist.get_world_size() > 1:
-        # T ranks: FSDP averages their gradients, so divide by the whole batch's tokens / T (not by
-        # this rank's) to get the gradient of the batch token mean, as one process computes it
-        n = torch.tensor(float(total_tokens), device=device)
-        dist.all_reduce(n)
-        norm_tokens = n.item() / dist.get_world_size()
-    optimizer.zero_grad(set_to_none=True)
-    sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
-    ratio_max, nonfinite = 0.0, False
-    staleness_sums = {}  # add_staleness_sums
-    for start in range(0, len(batch), cfg.micro_batch_size):
-        mb = batch[start : start + cfg.micro_batch_size]
-        mb_len = lengths[start : start + cfg.micro_batch_size]
-        pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
-        logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
-        repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
-        behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
-        tok_loss, ratio, clipped = token_loss(
-            loss=cfg.loss,
-            logp=logp,
-            behaviour=behaviour,
-            advantage=per_token([r.advantage for r in mb], repeats),
-            reward=per_token([r.reward for r in mb], repeats),
-            group_mean=per_token([r.group_mean for r in mb], repeats),
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            delta_v=cfg.asymre_delta_v,
-            lengths=repeats,
-            ratio_level=cfg.ratio_level,
-        )
-        loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
-        if not all_ranks(torch.isfinite(loss)):
-            nonfinite = True
-            break
-        loss.backward()
-        with torch.no_grad():
-            sums["loss"] += loss.item()
-            sums["entropy"] += ent.sum().item()
-            sums["clipped"] += clipped.sum().item()
-            sums["ratio"] += ratio.sum().item()
-            ratio_max = max(ratio_max, ratio.max().item())
-            add_staleness_sums(
-                staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
-            )
-            # sampler/trainer agreement, on rollouts made by exactly the weights trained now
-            fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
-            if fresh.any():
-                d = (logp - behaviour)[fresh]
-                sums["mismatch_abs"] += d.abs().sum().item()
-                sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
-                sums["mismatch_tokens"] += int(fresh.sum())
-    params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    nonfinite = nonfinite or not torch.isfinite(grad_norm)
-    if nonfinite:
-        optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
-    else:
-        optimizer.step()
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
-        if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
-            raise UserError(
-                f"the weights are not finite after the optimizer step at policy version {version} "
-                f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
-            )
-    m = sums.pop("mismatch_tokens")
-    stats = {
-        "loss": sums["loss"],
-        "entropy": sums["entropy"] / total_tokens,
-        "clip_frac": sums["clipped"] / total_tokens,
-        "ratio_mean": sums["ratio"] / total_tokens,
-        "ratio_max": ratio_max,
-        "grad_norm": float("nan") if nonfinite else float(grad_norm),
-        "nonfinite": int(nonfinite),
-        "trained_tokens": total_tokens,
-        "staleness_sums": staleness_sums,
-    }
-    if m:
-        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
-        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
-    return stats
-
-
 # ===== Evaluation and checkpoints =================================================================
 
 
@@ -1730,139 +1692,190 @@ def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, eva
     return metrics
 
 
-# ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
+def staleness_bucket(staleness: int) -> str:
+    """The STALENESS_BUCKETS label of a staleness: '0', '1', '2-3', '4-7' or '8+'."""
+    return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
 
 
-def train(cfg: Args) -> dict:
-    """The synchronous loop (one process); returns the last evaluation metrics (and the run folder)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run_folder.seed_everything(cfg.seed)
-    kernels.report_precision(device)
-    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    run_name, run_dir, ckpt = run_folder.open_run(cfg)
-    task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
-    kernels.check_memory_plan(cfg, model, task.longest_prompt, device)  # refuses a run that cannot fit
-    kernels.checkpoint_layers(model, cfg.activation_checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
-    memory = kernels.StepMemory(device)
-    with memory.generator_share():  # left out of each step's peak, and logged apart
-        generator = make_generator(cfg, model, tok, model_dir)
-    published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None  # lagging generator weights
-    task_rng = random.Random(cfg.seed)
-    totals = new_totals()  # run totals (checkpointed)
-    step, next_group_id, nonfinite_streak, empty_requests = 0, 0, 0, 0  # step: optimizer steps taken
-    if state is not None:  # an optimizer state of another model raises ValueError: named
-        run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
-        buffer.load_state_dict(state["buffer"])
-        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
-            published = state["generator_weights"]
-        generator.load_weights(published or model.state_dict(), state["generator_version"])
-        task_rng.setstate(state["task_rng"])
-        totals.update(state.get("totals", state.get("counters")))  # "counters" in older checkpoints
-        step, next_group_id = state["step"], state["next_group_id"]
-        run_folder.set_rng_state(state["rng"])
-    runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
+def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
+    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
+    lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
+    rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
+    per_token = torch.stack([clipped.to(ratio.dtype), abs_log_ratio, ratio, ratio * ratio])
+    per_rollout = torch.zeros(4, len(batch), device=ratio.device, dtype=ratio.dtype)
+    per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
+    for r, n, (n_clipped, abs_log, w, w2) in zip(batch, lengths.tolist(), per_rollout):
+        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += n
+        row[2] += round(n_clipped)
+        row[3] += abs_log
+        row[4] += w
+        row[5] += w2
 
-    on_policy = "  (on-policy GRPO)" if N == B == R and cfg.publish_every == 1 else ""
-    print(
-        f"run folder: {run_dir}\nschedule: R = {R} fresh rollouts/step ({cfg.prompts_per_step} prompts x G="
-        f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
-        f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}"
+
+def by_staleness(sums: dict) -> dict:
+    """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
+    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
+    out = {}
+    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
+        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label]
+        out[label] = {
+            "rollouts": rollouts,
+            "tokens": tokens,
+            "clip_frac": clipped / tokens,
+            "abs_log_ratio": abs_log_ratio / tokens,
+            "ess": w * w / w2,
+        }
+    return out
+
+
+# ===== Flag checks ================================================================================
+
+
+def validate(cfg: Args) -> None:
+    """Refuse settings that cannot work: one line naming the flag and what would be valid."""
+
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+
+    def flag(name):
+        return f"--{name.replace('_', '-')} {getattr(cfg, name)}"
+
+    for names, test, valid in (
+        (
+            "group_size prompts_per_step batch_size buffer_size total_steps max_new_tokens pass_k micro_batch_size "
+            "publish_every num_generators eval_size arith_terms sft_patience sft_check_prompts".split(),
+            lambda v: v >= 1,
+            ">= 1",
+        ),
+        ("eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout".split(), lambda v: v >= 0, ">= 0"),
+        (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
+        (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
+        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
+        (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
+        (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
+        (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
+        (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
+        (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
+        (("asymre_delta_v",), lambda v: -1 <= v <= 1, "in [-1, 1] (rewards are 0 or 1)"),
+    ):
+        for name in names:
+            need(test(getattr(cfg, name)), f"{flag(name)}: must be {valid}")
+    need(
+        cfg.group_size >= 2 or cfg.loss != "grpo",
+        f"--group-size {cfg.group_size}: GRPO needs at least 2 "
+        "completions per prompt to form an advantage (use >= 2, the paper uses 16)",
     )
-    last_eval = {}
-    if step == 0:
-        last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
+    need(
+        cfg.buffer_size >= cfg.batch_size,
+        f"--buffer-size {cfg.buffer_size} is smaller than --batch-size "
+        f"{cfg.batch_size}: a batch is sampled without replacement from the buffer, so N must be >= B",
+    )
+    protected = round(cfg.positive_bias * cfg.buffer_size)
+    need(
+        cfg.buffer_size - protected >= 1,
+        f"--positive-bias {cfg.positive_bias} with --buffer-size "
+        f"{cfg.buffer_size} reserves all {protected} slots for older correct rollouts, leaving none for the "
+        "freshest ones (every new incorrect rollout would be evicted on arrival): lower it or raise --buffer-size",
+    )
+    need(
+        cfg.rollouts_per_step <= cfg.buffer_size,
+        f"--prompts-per-step {cfg.prompts_per_step} x --group-size "
+        f"{cfg.group_size} = {cfg.rollouts_per_step} fresh rollouts a step exceed --buffer-size {cfg.buffer_size}: "
+        "the buffer would evict fresh rollouts on arrival (R must be <= N)",
+    )
+    need(
+        cfg.pass_k <= MAX_PASS_K,
+        f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
+        f"{PASS_K_PROMPTS} prompts at every evaluation)",
+    )
+    need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
+    need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
+    for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
+        need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
+    need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
+    need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    urls, W = cfg.generator_urls, cfg.num_generators
+    need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
+    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
+    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    validate_rules(cfg, need)
 
-    start_step = step
-    bar = run_folder.Progress(step, cfg.total_steps)
-    while step < cfg.total_steps:
-        # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
-        #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing
-        #    groups again until R survive, so that N = B = R stays exactly on-policy.
-        t0 = time.perf_counter()
-        fresh: list[Rollout] = []
-        tokens_before = totals["generated_tokens"]
-        while len(fresh) < R or not buffer.ready(B, step):
-            prompts = cfg.prompts_per_step  # the buffer still lacks a batch
-            if len(fresh) < R:
-                prompts = (R - len(fresh)) // cfg.group_size  # the groups still missing
-            examples = task.sample(task_rng, prompts)
-            new, counts = make_rollouts(generator, tok, task, examples, cfg, next_group_id=next_group_id)
-            add_counts(totals, counts)
-            next_group_id += prompts
-            fresh += new
-            buffer.push(new)
-            empty_requests = 0 if new else empty_requests + 1
-            if empty_requests >= MAX_EMPTY_REQUESTS:
-                raise UserError(all_dropped_message(empty_requests, step))
-        gen_seconds = time.perf_counter() - t0
 
-        # 2. sample a batch (its uses are counted) and take one optimizer step
-        batch, since_last_use = buffer.sample(B, step)
-        t0 = time.perf_counter()
-        model.train()
-        generator.sleep()  # colocated vLLM: free its GPU memory for the step
-        memory.start_step()
-        stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
-        optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
-        train_seconds = time.perf_counter() - t0
-        sums = batch_sums(batch, step)
-        step += 1  # the policy version of the updated weights
-        nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0
-        if nonfinite_streak >= MAX_NONFINITE_STEPS:
-            raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
+def validate_rules(cfg: Args, need) -> None:
+    """Refuse buffer rules that cannot work, or flags that the chosen rule would ignore."""
+    R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
+    need(
+        cfg.max_age is None or cfg.max_age >= max(1, cfg.publish_every - 1),
+        f"--max-age {cfg.max_age}: must be "
+        f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)",
+    )
+    prioritized = cfg.priority_alpha > 0 or cfg.priority_tau is not None
+    need(
+        not prioritized or cfg.sampling in ("priority", "fresh-anchored"),
+        f"--priority-alpha / --priority-tau: "
+        f"only --sampling priority and fresh-anchored draw by priority, not --sampling {cfg.sampling}",
+    )
+    need(
+        prioritized or cfg.sampling != "priority",
+        "--sampling priority needs --priority-alpha > 0 or "
+        "--priority-tau (with neither, every weight is 1: that is --sampling uniform)",
+    )
+    need(
+        cfg.sampling != "fresh-anchored" or B >= R,
+        f"--sampling fresh-anchored: a batch holds every fresh rollout, "
+        f"so --batch-size {B} must be >= R = {R} (--prompts-per-step x --group-size)",
+    )
+    need(cfg.ratio_level == "token" or cfg.loss == "grpo", "--ratio-level sequence: only --loss grpo has a ratio")
+    unprotected = N - round(cfg.positive_bias * N)
+    need(
+        cfg.sampling != "without-replacement" or unprotected >= B,
+        f"--sampling without-replacement: "
+        f"--positive-bias {cfg.positive_bias} keeps {N - unprotected} of the --buffer-size {N} slots for older "
+        f"rollouts, leaving {unprotected} for never-used ones, fewer than --batch-size {B}",
+    )
+    if cfg.sampling != "queue":
+        return
+    need(
+        cfg.positive_bias == 0,
+        f"--sampling queue --positive-bias {cfg.positive_bias}: the queue consumes every "
+        "rollout once and keeps none back: use --positive-bias 0",
+    )
+    need(
+        cfg.max_age is None and cfg.max_uses is None,
+        "--sampling queue: every rollout is used once and none is evicted, so --max-age and --max-uses do not apply",
+    )
+    need(
+        B % R == 0,
+        f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
+        "--group-size), so that whole requests fill a batch and no rollout waits forever",
+    )
+    need(
+        cfg.mode == "sync" or cfg.zero_variance_groups == "keep",
+        "--sampling queue --mode async needs "
+        "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly",
+    )
 
-        # 3. publish weights to the generator every k steps
-        if step % cfg.publish_every == 0:
-            generator.load_weights(model.state_dict(), step)
-            published = cpu_copy(model.state_dict()) if cfg.publish_every > 1 else None
 
-        # 4. metrics; evaluation and a checkpoint every --eval-every steps and at the end
-        count_step(totals, stats, batch_size=B, train_seconds=train_seconds)
-        totals["gen_seconds"] += gen_seconds
-        record = step_record(
-            step=step,
-            stats=stats,
-            fresh=fresh,
-            sums=sums,
-            since_last=since_last_use,
-            buffer_size=len(buffer),
-            evicted_uses=buffer.evicted_uses,
-            batch_size=B,
-            totals=totals,
-            generated_tokens=totals["generated_tokens"] - tokens_before,
-            gen_seconds=gen_seconds,
-            train_seconds=train_seconds,
-            **memory.record(),
-        )
-        evaluating = is_eval_step(cfg, step)
-        evaluator = None
-        if evaluating:  # the trained weights: the generator's when it has them
-            evaluator = generator if generator.policy_version == step else HFGenerator(model, tok)
-        last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
-        if evaluating:
-            lagging = generator.policy_version != step
-            trainer_state = {
-                "step": step,
-                "mode": "sync",
-                "trainers": 1,
-                "next_group_id": next_group_id,
-                "task_rng": task_rng.getstate(),
-                "totals": totals,
-                "buffer": buffer.state_dict(),
-                "rng": run_folder.rng_state(),
-                "generator_version": generator.policy_version,
-                "generator_weights": published if lagging else None,
-            }
-            run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
-    bar.close()
-    runlog.close()
-    generator.close()
-    if step > start_step:
-        mu = measured_mu(totals)
-        print(f"measured mu = {mu:.2f} on this machine (the planner's input: replay_grpo.py plan --mu {mu:.2f})")
-    return {**last_eval, "run_dir": str(run_dir)}
+def parse_args(argv: list[str]) -> Args:
+    """--preset NAME picks the defaults; every other flag overrides them."""
+    preset = "cpu"
+    for i, a in enumerate(argv):  # the last --preset wins, as for every other flag
+        if a == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif a.startswith("--preset="):
+            preset = a.split("=", 1)[1]
+    if preset not in PRESETS:
+        raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
+    cfg = tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
+    if cfg.mode == "async" and any(a == "--generator" or a.startswith("--generator=") for a in argv):
+        raise UserError("--generator: --mode async generates on vLLM servers (--num-generators, --generator-urls)")
+    return cfg
 
 
 # ===== The planner: the paper's compute-optimal N/R and B/R =======================================
