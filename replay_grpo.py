@@ -39,7 +39,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, NamedTuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -231,6 +231,14 @@ def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
     return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
 
 
+class Rule(NamedTuple):
+    """A --sampling rule of the buffer."""
+
+    draw: Callable  # (buffer, k, step) -> the indices of a batch of k distinct rollouts
+    unused_only: bool = False  # a batch is drawn from the never-used rollouts only
+    consumes: bool = False  # a drawn rollout leaves the buffer
+
+
 class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
     with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
@@ -305,7 +313,7 @@ class ReplayBuffer:
 
     def _drawable(self) -> list[int]:
         """Indices a batch may be drawn from: the rule's pool (every rollout, or the never-used ones)."""
-        return self._never_used() if self.RULES[self.sampling][1] else list(range(len(self.items)))
+        return self._never_used() if self.RULES[self.sampling].unused_only else list(range(len(self.items)))
 
     def ready(self, batch_size: int, step: int) -> bool:
         """Whether sample(batch_size, step) can draw a batch (the age cap applied first)."""
@@ -350,15 +358,15 @@ class ReplayBuffer:
     def _freshest(self, k: int, step: int) -> list[int]:  # the paper's transfer queue is a LIFO
         return list(range(len(self.items) - 1, len(self.items) - 1 - k, -1))
 
-    # --sampling: rule -> (draw, draws only never-used rollouts, a drawn rollout leaves the buffer). A new rule is
-    # an entry here (its name becomes a --sampling choice) and, if it has constraints, a check in validate_rules.
+    # --sampling: rule name -> Rule. A new rule is an entry here (its name becomes a --sampling choice) and, if it
+    # has constraints, a check in validate_rules.
     RULES = {
-        "uniform": (_uniform, False, False),  # the paper's buffer
-        "without-replacement": (_uniform, True, False),  # the paper's Fig. 18 variants
-        "at-least-once": (_at_least_once, False, False),
-        "fresh-anchored": (_fresh_anchored, False, False),  # arXiv 2606.04560
-        "priority": (_priority, False, False),  # |A|-priority with FreshPER's age decay
-        "queue": (_freshest, False, True),  # the paper's no-buffer baseline: each rollout once
+        "uniform": Rule(_uniform),  # the paper's buffer
+        "without-replacement": Rule(_uniform, unused_only=True),  # the paper's Fig. 18 variants
+        "at-least-once": Rule(_at_least_once),
+        "fresh-anchored": Rule(_fresh_anchored),  # arXiv 2606.04560
+        "priority": Rule(_priority),  # |A|-priority with FreshPER's age decay
+        "queue": Rule(_freshest, consumes=True),  # the paper's no-buffer baseline: each rollout once
     }
 
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
@@ -368,15 +376,15 @@ class ReplayBuffer:
                 f"buffer holds {len(self.items)} rollouts ({len(self._drawable())} drawable by "
                 f"--sampling {self.sampling}), a batch needs {batch_size}"
             )
-        draw, _, consumes = self.RULES[self.sampling]
-        indices = draw(self, batch_size, step)
+        rule = self.RULES[self.sampling]
+        indices = rule.draw(self, batch_size, step)
         batch = [self.items[i] for i in indices]
         since_last_use = [step - r.last_use_step for r in batch if r.last_use_step >= 0]
         for r in batch:
             r.uses += 1
             r.last_use_step = step
         self.pushed = 0
-        if consumes:
+        if rule.consumes:
             self._remove(indices)
         elif self.max_uses is not None:
             self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
@@ -395,12 +403,10 @@ class ReplayBuffer:
     def load_state_dict(self, state: dict) -> None:
         self.capacity = state["capacity"]
         self.n_protected = state["n_protected"]
-        known = {f.name for f in dataclasses.fields(Rollout)}  # older checkpoints also stored correct, birth_step
-        self.items = deque(Rollout(**{k: v for k, v in r.items() if k in known}) for r in state["items"])
+        self.items = deque(Rollout(**r) for r in state["items"])
         self.rng.setstate(state["rng"])
-        old = state["evicted_uses"]  # older checkpoints: a list of use counts
-        self.evicted_uses = Counter(old) if isinstance(old, list) else Counter({int(u): n for u, n in old.items()})
-        self.pushed = state.get("pushed", 0)
+        self.evicted_uses = Counter({int(u): n for u, n in state["evicted_uses"].items()})
+        self.pushed = state["pushed"]
 
 
 Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args reads its annotation when parsed)
@@ -470,20 +476,17 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
     device = next(model.parameters()).device
     lengths = [len(r.completion_ids) for r in batch]
-    total_tokens = norm_tokens = sum(lengths)
+    norm_tokens = sum(lengths)
     if cfg.loss_agg == "token-mean" and dist.is_initialized() and dist.get_world_size() > 1:
         # T ranks: FSDP averages their gradients, so divide by the whole batch's tokens / T (not by
         # this rank's) to get the gradient of the batch token mean, as one process computes it
-        n = torch.tensor(float(total_tokens), device=device)
+        n = torch.tensor(float(norm_tokens), device=device)
         dist.all_reduce(n)
         norm_tokens = n.item() / dist.get_world_size()
     optimizer.zero_grad(set_to_none=True)
-    sums = dict(loss=0.0, entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
-    ratio_max, nonfinite = 0.0, False
-    staleness_sums = {}  # add_staleness_sums
+    loss_sum, nonfinite, parts = 0.0, False, []  # parts: each micro-batch's tensors, for step_metrics
     for start in range(0, len(batch), cfg.micro_batch_size):
-        mb = batch[start : start + cfg.micro_batch_size]
-        mb_len = lengths[start : start + cfg.micro_batch_size]
+        mb, mb_len = batch[start : start + cfg.micro_batch_size], lengths[start : start + cfg.micro_batch_size]
         pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
         logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
         repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
@@ -506,22 +509,8 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             nonfinite = True
             break
         loss.backward()
-        with torch.no_grad():
-            sums["loss"] += loss.item()
-            sums["entropy"] += ent.sum().item()
-            sums["clipped"] += clipped.sum().item()
-            sums["ratio"] += ratio.sum().item()
-            ratio_max = max(ratio_max, ratio.max().item())
-            add_staleness_sums(
-                staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
-            )
-            # sampler/trainer agreement, on rollouts made by exactly the weights trained now
-            fresh = torch.tensor([r.policy_version == version for r in mb], device=device).repeat_interleave(repeats)
-            if fresh.any():
-                d = (logp - behaviour)[fresh]
-                sums["mismatch_abs"] += d.abs().sum().item()
-                sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
-                sums["mismatch_tokens"] += int(fresh.sum())
+        loss_sum += loss.item()
+        parts.append((mb, repeats, logp.detach(), behaviour, ent.detach(), ratio.detach(), clipped))
     params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     nonfinite = nonfinite or not torch.isfinite(grad_norm)
@@ -535,19 +524,42 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
                 f"the weights are not finite after the optimizer step at policy version {version} "
                 f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
             )
-    m = sums.pop("mismatch_tokens")
+    return step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
+
+
+@torch.no_grad()
+def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
+    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
+    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
+    log-prob mismatch on the rollouts made by exactly the weights trained now."""
+    sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
+    ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
+    for mb, repeats, logp, behaviour, ent, ratio, clipped in parts:
+        sums["entropy"] += ent.sum().item()
+        sums["clipped"] += clipped.sum().item()
+        sums["ratio"] += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        add_staleness_sums(
+            staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
+        )
+        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
+        if fresh.any():
+            d = (logp - behaviour)[fresh]
+            sums["mismatch_abs"] += d.abs().sum().item()
+            sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
+            sums["mismatch_tokens"] += int(fresh.sum())
     stats = {
-        "loss": sums["loss"],
+        "loss": loss,
         "entropy": sums["entropy"] / total_tokens,
         "clip_frac": sums["clipped"] / total_tokens,
         "ratio_mean": sums["ratio"] / total_tokens,
         "ratio_max": ratio_max,
-        "grad_norm": float("nan") if nonfinite else float(grad_norm),
-        "nonfinite": int(nonfinite),
+        "grad_norm": grad_norm,
+        "nonfinite": int(math.isnan(grad_norm)),  # train_step passes NaN for a skipped step
         "trained_tokens": total_tokens,
         "staleness_sums": staleness_sums,
     }
-    if m:
+    if m := sums["mismatch_tokens"]:
         stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
         stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
     return stats
@@ -634,7 +646,7 @@ def train(cfg: Args) -> dict:
             published = state["generator_weights"]
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
-        totals.update(state.get("totals", state.get("counters")))  # "counters" in older checkpoints
+        totals.update(state["totals"])
         step, next_group_id = state["step"], state["next_group_id"]
         run_folder.set_rng_state(state["rng"])
     runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
@@ -1605,15 +1617,17 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         return torch.load(path, weights_only=False)
 
     sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
-    state = run_folder.read_checkpoint_file(ckpt, "trainer_state.pt", torch_load, keys=("step", *sync_keys))
-    if rank == 0 and "optimizer" not in state:  # older checkpoints kept it in trainer_state.pt
+    state = run_folder.read_checkpoint_file(
+        ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
+    )
+    if rank == 0:
         state["optimizer"] = run_folder.read_checkpoint_file(
             ckpt, "optimizer.pt", torch_load, ("state", "param_groups")
         )
-    if (state.get("mode", "sync"), state.get("trainers", 1)) != (cfg.mode, trainers):
+    if (state["mode"], state["trainers"]) != (cfg.mode, trainers):
         raise UserError(
-            f"--resume: {ckpt} was saved by --mode {state.get('mode', 'sync')} with "
-            f"{state.get('trainers', 1)} trainer rank(s); resume it that way, not with "
+            f"--resume: {ckpt} was saved by --mode {state['mode']} with "
+            f"{state['trainers']} trainer rank(s); resume it that way, not with "
             f"--mode {cfg.mode} on {trainers} rank(s)"
         )
     # checkpoints hold the fp32 masters
