@@ -500,10 +500,30 @@ def test_warm_start_cache_key_covers_every_field_that_shapes_it(tmp_path, capsys
     assert "warm start: 2 supervised steps" in capsys.readouterr().out  # another training split
     cfg = rg.parse_args(["--eval-size", "3"])
     for f in dataclasses_fields():
-        if f not in warm_start.NOT_WARM_START:  # by exclusion: every other field is in the key
+        if f in warm_start.WARM_START_FLAGS:
             other = rg.dataclasses.replace(cfg, **{f: flipped(getattr(cfg, f))})
             cpu = torch.device("cpu")
             assert warm_start.warm_start_key(other, cpu) != warm_start.warm_start_key(cfg, cpu), f
+
+
+def test_a_flag_outside_the_warm_start_key_changes_nothing_in_the_warm_start(tmp_path, monkeypatch):
+    """Every flag outside WARM_START_FLAGS set to another value at once: the same key, and a warm start trained
+    again (with its pass@k checks) gives the same weights, record and random streams, bit for bit."""
+    monkeypatch.setattr(warm_start, "CHECK_EVERY", 2)
+    cfg = rg.parse_args(small_args(tmp_path / "a", "--sft-warmup-steps", "3", "--sft-target", "0.5"))
+    others = {f: flipped(getattr(cfg, f)) for f in dataclasses_fields() if f not in warm_start.WARM_START_FLAGS}
+    other = rg.dataclasses.replace(cfg, **others | {"out_dir": str(tmp_path / "b")})
+    cpu = torch.device("cpu")
+    assert warm_start.warm_start_key(other, cpu) == warm_start.warm_start_key(cfg, cpu)
+    results = []
+    for c in (cfg, other):
+        rg.run_folder.seed_everything(c.seed)
+        model, _, _, info = warm_start.train_and_cache(c, cpu, rg.make_task(c), tmp_path / c.out_dir / "cache")
+        info.pop("seconds")
+        results.append((model.state_dict(), info, rg.run_folder.rng_state()["torch"]))
+    (weights_a, info_a, rng_a), (weights_b, info_b, rng_b) = results
+    assert info_a == info_b and info_a["pass@k"] is not None and torch.equal(rng_a, rng_b)  # the checks ran
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
 def dataclasses_fields():

@@ -13,7 +13,6 @@ what it imitates (a run of noisy pass@k checks stops each seed at another point)
 """
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -35,49 +34,26 @@ BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
 STREAMS = "rng_state.pt"  # in a cache: the random streams' state at the warm start's end (run_folder.rng_state)
 CACHE_FILES = ("warmstart.json", STREAMS, "config.json", "tokenizer_config.json", "model.safetensors")
-# Flags that cannot change the warm start; the cache key is every other field, so a new flag is in it.
-NOT_WARM_START = {
-    "preset",
-    "group_size",
-    "prompts_per_step",
-    "batch_size",
-    "buffer_size",
-    "publish_every",
-    "loss",
-    "clip_low",
-    "clip_high",
-    "asymre_delta_v",
-    "positive_bias",
-    "lr",
-    "temperature",
-    "loss_agg",
-    "zero_variance_groups",
-    "total_steps",
-    "eval_every",
-    "out_dir",
-    "run_name",
-    "resume",
-    "wandb",
-    "mode",
-    "num_generators",
-    "generator_urls",
-    "generator_host",
-    "weight_transfer",
-    "generator",
-    "vllm_gpu_memory_utilization",
-    "micro_batch_size",
-    "grad_clip",
-    "sample_every",
-    "verbose",
-    "dist_timeout",
-    "sampling",
-    "max_age",
-    "max_uses",
-    "priority_alpha",
-    "priority_tau",
-    "ratio_level",
-    "activation_checkpointing",
-}
+# The flags the warm start reads (the task and its held-out split, the base model, the supervised schedule and its
+# pass@k checks, the seed): its cache key. A flag outside it must not change the warm start (a test checks that).
+WARM_START_FLAGS = (
+    "task",
+    "model",
+    "data_path",
+    "eval_size",
+    "max_new_tokens",
+    "arith_terms",
+    "arith_max_operand",
+    "arith_demo_error",
+    "sft_warmup_steps",
+    "sft_target",
+    "sft_patience",
+    "sft_check_prompts",
+    "sft_lr",
+    "sft_lr_decay",
+    "seed",
+    "pass_k",
+)
 
 
 def byte_tokenizer():
@@ -130,9 +106,9 @@ def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_s
 
 
 def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
-    """Every field that can change the warm start, and the compute dtype it trains in (a CPU's fp32 warm start is
-    another model than a GPU's bf16 one)."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_WARM_START}
+    """The flags the warm start reads, and the compute dtype it trains in (a CPU's fp32 warm start is another model
+    than a GPU's bf16 one)."""
+    fields = {k: getattr(cfg, k) for k in WARM_START_FLAGS}
     fields["compute_dtype"] = str(kernels.compute_dtype(device))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
