@@ -17,7 +17,12 @@ mean (--loss-agg), the z-score uses the population std + 1e-6; zero-variance gro
 counted (--zero-variance-groups drop refills them); training samples untruncated (top-p 1, no top-k)
 so behaviour and trainer log-probs agree; a supervised warm start gives the tiny model its skill;
 the synchronous loop alternates generation and training, the paper's W/T split is --mode async
-(async_pipeline.py). Sections follow a rollout's path.
+(async_pipeline.py).
+
+Two parts, each in the order a rollout flows. The method: the config and presets, Rollout and the advantages, the
+ReplayBuffer and its rules, the losses and train_step, the rollout maker, the synchronous loop `train`. Then, after
+the one line that marks its end, what it runs on: tasks and rewards, models and log-probs, generation, evaluation,
+the run's records, flag checks, the planner, main.
 """
 
 from __future__ import annotations

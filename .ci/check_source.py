@@ -3,7 +3,9 @@
 
 - the source files (not the tests): no call with six or more positional arguments (keywords say what each is;
   ctx.save_for_backward takes its tensors as positional arguments only);
-- code and docs cite no file outside the repository and no issue number (the project speaks for itself).
+- code and docs cite no file outside the repository and no issue number (the project speaks for itself);
+- replay_grpo.py puts the method first: each of METHOD_LINES starts before its line (the file is ruff-formatted,
+  checked before this).
 
 Prints one line per violation (file:line: what) and exits 1 if there is any.
 """
@@ -15,6 +17,9 @@ import sys
 from pathlib import Path
 
 MAX_POSITIONAL = 5
+METHOD = "replay_grpo.py"
+METHOD_END = "# ######## The method ends here."  # the one marked line between the method and what it runs on
+METHOD_LINES = {"class ReplayBuffer": 260, "def token_loss": 450, "def train(": 650, METHOD_END: 800}
 
 
 def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
@@ -35,6 +40,12 @@ def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
                 out.append(f"{path}:{text.count(chr(10), 0, m.start()) + 1}: cites {m[1]}, not in the repository")
         for m in re.finditer(r"\b[Ii]ssue #?\d+", text):
             out.append(f"{path}:{text.count(chr(10), 0, m.start()) + 1}: cites {m[0]!r}")
+    if path.name == METHOD:
+        lines = text.splitlines()
+        for start, limit in METHOD_LINES.items():
+            at = next((i + 1 for i, line in enumerate(lines) if line.startswith(start)), None)
+            if at is None or at >= limit:
+                out.append(f"{path}:{at or '-'}: {start!r} must start before line {limit} (the method first)")
     return out
 
 

@@ -6,12 +6,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_source_check_names_each_kind_of_violation():
-    """Calls with six positional arguments in a source file (not a test; not save_for_backward), citations of files
-    outside the repository and of issue numbers; line length and the rest are ruff's."""
+def load_check():
     spec = importlib.util.spec_from_file_location("check_source", ROOT / ".ci" / "check_source.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
+    return check
+
+
+def test_the_source_check_names_each_kind_of_violation():
+    """Calls with six positional arguments in a source file (not a test; not save_for_backward), citations of files
+    outside the repository and of issue numbers; line length and the rest are ruff's."""
+    check = load_check()
     code = "x = 1\n" + "y = '" + "a" * 120 + "'\n" + "f(1, 2, 3, 4, 5, 6)\nctx.save_for_backward(a, b, c, d, e, f)\n"
     found = check.violations(Path("source.py"), code, set())
     assert found == ["source.py:3: a call with 6 positional arguments (at most 5: pass the others by keyword)"]
@@ -20,3 +25,15 @@ def test_the_source_check_names_each_kind_of_violation():
     found = check.violations(Path("README.md"), f"see {other} and {issue}\n", {"README.md"})
     assert found == [f"README.md:1: cites {other}, not in the repository", f"README.md:1: cites '{issue}'"]
     assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
+
+
+def test_the_source_check_keeps_the_method_first_in_replay_grpo():
+    """The method's landmarks in replay_grpo.py before their lines: the real file passes; one pushed down fails."""
+    check = load_check()
+    path = Path("replay_grpo.py")
+    text = (ROOT / path).read_text()
+    assert check.violations(path, text, set()) == []
+    pushed = "\n" * 300 + text  # 300 more lines above everything
+    found = check.violations(path, pushed, set())
+    assert len(found) == 4 and "'class ReplayBuffer' must start before line 260" in found[0]
+    assert check.violations(path, text.replace(check.METHOD_END, "# the end"), set())[-1].startswith(path.name + ":-:")
