@@ -958,7 +958,7 @@ def train_async(cfg: rg.Args) -> dict:
                 f"({B // T}/rank), buffer N = {N} ({N // T}/rank), {loop.capacity} requests in flight or waiting, "
                 f"weights by {how} every {cfg.publish_every} step(s)"
             )
-            bar = run_folder.Progress(step, cfg.total_steps)
+            bar = rg.Progress(step, cfg.total_steps)
 
         while step < cfg.total_steps:
             # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the

@@ -667,7 +667,7 @@ def train(cfg: Args) -> dict:
         last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
 
     start_step = step
-    bar = run_folder.Progress(step, cfg.total_steps)
+    bar = Progress(step, cfg.total_steps)
     while step < cfg.total_steps:
         # 1. generate R fresh rollouts, and more while the buffer cannot draw a batch (at the start; under
         #    rules that draw never-used rollouts only). With --zero-variance-groups drop, ask for the missing
@@ -1116,10 +1116,10 @@ def context_length(model) -> int:
     return min(getattr(model.config, "max_position_embeddings", None) or MAX_MODEL_LEN, MAX_MODEL_LEN)
 
 
-def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
+def fit_to_context(cfg: Args, task: Task, tok, model, rank: int = 0) -> None:
     """Drop the prompts that cannot take --max-new-tokens more within the model's context (the held-out ones and,
-    for a task of rows, the training ones) and return how many; refuse when none is left, or when the task draws
-    its prompts (arith) and a held-out one does not fit."""
+    for a task of rows, the training ones) and say how many (rank 0); refuse when none is left, or when the task
+    draws its prompts (arith) and a held-out one does not fit."""
     context = context_length(model)
     room = context - cfg.max_new_tokens
     why = f"the model's context is {context} positions and --max-new-tokens {cfg.max_new_tokens}"
@@ -1144,7 +1144,9 @@ def fit_to_context(cfg: Args, task: Task, tok, model) -> dict:
         task.longest_prompt = max([task.longest_prompt] + [n for n in lengths if n <= room])
     if task.train is None and skipped["skipped_eval_prompts"]:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
-    return {k: v for k, v in skipped.items() if v}
+    if any(skipped.values()) and rank == 0:
+        counts = ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items() if n)
+        print(f"prompts longer than the model's context less --max-new-tokens are skipped: {counts}")
 
 
 def load_base_policy(cfg: Args, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -1601,7 +1603,7 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
         warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
-    run_folder.print_eval(print, 0, metrics, samples)
+    print_eval(print, 0, metrics, samples)
     return metrics
 
 
@@ -1615,7 +1617,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         print(f"{cfg.data_path}: {task.repeats} training row(s) repeat a held-out prompt: left out of training")
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task)
-        run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
+        fit_to_context(cfg, task, tok, model, rank)
         return task, model, tok, model_dir, warm, None
 
     def torch_load(path: Path):
@@ -1639,7 +1641,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     model, tok = run_folder.read_checkpoint_file(
         ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32)
     )
-    run_folder.report_skipped(fit_to_context(cfg, task, tok, model), rank)
+    fit_to_context(cfg, task, tok, model, rank)
     return task, model.to(device), tok, str(ckpt), None, state
 
 
@@ -1693,14 +1695,14 @@ def step_record(
 def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, evaluator, runlog, bar) -> dict | None:
     """Both loops' end of a step: a few trained rollouts every --sample-every steps; with an `evaluator` (at
     evaluation steps) the held-out evaluation, into the record; the record written and the console's progress
-    (`bar`, a run_folder.Progress) moved. Returns the evaluation (None without one)."""
+    (`bar`, a Progress) moved. Returns the evaluation (None without one)."""
     step, metrics = record["step"], None
-    samples = run_folder.sample_rows(tok, batch[:SAMPLES]) if cfg.sample_every and step % cfg.sample_every == 0 else []
+    samples = sample_rows(tok, batch[:SAMPLES]) if cfg.sample_every and step % cfg.sample_every == 0 else []
     if evaluator is not None:
         metrics, eval_samples = evaluate(evaluator, tok, task, cfg, seed=cfg.seed + step)
         record.update(metrics)
         samples += eval_samples
-        run_folder.print_eval(bar.write, step, metrics, eval_samples)
+        print_eval(bar.write, step, metrics, eval_samples)
     if record.get("logprob_mismatch_abs", 0.0) > MISMATCH_WARN:
         bar.write(
             f"warning: step {step}: sampler and trainer log-probs differ by {record['logprob_mismatch_abs']:.3g} "
@@ -1709,6 +1711,71 @@ def end_step(cfg: Args, record: dict, batch: list[Rollout], tok, task: Task, eva
     runlog.log(record, samples)
     bar.update(record)
     return metrics
+
+
+def sample_rows(tok, rollouts: list) -> list[dict]:
+    """Rollouts just trained on, as text, with what the loss saw of them (staleness: the step that used them,
+    last_use_step, less the version that generated them)."""
+    rows = []
+    for r in rollouts:
+        prompt, completion = (tok.decode(ids, skip_special_tokens=True) for ids in (r.prompt_ids, r.completion_ids))
+        rows.append(dict(source="train", prompt=prompt, gold=r.answer, completion=completion, reward=r.reward))
+        rows[-1] |= dict(advantage=r.advantage, staleness=r.last_use_step - r.policy_version, truncated=r.truncated)
+    return rows
+
+
+def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
+    write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    for x in samples[:1]:  # one example, shortened
+        write(
+            f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "
+            f"reward {x['reward']:g})"
+        )
+
+
+PROGRESS_SECONDS = 60.0  # without a terminal, the longest silence between two progress lines (at a step's end)
+PROGRESS_ENV = "REPLAY_GRPO_PROGRESS_SECONDS"  # a test hook: another number of seconds
+
+
+def progress_seconds() -> float:
+    return float(os.environ.get(PROGRESS_ENV, PROGRESS_SECONDS))
+
+
+class Progress:
+    """A run's console while it trains. On a terminal, a progress bar; otherwise (a log file, a batch scheduler), a
+    line at the end of a step once PROGRESS_SECONDS have passed since the last one: the step, the mean reward of the
+    fresh rollouts since then and the seconds per step. Evaluations and warnings are lines either way."""
+
+    SHOWN = {"reward": "reward", "loss": "loss", "ent": "entropy", "stale": "staleness_mean", "mu": "mu"}
+
+    def __init__(self, step: int, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(initial=step, total=total, dynamic_ncols=True, disable=None)  # None: off when not a tty
+        self.since, self.since_step, self.rewards = time.perf_counter(), step, []
+
+    def write(self, line: str) -> None:
+        self.bar.write(line)
+
+    def update(self, record: dict) -> None:
+        self.bar.update(1)
+        postfix = {name: f"{record[key]:.2f}" for name, key in self.SHOWN.items() if record.get(key) is not None}
+        self.bar.set_postfix(postfix | ({"queue": record["queue_depth"]} if "queue_depth" in record else {}))
+        if record.get("reward") is not None:
+            self.rewards.append(record["reward"])
+        seconds = time.perf_counter() - self.since
+        if self.bar.disable and seconds >= progress_seconds():
+            reward = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
+            steps = record["step"] - self.since_step
+            print(
+                f"step {record['step']}/{self.bar.total}: reward {reward} (fresh rollouts, last {steps} steps), "
+                f"{seconds / steps:.2f} s/step",
+                flush=True,
+            )
+            self.since, self.since_step, self.rewards = time.perf_counter(), record["step"], []
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def staleness_bucket(staleness: int) -> str:
