@@ -86,6 +86,12 @@ class Args:
     priority_alpha: float = 0.0  # priority and fresh-anchored: replayed rollouts drawn with weight (|A| + eps)^alpha
     priority_tau: float | None = None  # priority and fresh-anchored: that weight times exp(-age / tau) (None: no decay)
     ratio_level: Literal["token", "sequence"] = "token"  # GRPO ratio per token, or per sequence (the paper's, GSPO)
+    correction: Correction = "none"  # stale-data correction beyond the clip (none: the paper's loss; correction_terms)
+    tis_cap: float = 2.0  # tis: the importance weight prox/behaviour is truncated at this (SkyRL's default)
+    seq_mask: tuple[float, float] = (0.99, 1.01)  # seq-mask: a sequence's geometric-mean weight must lie in (low, high)
+    m2po_tau: float = 0.04  # m2po: mask the largest (log r)^2 until their mean is at most this (the paper's tau)
+    decoupled_cap: float = 5.0  # decoupled: tokens whose weight prox/behaviour exceeds this are masked (AReaL's)
+    prox_lag: int = 0  # decoupled: the proximal policy is the trainer's weights this many versions back (0: these)
     lr: float = 1e-4  # constant learning rate of Adam (no weight decay, as in the paper)
     temperature: float = 1.0  # sampling temperature of training rollouts; the trainer's log-probs use the same
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # mean over the batch's tokens, or per completion first
@@ -147,22 +153,14 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores: the tiny model warm-started on a+b (0..99) from a demonstrator that answers
     # a+b+1 three times in four, for 2000 steps with --sft-lr decaying to 0, so that every seed settles on
     # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then
-    # on-policy GRPO at lr 3e-6 (3e-5 and 1e-5 rose as fast, then fell back on some seeds).
+    # on-policy GRPO (the defaults: N = B = R = 8 x 16, 200 steps) at lr 3e-6 (3e-5 and 1e-5 rose as fast, then
+    # fell back on some seeds).
     "cpu": Args(
-        generator="hf",
-        arith_demo_error=0.75,
-        sft_warmup_steps=2000,
-        sft_lr_decay=True,
-        max_new_tokens=6,
-        prompts_per_step=8,
-        batch_size=128,
-        buffer_size=128,
-        lr=3e-6,
-        total_steps=200,
+        generator="hf", arith_demo_error=0.75, sft_warmup_steps=2000, sft_lr_decay=True, max_new_tokens=6, lr=3e-6
     ),
     # The replay study: sums of 5 one-digit numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26',
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
-    # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16).
+    # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16), 200 steps.
     "cpu-study": Args(
         generator="hf",
         arith_terms=5,
@@ -175,7 +173,6 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         batch_size=64,
         buffer_size=64,
         lr=3e-5,
-        total_steps=200,
         eval_every=20,
     ),
     # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole
@@ -247,11 +244,8 @@ class Rule(NamedTuple):
 class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
     with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
-    sample(B, step) draws B distinct rollouts and counts each use: uniformly, removing nothing (the paper's), or
-    by another rule (RULES): only never-used ones (without-replacement); never-used ones first (at-least-once);
-    all those pushed since the last sample, the rest by priority (fresh-anchored); by priority (|A| + eps)^alpha
-    x exp(-age / tau), no importance weight (priority); the B freshest, removed once used (queue). max_age evicts
-    rollouts older than that many policy versions before sampling, max_uses those used that many times."""
+    sample(B, step) draws B distinct rollouts by a rule of RULES and counts each use. max_age evicts rollouts older
+    than that many policy versions before sampling, max_uses those used that many times."""
 
     def __init__(
         self,
@@ -367,11 +361,11 @@ class ReplayBuffer:
     # has constraints, a check in validate_rules.
     RULES = {
         "uniform": Rule(_uniform),  # the paper's buffer
-        "without-replacement": Rule(_uniform, unused_only=True),  # the paper's Fig. 18 variants
-        "at-least-once": Rule(_at_least_once),
-        "fresh-anchored": Rule(_fresh_anchored),  # arXiv 2606.04560
-        "priority": Rule(_priority),  # |A|-priority with FreshPER's age decay
-        "queue": Rule(_freshest, consumes=True),  # the paper's no-buffer baseline: each rollout once
+        "without-replacement": Rule(_uniform, unused_only=True),  # never-used ones only: the paper's Fig. 18
+        "at-least-once": Rule(_at_least_once),  # never-used ones first
+        "fresh-anchored": Rule(_fresh_anchored),  # all pushed since the last sample, the rest by priority (2606.04560)
+        "priority": Rule(_priority),  # (|A| + eps)^alpha x exp(-age / tau), FreshPER's, no importance weight
+        "queue": Rule(_freshest, consumes=True),  # the B freshest, removed once used: the paper's no-buffer baseline
     }
 
     def sample(self, batch_size: int, step: int) -> tuple[list[Rollout], list[int]]:
@@ -457,6 +451,52 @@ def token_loss(
     return -torch.minimum(unclipped, clipped), ratio, clipped < unclipped
 
 
+Correction = Literal["none", "tis", "seq-mask", "m2po", "decoupled"]
+
+
+def correction_terms(
+    cfg: Args, logp: torch.Tensor, behaviour: torch.Tensor, advantage, lengths: torch.Tensor, proximal: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """--correction on a micro-batch (docs/reference.md has each one's formula and source): (anchor, weight,
+    corrected). token_loss's ratio is taken against `anchor`, each token's loss times `weight` (0 masks it),
+    `corrected` marks the tokens masked or truncated. mu: behaviour log-probs; prox: the proximal policy's (the
+    weights being trained, before this step; decoupled with --prox-lag: LaggedPolicy's); r = pi_theta / mu.
+    none: mu, 1. tis: prox, min(prox/mu, C). seq-mask: prox, 1 if the sequence's exp(mean log(prox/mu)) is within
+    the bounds, else 0. m2po (unclipped): mu, M2PO's mask (per micro-batch). decoupled: prox, prox/mu, 0 above cap."""
+    ones, none = torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
+    if cfg.correction == "none":
+        return behaviour, ones, none
+    if cfg.correction == "m2po":
+        log_r = (logp.detach() - behaviour).double()
+        keep = m2po_keep(log_r.square(), (advantage > 0) & (log_r > 0) | (advantage < 0) & (log_r < 0), cfg)
+        return behaviour, keep.to(logp.dtype), ~keep
+    w = torch.exp(proximal - behaviour)
+    if cfg.correction == "tis":
+        return proximal, w.clamp(max=cfg.tis_cap), w > cfg.tis_cap
+    if cfg.correction == "decoupled":
+        return proximal, torch.where(w > cfg.decoupled_cap, 0.0, w), w > cfg.decoupled_cap
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths)
+    log_g = torch.zeros(len(lengths), dtype=w.dtype, device=logp.device).index_add(0, seq, proximal - behaviour)
+    g = torch.exp(log_g / lengths)[seq]  # each token's sequence's geometric-mean weight
+    masked = (g < cfg.seq_mask[0]) | (g > cfg.seq_mask[1])
+    return proximal, (~masked).to(logp.dtype), masked
+
+
+def m2po_keep(m2: torch.Tensor, trust: torch.Tensor, cfg: Args) -> torch.Tensor:
+    """M2PO's mask (True: kept): of the `trust` tokens, drop those of largest m2 = (log r)^2, one at a time, until
+    the mean m2 of the trust tokens left is at most m2po_tau."""
+    candidates = trust.nonzero().squeeze(1)
+    order = m2[candidates].argsort(descending=True, stable=True)
+    top = m2[candidates][order]
+    dropped = torch.cat([top.new_zeros(1), top.cumsum(0)])  # dropped[k]: the sum of the k largest
+    left = torch.arange(len(top), -1, -1, device=m2.device)  # trust tokens left after dropping k
+    mean_left = (top.sum() - dropped) / left.clamp(min=1)
+    k = int((mean_left > cfg.m2po_tau).long().cumprod(0).sum())  # the first k whose mean is within tau
+    keep = torch.ones_like(m2, dtype=torch.bool)
+    keep[candidates[order[:k]]] = False
+    return keep
+
+
 def token_weights(lengths: list[int], agg: str, total_tokens: float, n_seqs: int) -> torch.Tensor:
     """Per-token weights summing to 1 over the batch: micro-batch losses add up to the batch loss."""
     if agg == "token-mean":
@@ -469,53 +509,46 @@ def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
     return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
 
 
-def all_ranks(flag: torch.Tensor) -> bool:
-    """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = flag.to(torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag)
-
-
-def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int) -> dict:
-    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it."""
+def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int, lagged=None) -> dict:
+    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it. `lagged`:
+    decoupled --prox-lag > 0's LaggedPolicy."""
     device = next(model.parameters()).device
     lengths = [len(r.completion_ids) for r in batch]
-    norm_tokens = sum(lengths)
-    if cfg.loss_agg == "token-mean" and dist.is_initialized() and dist.get_world_size() > 1:
-        # T ranks: FSDP averages their gradients, so divide by the whole batch's tokens / T (not by
-        # this rank's) to get the gradient of the batch token mean, as one process computes it
-        n = torch.tensor(float(norm_tokens), device=device)
-        dist.all_reduce(n)
-        norm_tokens = n.item() / dist.get_world_size()
+    norm_tokens = tokens_per_rank(sum(lengths), device) if cfg.loss_agg == "token-mean" else sum(lengths)
     optimizer.zero_grad(set_to_none=True)
     loss_sum, nonfinite, parts = 0.0, False, []  # parts: each micro-batch's tensors, for step_metrics
+    clip_low, clip_high = (math.inf, math.inf) if cfg.correction == "m2po" else (cfg.clip_low, cfg.clip_high)
     for start in range(0, len(batch), cfg.micro_batch_size):
         mb, mb_len = batch[start : start + cfg.micro_batch_size], lengths[start : start + cfg.micro_batch_size]
         pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
         logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
         repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
         behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
+        advantage = per_token([r.advantage for r in mb], repeats)
+        proximal = logp.detach() if lagged is None else lagged.logprobs(mb, behaviour, repeats, cfg, pad_id)
+        anchor, weight, corrected = correction_terms(cfg, logp, behaviour, advantage, repeats, proximal=proximal)
         tok_loss, ratio, clipped = token_loss(
             loss=cfg.loss,
             logp=logp,
-            behaviour=behaviour,
-            advantage=per_token([r.advantage for r in mb], repeats),
+            behaviour=anchor,
+            advantage=advantage,
             reward=per_token([r.reward for r in mb], repeats),
             group_mean=per_token([r.group_mean for r in mb], repeats),
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
+            clip_low=clip_low,
+            clip_high=clip_high,
             delta_v=cfg.asymre_delta_v,
             lengths=repeats,
             ratio_level=cfg.ratio_level,
         )
+        if cfg.correction != "none":  # "none" multiplies nothing: the paper's loss, bit for bit
+            tok_loss = tok_loss * weight
         loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
         if not all_ranks(torch.isfinite(loss)):
             nonfinite = True
             break
         loss.backward()
         loss_sum += loss.item()
-        parts.append((mb, repeats, logp.detach(), behaviour, ent.detach(), ratio.detach(), clipped))
+        parts.append((mb, repeats, logp.detach(), behaviour, ent.detach(), ratio.detach(), clipped, corrected))
     params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     nonfinite = nonfinite or not torch.isfinite(grad_norm)
@@ -523,12 +556,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
     else:
         optimizer.step()
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
-        if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
-            raise UserError(
-                f"the weights are not finite after the optimizer step at policy version {version} "
-                f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
-            )
+        check_finite_weights(params, version)
     return step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
 
 
@@ -539,13 +567,13 @@ def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float
     log-prob mismatch on the rollouts made by exactly the weights trained now."""
     sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
     ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
-    for mb, repeats, logp, behaviour, ent, ratio, clipped in parts:
+    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
         sums["entropy"] += ent.sum().item()
         sums["clipped"] += clipped.sum().item()
         sums["ratio"] += ratio.sum().item()
         ratio_max = max(ratio_max, ratio.max().item())
         add_staleness_sums(
-            staleness_sums, mb, version, ratio=ratio, clipped=clipped, abs_log_ratio=(logp - behaviour).abs()
+            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
         )
         fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
         if fresh.any():
@@ -598,28 +626,21 @@ def make_rollouts(
         for s, r, a in zip(samples, rewards, adv):
             if s.versions and s.versions[0] != s.versions[1]:  # its tokens span a publish
                 counts["mixed_version_rollouts"] += 1
-            rollout = Rollout(
-                prompt_ids=pids,
-                completion_ids=s.completion_ids,
-                behaviour_logprobs=s.logprobs,
-                reward=r,
-                advantage=a,
-                group_mean=mean,
-                policy_version=s.versions[0] if s.versions else generator.policy_version,  # its oldest token's
-                group_id=next_group_id + g,
-                truncated=s.truncated,
-                answer=ex.answer,
+            rollouts.append(
+                Rollout(
+                    prompt_ids=pids,
+                    completion_ids=s.completion_ids,
+                    behaviour_logprobs=s.logprobs,
+                    reward=r,
+                    advantage=a,
+                    group_mean=mean,
+                    policy_version=s.versions[0] if s.versions else generator.policy_version,  # its oldest token's
+                    group_id=next_group_id + g,
+                    truncated=s.truncated,
+                    answer=ex.answer,
+                )
             )
-            rollouts.append(rollout)
     return rollouts, counts
-
-
-def all_dropped_message(requests: int, step: int) -> str:
-    return (
-        f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
-        "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
-        "--zero-variance-groups keep, or another task or warm start"
-    )
 
 
 # ===== The synchronous loop: generate R, push, sample B, step, publish every k ====================
@@ -637,6 +658,7 @@ def train(cfg: Args) -> dict:
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
+    lagged = LaggedPolicy(model, cfg.prox_lag) if cfg.correction == "decoupled" and cfg.prox_lag else None
     memory = kernels.StepMemory(device)
     with memory.generator_share():  # left out of each step's peak, and logged apart
         generator = make_generator(cfg, model, tok, model_dir)
@@ -651,6 +673,8 @@ def train(cfg: Args) -> dict:
             published = state["generator_weights"]
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
+        if lagged is not None:
+            lagged.copies.extend(state["lagged"])
         totals.update(state["totals"])
         step, next_group_id = state["step"], state["next_group_id"]
         run_folder.set_rng_state(state["rng"])
@@ -696,7 +720,9 @@ def train(cfg: Args) -> dict:
         model.train()
         generator.sleep()  # colocated vLLM: free its GPU memory for the step
         memory.start_step()
-        stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step)
+        if lagged is not None:
+            lagged.push(model, step)
+        stats = train_step(model, optimizer, batch, cfg, tok.pad_token_id, version=step, lagged=lagged)
         optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
         train_seconds = time.perf_counter() - t0
         sums = batch_sums(batch, step)
@@ -746,6 +772,7 @@ def train(cfg: Args) -> dict:
                 "rng": run_folder.rng_state(),
                 "generator_version": generator.policy_version,
                 "generator_weights": published if lagging else None,
+                "lagged": list(lagged.copies) if lagged else None,
             }
             run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
     bar.close()
@@ -1211,6 +1238,64 @@ def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
     )
 
 
+class LaggedPolicy:
+    """--correction decoupled --prox-lag L: the proximal policy is the trainer's weights L versions back (host copies
+    of the last L + 1 versions; early in a run, the oldest there is). A rollout made by that version or a later one
+    is its own anchor (its behaviour log-probs); the older ones get their proximal log-probs from one extra forward
+    of those weights, in a copy of the model in the compute dtype."""
+
+    def __init__(self, model, lag: int):
+        self.copies: deque[tuple[int, dict]] = deque(maxlen=lag + 1)  # (version, weights), oldest first; checkpointed
+        self.model = kernels.cast_copy(model, kernels.compute_dtype(next(model.parameters()).device))
+        self.loaded = None  # the version self.model holds
+
+    def push(self, model, version: int) -> None:
+        """The weights about to be trained as `version` (before each train_step)."""
+        if not self.copies or self.copies[-1][0] != version:
+            self.copies.append((version, cpu_copy(model.state_dict())))
+
+    @torch.no_grad()
+    def logprobs(self, mb: list, behaviour: torch.Tensor, repeats: torch.Tensor, cfg: Args, pad_id: int):
+        version, weights = self.copies[0]
+        older = torch.tensor([r.policy_version < version for r in mb], device=behaviour.device)
+        proximal = behaviour.clone()
+        if older.any():
+            if self.loaded != version:
+                self.model.load_state_dict(weights)
+                self.loaded = version
+            pairs = [(r.prompt_ids, r.completion_ids) for r, old in zip(mb, older.tolist()) if old]
+            lp = completion_logprobs(self.model, pairs, pad_id, cfg.temperature)
+            proximal[older.repeat_interleave(repeats)] = lp.to(behaviour.dtype)
+        return proximal
+
+
+def tokens_per_rank(tokens: int, device) -> float:
+    """The batch's completion tokens / T over T trainer ranks (this rank's `tokens` in one process): FSDP averages
+    the ranks' gradients, so dividing each rank's token sum by this gives the gradient of the batch token mean."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tokens
+    n = torch.tensor(float(tokens), device=device)
+    dist.all_reduce(n)
+    return n.item() / dist.get_world_size()
+
+
+def check_finite_weights(params: list, version: int) -> None:
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
+    if not all_ranks(torch.stack([p.isfinite().all() for p in local]).all()):
+        raise UserError(
+            f"the weights are not finite after the optimizer step at policy version {version} "
+            f"(the loss and gradient were): lower --lr; {run_folder.what_is_kept()}"
+        )
+
+
+def all_ranks(flag: torch.Tensor) -> bool:
+    """flag holds on every trainer rank (ranks must agree to skip a step, or the others wait in FSDP forever)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
 # ===== Generation: HF generate, or a vLLM engine with weight sync =================================
 
 
@@ -1645,6 +1730,14 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     return task, model.to(device), tok, str(ckpt), None, state
 
 
+def all_dropped_message(requests: int, step: int) -> str:
+    return (
+        f"--zero-variance-groups drop: the last {requests} generation requests (at step {step}) had only groups "
+        "whose rewards were all equal (all right or all wrong), so nothing reached the buffer: use "
+        "--zero-variance-groups keep, or another task or warm start"
+    )
+
+
 def batch_sums(batch: list[Rollout], step: int) -> dict:
     """What a step's record needs of its batch (summed, so that trainer ranks add up)."""
     return {
@@ -1671,7 +1764,8 @@ def step_record(
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
     stale, B = sums["staleness"], batch_size
     record = {"step": step, **stats}
-    record["by_staleness"] = by_staleness(record.pop("staleness_sums"))
+    record["by_staleness"] = by_staleness(record["staleness_sums"])
+    record["offpolicy_by_staleness"] = offpolicy_by_staleness(record.pop("staleness_sums"))
     record["reward"] = sum(r.reward for r in fresh) / len(fresh) if fresh else None
     record["accuracy"] = sum(r.correct for r in fresh) / len(fresh) if fresh else None
     record["reward_batch"] = sums["reward"] / B
@@ -1783,21 +1877,20 @@ def staleness_bucket(staleness: int) -> str:
     return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
 
 
-def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, abs_log_ratio) -> None:
-    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log ratio|, sum w, sum w^2] (w: the ratio)."""
+def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, corrected, log_ratio) -> None:
+    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log r|, sum w, sum w^2, corrected tokens,
+    sum (log r)^2, sum of the k3 terms r - 1 - log r] (w: the loss's ratio; r = pi_theta / behaviour)."""
     lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
     rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
-    per_token = torch.stack([clipped.to(ratio.dtype), abs_log_ratio, ratio, ratio * ratio])
-    per_rollout = torch.zeros(4, len(batch), device=ratio.device, dtype=ratio.dtype)
+    k3 = torch.exp(log_ratio) - 1 - log_ratio
+    per_token = [clipped.to(ratio.dtype), log_ratio.abs(), ratio, ratio * ratio, corrected.to(ratio.dtype)]
+    per_token = torch.stack(per_token + [log_ratio.square(), k3])
+    per_rollout = torch.zeros(len(per_token), len(batch), device=ratio.device, dtype=ratio.dtype)
     per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
-    for r, n, (n_clipped, abs_log, w, w2) in zip(batch, lengths.tolist(), per_rollout):
-        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += n
-        row[2] += round(n_clipped)
-        row[3] += abs_log
-        row[4] += w
-        row[5] += w2
+    for r, n, (n_clipped, abs_log, w, w2, n_corrected, m2, kl) in zip(batch, lengths.tolist(), per_rollout):
+        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0.0])
+        for i, value in enumerate((1, n, round(n_clipped), abs_log, w, w2, round(n_corrected), m2, kl)):
+            row[i] += value
 
 
 def by_staleness(sums: dict) -> dict:
@@ -1805,7 +1898,7 @@ def by_staleness(sums: dict) -> dict:
     per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
     out = {}
     for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label]
+        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label][:6]
         out[label] = {
             "rollouts": rollouts,
             "tokens": tokens,
@@ -1813,6 +1906,17 @@ def by_staleness(sums: dict) -> dict:
             "abs_log_ratio": abs_log_ratio / tokens,
             "ess": w * w / w2,
         }
+    return out
+
+
+def offpolicy_by_staleness(sums: dict) -> dict:
+    """Per staleness bucket, from add_staleness_sums: the share of tokens the --correction masked or truncated, the
+    second moment of the log ratio mean (log r)^2 (M2PO's statistic) and the KL estimate mean(r - 1 - log r) of the
+    behaviour to the trained policy (k3, as logprob_mismatch_kl), r = pi_theta / behaviour."""
+    out = {}
+    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
+        tokens, (corrected, m2, kl) = sums[label][1], sums[label][6:]
+        out[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
     return out
 
 
@@ -1891,6 +1995,42 @@ def validate(cfg: Args) -> None:
     need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
     need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
     validate_rules(cfg, need)
+    validate_correction(cfg, need)
+
+
+CORRECTION_FLAGS = {"tis": ("tis_cap",), "seq-mask": ("seq_mask",), "m2po": ("m2po_tau",)}
+CORRECTION_FLAGS["decoupled"] = ("decoupled_cap", "prox_lag")
+
+
+def validate_correction(cfg: Args, need) -> None:
+    """Refuse a correction's knob out of range, or given to another correction (it would be ignored)."""
+    low, high = cfg.seq_mask
+    need(0 <= low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 <= low < 1 < high (a sequence's weight)")
+    need(0 < cfg.tis_cap < math.inf, f"--tis-cap {cfg.tis_cap}: must be a positive number")
+    need(0 < cfg.m2po_tau < math.inf, f"--m2po-tau {cfg.m2po_tau}: must be a positive number")
+    need(1 < cfg.decoupled_cap < math.inf, f"--decoupled-cap {cfg.decoupled_cap}: must be above 1 (a weight)")
+    need(0 <= cfg.prox_lag <= 64, f"--prox-lag {cfg.prox_lag}: must be in [0, 64] (a host copy of each version)")
+    defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+    for correction, names in CORRECTION_FLAGS.items():
+        for name in names:
+            flag = f"--{name.replace('_', '-')}"
+            need(
+                getattr(cfg, name) == defaults[name] or cfg.correction == correction,
+                f"{flag}: only --correction {correction} uses it",
+            )
+    if cfg.correction == "none":
+        return
+    need(
+        cfg.ratio_level == "token", f"--correction {cfg.correction}: works on token ratios, not --ratio-level sequence"
+    )
+    need(
+        cfg.loss == "grpo" or cfg.correction in ("tis", "seq-mask"),
+        f"--correction {cfg.correction}: needs --loss grpo (it reshapes the clipped ratio; asymre has none)",
+    )
+    need(
+        cfg.prox_lag == 0 or cfg.mode == "sync",
+        "--prox-lag: only the synchronous loop keeps lagged weights (--mode async: 0)",
+    )
 
 
 def validate_rules(cfg: Args, need) -> None:

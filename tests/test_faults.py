@@ -242,18 +242,6 @@ def test_a_damaged_checkpoint_file_is_named_in_one_line(tmp_path, capsys, name, 
     assert f"{path} is damaged or missing" in err and "start the run again" in err
 
 
-def test_a_checkpoint_with_the_optimizer_inside_trainer_state_still_resumes(tmp_path):
-    """The layout of older checkpoints: no optimizer.pt, the Adam state inside trainer_state.pt."""
-    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
-    ckpt = tmp_path / "r" / "checkpoint"
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    state["optimizer"] = torch.load(ckpt / "optimizer.pt", weights_only=False)
-    torch.save(state, ckpt / "trainer_state.pt")
-    (ckpt / "optimizer.pt").unlink()
-    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4"))
-    assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A 10 MiB tmpfs: room for one checkpoint of the tiny model, not two."""
