@@ -34,23 +34,8 @@ import numpy as np
 import pareto
 import tyro
 from pareto import EVAL_ROLLOUTS
-from studylib import report, runner
-from studylib.report import (
-    PAPER_MU,
-    first_crossing,
-    fmt,
-    fmt_acc,
-    fmt_cost,
-    fmt_diff,
-    fmt_interval,
-    fmt_mu,
-    fmt_saving,
-    frontier,
-    frontier_at,
-    iqm,
-    level_saving,
-    save_figure,
-)
+from studylib import fmt, report, runner
+from studylib.report import PAPER_MU, first_crossing, frontier, frontier_at, iqm, level_saving, save_figure
 
 LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
 BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
@@ -272,7 +257,7 @@ def table_md(s: dict) -> str:
         f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
         "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
         f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
-        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt_acc(ci['best'][0])}, {fmt_acc(ci['best'][1])}]; the "
+        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt.acc(ci['best'][0])}, {fmt.acc(ci['best'][1])}]; the "
         f"levels: {', '.join(names)} of it, computed again in each resample.",
         "",
         "## Configurations",
@@ -287,7 +272,7 @@ def table_md(s: dict) -> str:
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
-            f"| {fmt(k['x'][-1])} | {lrs} | {fmt_mu(k['mu'])} |"
+            f"| {fmt.amount(k['x'][-1])} | {lrs} | {fmt.mu(k['mu'])} |"
         )
     lines += [
         "",
@@ -300,7 +285,7 @@ def table_md(s: dict) -> str:
         "|---|---|---|---|",
     ]
     for h, c in (("H1", s["h1"]), ("H2", s["h2"])):
-        saving = fmt_interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt_saving(x, 1))
+        saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
         lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
     lines += [
         "",
@@ -315,9 +300,9 @@ def table_md(s: dict) -> str:
     for c, row in p["configs"].items():
         for n in names:
             rci = ci["configs"][c]
-            ratio = "—" if c == ref else fmt_interval(row["ratio"][n], rci["ratio"][n], fmt)
+            ratio = "—" if c == ref else fmt.interval(row["ratio"][n], rci["ratio"][n], fmt.amount)
             lines.append(
-                f"| {c} | {n} | {fmt_interval(row['cost'][n], rci['cost'][n], fmt_cost)} | {ratio} | "
+                f"| {c} | {n} | {fmt.interval(row['cost'][n], rci['cost'][n], fmt.cost)} | {ratio} | "
                 f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%} |"
             )
     lines += [
@@ -332,7 +317,7 @@ def table_md(s: dict) -> str:
     ]
     for c, row in p["configs"].items():
         if c != ref:
-            cells = [fmt_interval(v, ci["configs"][c]["gap"][b], fmt_diff) for b, v in row["gap"].items()]
+            cells = [fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items()]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -344,14 +329,14 @@ def table_md(s: dict) -> str:
         "|---|---|---|---|",
     ]
     for c, o in s["old_rule"].items():
-        axes = [fmt_interval(o[a]["saving"], o[a]["interval_90"], fmt_saving) for a in pareto.DECISION_AXES]
+        axes = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
         lines.append(f"| {c} | {axes[0]} | {axes[1]} | {o['verdict']} |")
     aa = s["aa"]
     lines += [
         "",
         f"**A/A check**: on-policy on seeds {aa['seeds'][1][0]}-{aa['seeds'][1][-1]} against on-policy on seeds "
         f"{aa['seeds'][0][0]}-{aa['seeds'][0][-1]} by the same statistic (paired by position): saving "
-        f"{fmt_interval(aa['point'], aa['interval_90'], lambda x: fmt_saving(x, 1))}, where nothing differs.",
+        f"{fmt.interval(aa['point'], aa['interval_90'], lambda x: fmt.saving(x, 1))}, where nothing differs.",
         "",
         "## Best IQM per learning rate",
         "",
@@ -359,7 +344,7 @@ def table_md(s: dict) -> str:
         "|---|" + "---|" * len(p["configs"][ref]["best_iqm"]),
     ]
     for c, row in p["configs"].items():
-        cells = [fmt_interval(v, ci["configs"][c]["best_iqm"][lr], fmt_acc) for lr, v in row["best_iqm"].items()]
+        cells = [fmt.interval(v, ci["configs"][c]["best_iqm"][lr], fmt.acc) for lr, v in row["best_iqm"].items()]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",

@@ -32,20 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import tyro
-from studylib import report, runner
-from studylib.report import (
-    first_reach,
-    fmt_acc,
-    fmt_cost,
-    fmt_diff,
-    fmt_interval,
-    fmt_mu,
-    fmt_saving,
-    frontier,
-    meets,
-    save_figure,
-    saving,
-)
+from studylib import fmt, report, runner
+from studylib.report import first_reach, frontier, meets, save_figure, saving
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -240,8 +228,8 @@ def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
             parts = []
             for axis in AXES:
                 rci = ci["configs"][c]
-                parts.append(fmt_interval(row[cost][axis][level], rci[cost][axis][level], fmt_cost))
-                parts.append(fmt_interval(row[saving][axis][level], rci[saving][axis][level], fmt_saving))
+                parts.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
+                parts.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
             lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
     return lines
 
@@ -256,9 +244,9 @@ def table_md(s: dict) -> str:
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
-        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt_acc(ci['target'][0])}, "
-        f"{fmt_acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
-        f"rollouts, at the measured mu = {fmt_mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt.acc(ci['target'][0])}, "
+        f"{fmt.acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
         "",
@@ -277,7 +265,7 @@ def table_md(s: dict) -> str:
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt_mu(k['mu'])} |"
+            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt.mu(k['mu'])} |"
         )
     lines += [
         "",
@@ -293,7 +281,7 @@ def table_md(s: dict) -> str:
     ]
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt_interval(sv[a]["90%"], sci[a]["90%"], fmt_saving) for a in ("rollouts", "compute_paper_mu")]
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in ("rollouts", "compute_paper_mu")]
         name = f"**{c}**" if c == s["primary"] else c
         lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
@@ -302,7 +290,7 @@ def table_md(s: dict) -> str:
         "",
         f"## At one learning rate, {s['same_lr']:g}",
         "",
-        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt_acc(p['same_lr_target'])}.",
+        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt.acc(p['same_lr_target'])}.",
         "",
     ]
     lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
@@ -325,19 +313,19 @@ def table_md(s: dict) -> str:
             delta = (
                 "—"
                 if c == ref or "final_minus_reference" not in at
-                else fmt_interval(at["final_minus_reference"], aci["final_minus_reference"], fmt_diff)
+                else fmt.interval(at["final_minus_reference"], aci["final_minus_reference"], fmt.diff)
             )
             lines.append(
-                f"| {c} | {float(lr):g} | {fmt_interval(at['final'], aci['final'], fmt_acc)} | {delta} | "
-                f"{fmt_interval(at['best'], aci['best'], fmt_acc)} | {at['entropy_start']:.3f} → "
+                f"| {c} | {float(lr):g} | {fmt.interval(at['final'], aci['final'], fmt.acc)} | {delta} | "
+                f"{fmt.interval(at['best'], aci['best'], fmt.acc)} | {at['entropy_start']:.3f} → "
                 f"{at['entropy_end']:.3f} |"
             )
     lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
         lines.append(
-            f"| {c} | {fmt_interval(row['best'], rci['best'], fmt_acc)} | "
-            f"{fmt_interval(row['best_minus_reference'], rci['best_minus_reference'], fmt_diff)} |"
+            f"| {c} | {fmt.interval(row['best'], rci['best'], fmt.acc)} | "
+            f"{fmt.interval(row['best_minus_reference'], rci['best_minus_reference'], fmt.diff)} |"
         )
     lines += [
         "",

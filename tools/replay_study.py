@@ -18,22 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import tyro
-from studylib import report, runner
-from studylib.report import (
-    compute,
-    curve,
-    evals,
-    final,
-    fmt,
-    fmt_acc,
-    fmt_cost,
-    fmt_interval,
-    fmt_mu,
-    fmt_quartiles,
-    fmt_saving,
-    quartiles,
-    save_figure,
-)
+from studylib import fmt, report, runner
+from studylib.report import compute, curve, evals, final, quartiles, save_figure
 
 
 @dataclass
@@ -132,9 +118,6 @@ VARIANTS_GRID = (
         dict(sampling="queue"),
     ],
 )
-# The Pareto study on --preset cpu: on-policy against replay with N = 512 at B/R = 2, 4, 8 and the planner's
-# suggestion for the paper's mu = 5.28 (`plan --mu 5.28 --batch 128`: N = 240, R = 16), each at every lr of
-# PARETO_LRS, the report keeping the frontier over them. Every configuration generates PARETO_ROLLOUTS rollouts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,10 +384,10 @@ def table_md(s: dict) -> str:
 
     def bootstrap(q, one) -> str:
         """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]' ("—" where it is undefined)."""
-        return "—" if q[1] is None else fmt_interval(q[1], q, one)
+        return "—" if q[1] is None else fmt.interval(q[1], q, one)
 
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
-    target = fmt_acc(s["target_greedy_acc"])
+    target = fmt.acc(s["target_greedy_acc"])
     lines = [
         "# Replay-GRPO study",
         "",
@@ -414,7 +397,7 @@ def table_md(s: dict) -> str:
         "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
         "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
         f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
-        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt_mu(mu)} (median of the runs' measured mu on this "
+        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(mu)} (median of the runs' measured mu on this "
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
         "optimizer steps between a rollout's generation and its use, averaged over every use.",
         "",
@@ -429,16 +412,16 @@ def table_md(s: dict) -> str:
             f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
             len(r["seeds"]),
             r["steps"],
-            fmt_quartiles(r["greedy_acc"]),
-            fmt_quartiles(r["pass@1"]),
-            f"pass@{r['k']} {fmt_quartiles(r['pass@k'])}",
-            fmt(r["generated_tokens"]),
-            fmt_mu(r["mu"]),
+            fmt.quartiles(r["greedy_acc"]),
+            fmt.quartiles(r["pass@1"]),
+            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
+            fmt.amount(r["generated_tokens"]),
+            fmt.mu(r["mu"]),
             f"{r['replay_ratio']:.2f}",
             f"{r['staleness']:.2f}",
         ]
         for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-            cells += [fmt(r[f"{axis}_to_target"]), fmt_saving(r[f"{axis}_saving_pct"], digits=1)]
+            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
@@ -463,8 +446,8 @@ def table_md(s: dict) -> str:
             for f in ("target", "90% of target"):
                 cells = [c, f]
                 for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt_saving)
-                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt_cost), saving]
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
                 lines.append("| " + " | ".join(cells) + " |")
         lines += [
             "",
@@ -477,7 +460,7 @@ def table_md(s: dict) -> str:
         ]
         for c in s["configs"]:
             cells = [
-                bootstrap(iv[c]["at_equal"][a][w], fmt_acc)
+                bootstrap(iv[c]["at_equal"][a][w], fmt.acc)
                 for a in ("compute_measured_mu", "compute_paper_mu")
                 for w in ("acc", "pass@k")
             ]
@@ -524,8 +507,8 @@ def table_md(s: dict) -> str:
         for c, rows in s["per_seed"].items():
             for r in rows:
                 lines.append(
-                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt_acc(r['warmstart_pass@k'])} | "
-                    f"{fmt_acc(r['greedy_acc_start'])} | {fmt_acc(r['greedy_acc_final'])} |"
+                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt.acc(r['warmstart_pass@k'])} | "
+                    f"{fmt.acc(r['greedy_acc_start'])} | {fmt.acc(r['greedy_acc_final'])} |"
                 )
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")

@@ -251,8 +251,7 @@ def interval_verdict(low: float | None, high: float | None, target: float) -> st
 
 
 # ----------------------------------------------------------------------------------------------
-# summary.json and the formatters of table.md, which take a value as summary.json holds it: a number, "never"
-# (+-inf) or None (undefined, or nan)
+# Writing a report (its table's formatters: fmt.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -266,60 +265,6 @@ def strict_json(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else "never"
     return x
-
-
-def fmt(x) -> str:
-    """Token and compute amounts: 58.24, 6896, 13.3k, 1.25M."""
-    if x is None:
-        return "—"
-    if abs(x) >= 1e6:
-        return f"{x / 1e6:.2f}M"
-    if abs(x) >= 1e4:
-        return f"{x / 1e3:.1f}k"
-    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.4g}"
-
-
-def fmt_cost(x) -> str:
-    """A cost to a level, as fmt: never reached is "never"."""
-    return "never" if x in ("never", math.inf) else fmt(x)
-
-
-def fmt_saving(x, digits: int = 0) -> str:
-    """A saving in percent with its sign: never reached is "never", undefined "—"."""
-    if x is None or x != x:  # None or nan
-        return "—"
-    return "never" if x in ("never", -math.inf) else f"{x:+.{digits}f}%"
-
-
-def fmt_acc(x) -> str:
-    """An accuracy (or another value in [0, 1]): 0.815."""
-    return "—" if x is None else f"{x:.3f}"
-
-
-def fmt_mu(x) -> str:
-    """A generation/training cost ratio mu: 1.37."""
-    return "—" if x is None else f"{x:.2f}"
-
-
-def fmt_diff(x) -> str:
-    """A difference of accuracies, with its sign: +0.012."""
-    return "—" if x is None else f"{x:+.3f}"
-
-
-def fmt_quartiles(q) -> str:
-    """Quartiles over seeds (25th, 50th, 75th) as 'median [25th–75th]'."""
-    return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
-
-
-def fmt_interval(value, ci, one) -> str:
-    """A value and its bootstrap interval [5th, 95th percentile] (the first and last of ci) as 'value [5th, 95th]',
-    each formatted by `one`."""
-    return f"{one(value)} [{one(ci[0])}, {one(ci[-1])}]"
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing a report
-# ----------------------------------------------------------------------------------------------
 
 
 def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
