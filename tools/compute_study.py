@@ -43,8 +43,8 @@ AXIS = "compute_paper_mu"
 LEVEL_NAMES = [f"{f:.0%}" for f in LEVELS]
 BUDGET_NAMES = [f"{b:g}" for b in BUDGETS]
 
-# The compute study's grid: on-policy against the replay buffers of its two
-# hypotheses, N = 512, R = 32 and the planner's N = 240, R = 16 (both B = 128), each at every lr of COMPUTE_LRS.
+# The grid: on-policy against the replay buffers of the two hypotheses, N = 512, R = 32 and the planner's N = 240,
+# R = 16 (both B = 128), each at every lr of COMPUTE_LRS.
 # Every configuration runs to about on-policy's final compute at the paper's mu (trained rollouts + PAPER_MU x
 # generated rollouts, a replay run's first step generating B to fill its buffer) and ends on an evaluation; all are
 # evaluated every EVAL_ROLLOUTS generated rollouts.
@@ -360,11 +360,7 @@ def table_md(s: dict) -> str:
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     arms, p, ci = s["_arms"], s["point"], s["interval_90"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, (c, arm) in enumerate(arms.items()):

@@ -342,12 +342,9 @@ def table_md(s: dict) -> str:
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
-    import matplotlib
-    import matplotlib.ticker
+    from matplotlib.ticker import NullFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     cells, target, written = s["_cells"], s["point"]["target"], []
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
 
@@ -368,7 +365,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the minor labels overlap
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap
         ax.set_xlabel(f"{label} (log scale; step 0 at x = 0 is left out)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")

@@ -43,7 +43,7 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# The grids (see sweep.py)
+# The grids (their format: sweep.py)
 # ----------------------------------------------------------------------------------------------
 
 # --preset cpu: B = 128, G = 16, so R = 16 x prompts_per_step. On this machine mu ~ 0.8, where the
@@ -269,7 +269,7 @@ def summarize(
     return out
 
 
-def cost_estimate(configs: dict, reference: str, axes: dict, key: str = "eval/greedy_acc"):
+def cost_estimate(configs: dict, reference: str, axes: dict):
     """The report's estimate on a resample of each configuration's seeds, drawn apart (draw: {config: the positions
     of its seeds}): per configuration the cost (median x over the resampled seeds) to reach the reference's final
     median accuracy and 90% of it, recomputed from the reference's resample; the saving against the reference; and
@@ -277,7 +277,7 @@ def cost_estimate(configs: dict, reference: str, axes: dict, key: str = "eval/gr
     arrays = {}  # per configuration: its runs' accuracy, pass@k and x values at the evaluations all share
     for c, rs in configs.items():
         k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
-        columns = {"acc": lambda e: e[key], "pass@k": lambda e, k=k: e.get(k, np.nan), **axes}
+        columns = {"acc": lambda e: e["eval/greedy_acc"], "pass@k": lambda e, k=k: e.get(k, np.nan), **axes}
         arrays[c] = report.at_shared_steps(rs, columns)
     equal_axes = [axis for axis in axes if axis != "tokens"]
 
@@ -536,11 +536,9 @@ def table_md(s: dict) -> str:
 def plot(s: dict, out_dir: Path) -> list[Path]:
     """The figures: median over seeds, shaded IQR, one line per configuration (its best lr); the histograms of
     staleness and replay ratio; the metrics by staleness where the runs logged them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    plt = report.pyplot()
 
     runs, ref, target = s["_runs"], s["reference"], s["target_greedy_acc"]
     palette = iter(plt.get_cmap("tab10").colors)

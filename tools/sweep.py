@@ -36,7 +36,7 @@ import replay_study
 import tyro
 from replay_study import BUCKET_PANELS, bucket_order, is_on_policy, pick_variants
 from studylib import runner
-from studylib.report import save_figure
+from studylib.report import pyplot, save_figure
 from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, read_metrics, run_status
 
 
@@ -53,10 +53,10 @@ class RunArgs:
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
     grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute"] = "study"
-    """which grid of GRIDS below (study: the replay study on --preset cpu-study; cpu: the first study, on
-    --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform sampling, on cpu-study;
-    pareto: on-policy against replay on --preset cpu at three lrs, at equal generated rollouts; compute: the
-    compute study's, at equal compute at the paper's mu)."""
+    """which grid of GRIDS, each defined in its study's module (study: the replay study on --preset cpu-study;
+    cpu: the first study, on --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform
+    sampling, on cpu-study; pareto: on-policy against replay on --preset cpu at three lrs, at equal generated
+    rollouts; compute: the compute study's, at equal compute at the paper's mu)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -282,11 +282,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     """<run>/curves_vs_steps.png and curves_vs_tokens.png from <run>/metrics.jsonl: held-out accuracy and
     pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio; and
     staleness_vs_steps.png, the metrics by staleness bucket (rollouts, clip fraction, |log ratio|, ESS)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(

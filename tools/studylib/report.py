@@ -1,10 +1,7 @@
 """report.py: the engine of the study reports (replay_study.py, pareto.py, compute_study.py): the runs as arrays, the
-estimators, the bootstrap over seeds, the decision rules, the formatters, and how a report is written. A report's
-summary (what is computed from the runs) is written as summary.json; table.md is rendered from that JSON alone, so
-that `sweep.py render` gives the same bytes again; the figures are drawn from the summary and the runs.
-
-Compute, in the paper's accounting: training on a rollout costs 1, generating one costs mu; compute after a step =
-trained rollouts + mu x generated rollouts.
+estimators, the bootstrap over seeds, the decision rules, and how a report is written. A report's summary (what is
+computed from the runs) is written as summary.json; table.md is rendered from that JSON alone (its formatters:
+fmt.py), so that `sweep.py render` gives the same bytes again; the figures are drawn from the summary and the runs.
 """
 
 from __future__ import annotations
@@ -86,7 +83,7 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
     for (config, lr), have in sorted(seeds_of.items()):
         if set(have) - set(seeds):
             print(
-                f"pareto: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
+                f"report: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
             )
     if not seeds:
         raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
@@ -98,7 +95,7 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
         rs = [r for r in kept if r["config"] == config]
         a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
         if any(len(evals(r)) > a["acc"].shape[1] for r in rs):
-            print(f"pareto: {config}: evaluations that not every run made are left out")
+            print(f"report: {config}: evaluations that not every run made are left out")
         cell = cells[config] = {"x": {ax: np.median(a[ax], axis=0) for ax in axes}, "lrs": {}}
         for lr in dict.fromkeys(r["cfg"]["lr"] for r in rs):
             at = [i for i, r in enumerate(rs) if r["cfg"]["lr"] == lr]
@@ -267,15 +264,23 @@ def strict_json(x):
     return x
 
 
-def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
-    """Lay out, write and close a figure."""
+def pyplot():
+    """matplotlib.pyplot, drawing into files only (a report needs no display); imported when a report draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
+    """Lay out, write and close a figure."""
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=dpi, **savefig)
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     return path
 
 
