@@ -365,15 +365,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, (c, arm) in enumerate(arms.items()):
         x, row, band = arm["x"], p["configs"][c], ci["configs"][c]["frontier"]
-        axes[0].step(x, list(row["frontier"].values()), where="post", color=f"C{i}", label=c)
-        axes[0].fill_between(
-            x,
-            [band[k][0] for k in row["frontier"]],
-            [band[k][1] for k in row["frontier"]],
-            step="post",
-            color=f"C{i}",
-            alpha=0.12,
-        )
+        report.frontier_band(axes[0], x, row["frontier"], band, color=f"C{i}", label=c, alpha=0.12)
         for lr, acc in arm["acc"].items():
             axes[1].plot(
                 x, iqm(acc), color=f"C{i}", alpha=0.4 + 0.2 * list(arm["acc"]).index(lr), label=f"{c} lr {lr:g}"

@@ -357,11 +357,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
             for at in cell["lrs"].values():
                 ax.scatter(cell["x"][axis], np.median(at["acc"], axis=0), s=6, color=colors[c], alpha=0.25)
             line, band = s["point"]["configs"][c]["frontier"][axis], s["interval_90"]["configs"][c]["frontier"][axis]
-            xs = [float(x) for x in line]
-            ax.step(xs, list(line.values()), where="post", color=colors[c], label=c)
-            ax.fill_between(
-                xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post", color=colors[c], alpha=0.06
-            )
+            report.frontier_band(ax, [float(x) for x in line], line, band, color=colors[c], label=c, alpha=0.06)
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")

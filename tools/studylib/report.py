@@ -274,6 +274,13 @@ def pyplot():
     return plt
 
 
+def frontier_band(ax, x, frontier: dict, band: dict, *, color, label: str, alpha: float) -> None:
+    """A frontier as summary.json holds it ({key: value}, a step at each x) with its band ({key: [5th, 95th]})."""
+    ax.step(x, list(frontier.values()), where="post", color=color, label=label)
+    lo, hi = [band[k][0] for k in frontier], [band[k][1] for k in frontier]
+    ax.fill_between(x, lo, hi, step="post", color=color, alpha=alpha)
+
+
 def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
     """Lay out, write and close a figure."""
     fig.tight_layout()
