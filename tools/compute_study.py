@@ -1,4 +1,4 @@
-"""compute_study.py: the compute study's report, a test of the paper's claim with its rule fixed before its runs.
+"""compute_study.py: the compute study (its grid and report), a test of the paper's claim with its rule fixed first.
 
     python tools/sweep.py run --grid compute --out-dir runs/compute --seeds 20 21 ... 59   # the runs (resumable)
     python tools/compute_study.py --out-dir runs/compute --report-dir docs/study/compute  # table.md, summary.json

@@ -1,6 +1,6 @@
-"""pareto.py: the Pareto study's report. Replay against on-policy over a learning-rate sweep, as the paper compares
-configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy accuracy
-against generated rollouts and against compute.
+"""pareto.py: the Pareto study, its grid and its report. Replay against on-policy over a learning-rate sweep, as the
+paper compares configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy
+accuracy against generated rollouts and against compute.
 
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
     python tools/pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
