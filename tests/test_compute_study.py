@@ -8,6 +8,7 @@ import compute_study as cs
 import numpy as np
 import pytest
 import sweep
+from studylib import report
 from test_pareto import fake_run  # a finished run as sweep.load_runs returns it
 
 import replay_grpo
@@ -102,7 +103,7 @@ def test_the_levels_move_with_each_resample():
         runs.append(fake_run("onpolicy", 1e-5, s, on[s % 2], R=100, B=100))
         runs.append(fake_run("fast", 1e-5, s, [0.0, 0.9, 0.9], R=100, B=100))
         runs.append(fake_run("slow", 1e-5, s, [0.0, 0.9, 0.9], R=100, B=100))
-    arms = cs.arms_of(cs.pareto.cells_of(runs, MU)[0])
+    arms = cs.arms_of(report.cells_of(runs, MU)[0])
     high = cs.estimates(arms, "onpolicy", np.array([0, 0, 2, 2]))  # seeds 0 and 2: best 1.0
     low = cs.estimates(arms, "onpolicy", np.array([1, 3, 1, 3]))  # seeds 1 and 3: best 0.5
     assert high["best"] == 1.0 and low["best"] == 0.5
@@ -146,7 +147,7 @@ def test_the_old_rule_is_reported_on_the_same_seeds():
 
 def test_the_report_renders_again_from_its_summary(tmp_path):
     runs = runs_with({"fast": (25, 182, 0.9), "slow": (100, 100, 1.0)})
-    sweep.write_report(tmp_path, cs.analyse(runs, args()), private="_arms", table_md=cs.table_md, plot=cs.plot)
+    report.write_report(tmp_path, cs.analyse(runs, args()), private="_arms", table_md=cs.table_md, plot=cs.plot)
     written = (tmp_path / "table.md").read_text()
     assert "| H1 | fast |" in written and (tmp_path / "frontier.png").stat().st_size > 0
     sweep.render(tmp_path / "summary.json", tmp_path / "again.md")
@@ -165,11 +166,11 @@ def test_too_few_seeds_or_a_missing_arm_is_one_line():
 def test_the_grid_runs_every_configuration_to_on_policys_compute():
     runs = sweep.plan_runs(sweep.RunArgs(grid="compute", out_dir="unused", seeds=[20]))
     assert len(runs) == 9  # 3 configurations x 3 learning rates
-    on_policy = sweep.COMPUTE_ROLLOUTS * (1 + MU)
+    on_policy = cs.COMPUTE_ROLLOUTS * (1 + MU)
     for r in runs:
         cfg = replay_grpo.parse_args(r["argv"])
         R, B = cfg.prompts_per_step * cfg.group_size, cfg.batch_size
-        assert R * cfg.eval_every == sweep.EVAL_ROLLOUTS and cfg.total_steps % cfg.eval_every == 0
+        assert R * cfg.eval_every == cs.EVAL_ROLLOUTS and cfg.total_steps % cfg.eval_every == 0
         final = B * (1 + MU) + (cfg.total_steps - 1) * (B + MU * R)  # the first step fills the buffer to B
         assert on_policy - cfg.eval_every * (B + MU * R) < final <= on_policy + 1e-6
-        assert cfg.lr in sweep.COMPUTE_LRS and cfg.seed == 20
+        assert cfg.lr in cs.COMPUTE_LRS and cfg.seed == 20

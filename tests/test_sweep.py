@@ -15,9 +15,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
 import pareto
 import pytest
+import replay_study
 import sweep
 import torch
 from PIL import Image
+from studylib import runner
 
 import replay_grpo
 import run_folder
@@ -108,7 +110,7 @@ def test_current_config_applies_resumes_in_order(tmp_path):
 
 
 def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(study, tmp_path):
-    planned = json.loads((study["out"] / "N16-R4-grpo-lr0.003-s1" / sweep.PLANNED).read_text())
+    planned = json.loads((study["out"] / "N16-R4-grpo-lr0.003-s1" / runner.PLANNED).read_text())
     assert planned == {"config": "N16-R4-grpo", "variant": "-lr0.003", "seed": 1}
     shutil.copytree(study["out"] / "N16-R4-grpo-lr0.003-s1", tmp_path / "renamed")  # a name no regex can parse
     (run,) = sweep.load_runs(tmp_path)
@@ -244,7 +246,7 @@ def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
 
 def test_duplicate_names_are_refused(monkeypatch):
     twins = [dict(buffer_size=16, prompts_per_step=1), dict(buffer_size=16, prompts_per_step=1, loss_agg="seq-mean")]
-    monkeypatch.setitem(sweep.GRIDS, "smoke", (sweep.SMOKE_GRID[0], twins))
+    monkeypatch.setitem(sweep.GRIDS, "smoke", (replay_study.SMOKE_GRID[0], twins))
     with pytest.raises(SystemExit, match="both named"):
         sweep.plan_runs(sweep.RunArgs(grid="smoke"))
 
@@ -254,7 +256,7 @@ def test_a_failing_run_does_not_stop_the_sweep(tmp_path, monkeypatch):
         sweep.GRIDS,
         "smoke",
         (
-            sweep.SMOKE_GRID[0],
+            replay_study.SMOKE_GRID[0],
             [
                 dict(buffer_size=4, prompts_per_step=2),  # N < B
                 dict(buffer_size=8, prompts_per_step=2),
@@ -540,7 +542,7 @@ def test_report_and_pareto_leave_out_a_damaged_run_folder_and_name_its_file(tmp_
     del cfg["seed"]  # valid JSON, without a key the reports read
     (tmp_path / "onpolicy-s3" / "config.json").write_text(json.dumps(cfg))
     fake_run(tmp_path, "N16-R4-grpo-s3", seed=3, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
-    (tmp_path / "N16-R4-grpo-s3" / sweep.PLANNED).write_text('{"config": ')  # cut
+    (tmp_path / "N16-R4-grpo-s3" / runner.PLANNED).write_text('{"config": ')  # cut
     fake_run(tmp_path, "onpolicy-s4", seed=4, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
     metrics = tmp_path / "onpolicy-s4" / "metrics.jsonl"
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:2]))  # records end at step 1 of 4
@@ -551,7 +553,7 @@ def test_report_and_pareto_leave_out_a_damaged_run_folder_and_name_its_file(tmp_
     out = capsys.readouterr().out
     assert s["configs"]["onpolicy"]["seeds"] == s["configs"]["N16-R4-grpo"]["seeds"] == [0, 1, 2]
     assert f'{tmp_path / "onpolicy-s3" / "config.json"}: "seed" is missing' in out
-    assert f"{tmp_path / 'N16-R4-grpo-s3' / sweep.PLANNED}: JSONDecodeError" in out
+    assert f"{tmp_path / 'N16-R4-grpo-s3' / runner.PLANNED}: JSONDecodeError" in out
     assert f"{metrics}: its records do not reach the checkpoint's step 4" in out
     assert "N16-R4-grpo-s4 is not finished" in out and 'trainer_state.pt holds no integer "step"' in out
     assert "report: 3 run folder(s) with a damaged file left out" in out

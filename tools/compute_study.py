@@ -1,4 +1,4 @@
-"""compute_study.py: the compute study's report, a test of the paper's claim with its rule fixed before its runs.
+"""compute_study.py: the compute study (its grid and report), a test of the paper's claim with its rule fixed first.
 
     python tools/sweep.py run --grid compute --out-dir runs/compute --seeds 20 21 ... 59   # the runs (resumable)
     python tools/compute_study.py --out-dir runs/compute --report-dir docs/study/compute  # table.md, summary.json
@@ -32,15 +32,48 @@ from pathlib import Path
 
 import numpy as np
 import pareto
-import sweep
 import tyro
-from sweep import fmt_acc, fmt_cost, fmt_diff, fmt_interval, fmt_saving
+from pareto import EVAL_ROLLOUTS
+from studylib import fmt, report, runner
+from studylib.report import PAPER_MU, first_crossing, frontier, frontier_at, iqm, level_saving, save_figure
 
 LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
 BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
 AXIS = "compute_paper_mu"
 LEVEL_NAMES = [f"{f:.0%}" for f in LEVELS]
 BUDGET_NAMES = [f"{b:g}" for b in BUDGETS]
+
+# The grid: on-policy against the replay buffers of the two hypotheses, N = 512, R = 32 and the planner's N = 240,
+# R = 16 (both B = 128), each at every lr of COMPUTE_LRS.
+# Every configuration runs to about on-policy's final compute at the paper's mu (trained rollouts + PAPER_MU x
+# generated rollouts, a replay run's first step generating B to fill its buffer) and ends on an evaluation; all are
+# evaluated every EVAL_ROLLOUTS generated rollouts.
+COMPUTE_LRS = [3e-6, 1e-5, 3e-5]
+COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on pilot seeds 0-5 (docs/study/compute)
+
+
+def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128) -> dict:
+    R, B = prompts_per_step * 16, batch_size  # the cpu preset's G and B
+    budget, first, step = COMPUTE_ROLLOUTS * (1 + PAPER_MU), B * (1 + PAPER_MU), B + PAPER_MU * R
+    every = EVAL_ROLLOUTS // R
+    steps = 1 + int((budget - first) // step)
+    return dict(
+        buffer_size=buffer_size,
+        prompts_per_step=prompts_per_step,
+        total_steps=steps - steps % every,
+        eval_every=every,
+        lr=COMPUTE_LRS,
+    )
+
+
+COMPUTE_GRID = (
+    ["--preset", "cpu"],
+    [
+        compute_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
+        compute_entry(buffer_size=512, prompts_per_step=2),  # H1: B/R = 4
+        compute_entry(buffer_size=240, prompts_per_step=1),  # H2: the planner's N/R = 15, B/R = 8 at mu = 5.28
+    ],
+)
 
 
 @dataclass
@@ -58,7 +91,7 @@ class Args:
     """the configuration of the first hypothesis."""
     h2: str = "N240-R16-grpo"
     """the configuration of the second, tested only when the first is met (the planner's for mu = 5.28)."""
-    paper_mu: float = 5.28
+    paper_mu: float = PAPER_MU
     saving_target: float = 30.0
     """the saving (percent) the decision asks for."""
     replicates: int = 2000
@@ -68,45 +101,6 @@ class Args:
 # ----------------------------------------------------------------------------------------------
 # The statistic
 # ----------------------------------------------------------------------------------------------
-
-
-def iqm(a: np.ndarray) -> np.ndarray:
-    """The interquartile mean over axis 0: the mean of what is left after int(n / 4) values are cut from each
-    end (as scipy.stats.trim_mean(a, 0.25)); the mean itself for fewer than 4 values."""
-    a = np.sort(np.asarray(a, dtype=float), axis=0)
-    cut = len(a) // 4
-    return a[cut : len(a) - cut].mean(axis=0)
-
-
-def frontier(curves: list[np.ndarray]) -> np.ndarray:
-    """The running maximum over evaluations of the maximum over learning rates (curves share their x values)."""
-    return np.maximum.accumulate(np.max(curves, axis=0))
-
-
-def first_crossing(x: np.ndarray, f: np.ndarray, level: float) -> float:
-    """The x where a non-decreasing frontier f first reaches level, linear between the evaluations around it;
-    x's last value (the run's final compute) when it never does."""
-    hit = np.nonzero(f >= level)[0]
-    if not len(hit):
-        return float(x[-1])
-    i = int(hit[0])
-    if i == 0:
-        return float(x[0])
-    return float(x[i - 1] + (level - f[i - 1]) / (f[i] - f[i - 1]) * (x[i] - x[i - 1]))
-
-
-def level_saving(costs: list[float], reference_costs: list[float]) -> float:
-    """1 - exp(mean log(cost / reference cost)), in percent; nan where a cost is 0 (a level reached before any
-    training: the ratio says nothing)."""
-    c, r = np.asarray(costs, dtype=float), np.asarray(reference_costs, dtype=float)
-    if (c <= 0).any() or (r <= 0).any():
-        return math.nan
-    return float(100 * (1 - np.exp(np.mean(np.log(c / r)))))
-
-
-def frontier_at(x: np.ndarray, f: np.ndarray, budget: float) -> float:
-    """The frontier's value at a compute budget: the best reached at compute <= budget."""
-    return float(f[np.searchsorted(x, budget + 1e-9, side="left") - 1])
 
 
 def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
@@ -139,16 +133,15 @@ def bootstrap(arms: dict, reference: str, replicates: int, rng: np.random.Genera
     """The point estimates on all seeds and the 5th/95th percentiles of every number over paired resamples; the
     intervals' "reached" is the share of resamples where the frontier reaches each level."""
     n = len(next(iter(next(iter(arms.values()))["acc"].values())))
-    point = estimates(arms, reference, np.arange(n))
-    reps = pareto.stack([estimates(arms, reference, rng.integers(0, n, n)) for _ in range(replicates)])
-    ci = sweep.intervals_of(reps, (5, 95))
+
+    def estimate(idx):
+        return estimates(arms, reference, idx)
+
+    point = estimate(np.arange(n))
+    ci, reps = report.bootstrap(estimate, report.resample(n), replicates, rng)
     for c, row in reps["configs"].items():
         ci["configs"][c]["reached"] = {level: float(np.mean(v)) for level, v in row["reached"].items()}
     return point, ci
-
-
-def decide(saving: float, low: float | None, target: float) -> str:
-    return "met" if saving >= target and low is not None and low > 0 else "not met"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,17 +150,16 @@ def decide(saving: float, low: float | None, target: float) -> str:
 
 
 def arms_of(cells: dict) -> dict:
-    """pareto.cells_of's cells as this statistic's arms: compute at the paper's mu and accuracy per lr."""
+    """report.cells_of's cells as this statistic's arms: compute at the paper's mu and accuracy per lr."""
     return {
-        c: {"x": next(iter(by_lr.values()))["x"][AXIS], "acc": {lr: cell["acc"] for lr, cell in by_lr.items()}}
-        for c, by_lr in cells.items()
+        c: {"x": cell["x"][AXIS], "acc": {lr: at["acc"] for lr, at in cell["lrs"].items()}} for c, cell in cells.items()
     }
 
 
 def analyse(runs: list[dict], args: Args) -> dict:
     if args.seeds is not None:
         runs = [r for r in runs if r["seed"] in args.seeds]
-    cells, seeds, _ = pareto.cells_of(runs, args.paper_mu)
+    cells, seeds, _ = report.cells_of(runs, args.paper_mu)
     for name in (args.reference, args.h1, args.h2):
         if name not in cells:
             raise SystemExit(f"error: {name}: no finished runs in the seeds reported (have: {', '.join(cells)})")
@@ -176,10 +168,6 @@ def analyse(runs: list[dict], args: Args) -> dict:
     if len(seeds) < 4:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
     cells = {c: cells[c] for c in (args.reference, args.h1, args.h2)}
-    for c, by_lr in cells.items():
-        xs = [cell["x"][AXIS] for cell in by_lr.values()]
-        if any(len(x) != len(xs[0]) or not np.allclose(x, xs[0]) for x in xs):
-            raise SystemExit(f"error: {c}: its learning rates were evaluated at different compute")
     arms = arms_of(cells)
     point, ci = bootstrap(arms, args.reference, args.replicates, np.random.default_rng(0))
 
@@ -195,7 +183,9 @@ def analyse(runs: list[dict], args: Args) -> dict:
     decisions = {}
     for name in (args.h1, args.h2):
         low = ci["configs"][name]["saving"][0]
-        decisions[name] = decide(point["configs"][name]["saving"], low, args.saving_target)
+        decisions[name] = (
+            "met" if report.meets(point["configs"][name]["saving"], low, args.saving_target) else "not met"
+        )
     if decisions[args.h1] != "met":
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
@@ -217,7 +207,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
             "interval_90": aa_ci["configs"]["second half"]["saving"],
         },
         "old_rule": old,
-        "configs": {c: {**pareto.config_row(by_lr), "x": arms[c]["x"].tolist()} for c, by_lr in cells.items()},
+        "configs": {c: {**report.config_row(cell), "x": arms[c]["x"].tolist()} for c, cell in cells.items()},
         "start_greedy_acc": {int(s): float(a) for s, a in zip(seeds, next(iter(ref["acc"].values()))[:, 0])},
         "_arms": arms,
     }
@@ -267,7 +257,7 @@ def table_md(s: dict) -> str:
         f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
         "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
         f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
-        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt_acc(ci['best'][0])}, {fmt_acc(ci['best'][1])}]; the "
+        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt.acc(ci['best'][0])}, {fmt.acc(ci['best'][1])}]; the "
         f"levels: {', '.join(names)} of it, computed again in each resample.",
         "",
         "## Configurations",
@@ -282,7 +272,7 @@ def table_md(s: dict) -> str:
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
-            f"| {sweep.fmt(k['x'][-1])} | {lrs} | {sweep.fmt_mu(k['mu'])} |"
+            f"| {fmt.amount(k['x'][-1])} | {lrs} | {fmt.mu(k['mu'])} |"
         )
     lines += [
         "",
@@ -295,7 +285,7 @@ def table_md(s: dict) -> str:
         "|---|---|---|---|",
     ]
     for h, c in (("H1", s["h1"]), ("H2", s["h2"])):
-        saving = fmt_interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt_saving(x, 1))
+        saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
         lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
     lines += [
         "",
@@ -310,9 +300,9 @@ def table_md(s: dict) -> str:
     for c, row in p["configs"].items():
         for n in names:
             rci = ci["configs"][c]
-            ratio = "—" if c == ref else fmt_interval(row["ratio"][n], rci["ratio"][n], lambda x: sweep.fmt(x))
+            ratio = "—" if c == ref else fmt.interval(row["ratio"][n], rci["ratio"][n], fmt.amount)
             lines.append(
-                f"| {c} | {n} | {fmt_interval(row['cost'][n], rci['cost'][n], fmt_cost)} | {ratio} | "
+                f"| {c} | {n} | {fmt.interval(row['cost'][n], rci['cost'][n], fmt.cost)} | {ratio} | "
                 f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%} |"
             )
     lines += [
@@ -327,7 +317,7 @@ def table_md(s: dict) -> str:
     ]
     for c, row in p["configs"].items():
         if c != ref:
-            cells = [fmt_interval(v, ci["configs"][c]["gap"][b], fmt_diff) for b, v in row["gap"].items()]
+            cells = [fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items()]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -339,14 +329,14 @@ def table_md(s: dict) -> str:
         "|---|---|---|---|",
     ]
     for c, o in s["old_rule"].items():
-        axes = [fmt_interval(o[a]["saving"], o[a]["interval_90"], fmt_saving) for a in pareto.DECISION_AXES]
+        axes = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
         lines.append(f"| {c} | {axes[0]} | {axes[1]} | {o['verdict']} |")
     aa = s["aa"]
     lines += [
         "",
         f"**A/A check**: on-policy on seeds {aa['seeds'][1][0]}-{aa['seeds'][1][-1]} against on-policy on seeds "
         f"{aa['seeds'][0][0]}-{aa['seeds'][0][-1]} by the same statistic (paired by position): saving "
-        f"{fmt_interval(aa['point'], aa['interval_90'], lambda x: fmt_saving(x, 1))}, where nothing differs.",
+        f"{fmt.interval(aa['point'], aa['interval_90'], lambda x: fmt.saving(x, 1))}, where nothing differs.",
         "",
         "## Best IQM per learning rate",
         "",
@@ -354,7 +344,7 @@ def table_md(s: dict) -> str:
         "|---|" + "---|" * len(p["configs"][ref]["best_iqm"]),
     ]
     for c, row in p["configs"].items():
-        cells = [fmt_interval(v, ci["configs"][c]["best_iqm"][lr], fmt_acc) for lr, v in row["best_iqm"].items()]
+        cells = [fmt.interval(v, ci["configs"][c]["best_iqm"][lr], fmt.acc) for lr, v in row["best_iqm"].items()]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -370,24 +360,12 @@ def table_md(s: dict) -> str:
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     arms, p, ci = s["_arms"], s["point"], s["interval_90"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for i, (c, arm) in enumerate(arms.items()):
         x, row, band = arm["x"], p["configs"][c], ci["configs"][c]["frontier"]
-        axes[0].step(x, list(row["frontier"].values()), where="post", color=f"C{i}", label=c)
-        axes[0].fill_between(
-            x,
-            [band[k][0] for k in row["frontier"]],
-            [band[k][1] for k in row["frontier"]],
-            step="post",
-            color=f"C{i}",
-            alpha=0.12,
-        )
+        report.frontier_band(axes[0], x, row["frontier"], band, color=f"C{i}", label=c, alpha=0.12)
         for lr, acc in arm["acc"].items():
             axes[1].plot(
                 x, iqm(acc), color=f"C{i}", alpha=0.4 + 0.2 * list(arm["acc"]).index(lr), label=f"{c} lr {lr:g}"
@@ -401,13 +379,13 @@ def plot(s: dict, dest: Path) -> list[Path]:
     axes[1].set_title("Every learning rate")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=6, ncol=3)
-    return [sweep.save_figure(fig, dest / "frontier.png")]
+    return [save_figure(fig, dest / "frontier.png")]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    return sweep.study_report(args, "compute", analyse, private="_arms", table_md=table_md, plot=plot)
+    return report.study_report(args, "compute", analyse, private="_arms", table_md=table_md, plot=plot)
 
 
 if __name__ == "__main__":
-    sweep.cli(main)
+    runner.cli(main)

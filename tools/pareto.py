@@ -1,6 +1,6 @@
-"""pareto.py: the Pareto study's report. Replay against on-policy over a learning-rate sweep, as the paper compares
-configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy accuracy
-against generated rollouts and against compute.
+"""pareto.py: the Pareto study, its grid and its report. Replay against on-policy over a learning-rate sweep, as the
+paper compares configurations (its Fig. 4): per configuration, the frontier over learning rates of held-out greedy
+accuracy against generated rollouts and against compute.
 
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2       # the runs (resumable)
     python tools/pareto.py --out-dir runs/pareto --report-dir docs/study/pareto      # table.md, summary.json, PNGs
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import sweep
 import tyro
-from sweep import fmt_acc, fmt_cost, fmt_diff, fmt_interval, fmt_mu, fmt_saving
+from studylib import fmt, report, runner
+from studylib.report import first_reach, frontier, meets, save_figure, saving
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -42,6 +42,37 @@ AXES = {
 }
 LEVELS = {"90%": 0.9, "100%": 1.0}  # fractions of on-policy's best median accuracy
 DECISION_AXES = ("rollouts", "compute_paper_mu")
+
+# The Pareto study on --preset cpu: on-policy against replay with N = 512 at B/R = 2, 4, 8 and the planner's
+# suggestion for the paper's mu = 5.28 (`plan --mu 5.28 --batch 128`: N = 240, R = 16), each at every lr of
+# PARETO_LRS, the report keeping the frontier over them. Every configuration generates PARETO_ROLLOUTS rollouts
+# and is evaluated every EVAL_ROLLOUTS of them (on-policy every 2 steps), so that all curves share their x values.
+PARETO_LRS = [1e-5, 3e-5, 1e-4]
+PARETO_ROLLOUTS = 3840  # on-policy: 30 steps of R = 128
+EVAL_ROLLOUTS = 256
+
+
+def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
+    R = prompts_per_step * 16  # the cpu preset's G
+    return dict(
+        buffer_size=buffer_size,
+        prompts_per_step=prompts_per_step,
+        total_steps=PARETO_ROLLOUTS // R,
+        eval_every=EVAL_ROLLOUTS // R,
+        lr=PARETO_LRS,
+    )
+
+
+PARETO_GRID = (
+    ["--preset", "cpu"],
+    [
+        pareto_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
+        pareto_entry(buffer_size=512, prompts_per_step=4),  # B/R = 2
+        pareto_entry(buffer_size=512, prompts_per_step=2),  # B/R = 4, the README's replay example
+        pareto_entry(buffer_size=512, prompts_per_step=1),  # B/R = 8
+        pareto_entry(buffer_size=240, prompts_per_step=1),  # the planner's N/R = 15, B/R = 8 at mu = 5.28
+    ],
+)
 
 
 @dataclass
@@ -56,7 +87,7 @@ class Args:
     """the configuration savings are measured against."""
     primary: str = "N240-R16-grpo"
     """the configuration whose verdict decides the claim (the planner's suggestion for mu = 5.28)."""
-    paper_mu: float = 5.28
+    paper_mu: float = report.PAPER_MU
     """the paper's generation/training cost ratio, for the second compute axis."""
     same_lr: float = 3e-5
     """the learning rate of the same-learning-rate comparison."""
@@ -67,129 +98,48 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# The runs as arrays: per configuration and learning rate, accuracy [seed, evaluation] and each axis' x values
-# ----------------------------------------------------------------------------------------------
-
-
-def x_value(record: dict, axis: str, mus: dict) -> float:
-    """A record's cost so far on one axis: its generated rollouts, or its compute at the axis' mu (mus[axis])."""
-    if axis == "rollouts":
-        return record.get("generated_rollouts", 0)
-    return sweep.compute(record, mus[axis])
-
-
-def cells_of(runs: list[dict], paper_mu: float) -> tuple[dict, list[int], float]:
-    """{config: {lr: cell}} on the seeds every (config, lr) finished, those seeds, and the measured mu. A cell holds
-    acc [seed, evaluation] at the evaluations all its seeds made, x[axis] [evaluation] (median over seeds), and
-    the trained batch's entropy [seed, step] with its generated rollouts entropy_x [step]."""
-    seeds_of: dict[tuple, list] = {}
-    for r in runs:
-        seeds_of.setdefault((r["config"], r["cfg"]["lr"]), []).append(r["seed"])
-    for (config, lr), have in seeds_of.items():
-        if len(set(have)) < len(have):  # two variants at one lr: the cell would mix them
-            raise SystemExit(f"error: {config} at lr {lr:g} has several runs of one seed: keep one variant per lr")
-    seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
-    for (config, lr), have in sorted(seeds_of.items()):
-        if set(have) - set(seeds):
-            print(
-                f"pareto: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
-            )
-    if not seeds:
-        raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
-    kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
-    mu = float(np.median([r["records"][-1]["mu"] for r in kept if "mu" in r["records"][-1]] or [math.nan]))
-    mu_of_axis = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
-    cells: dict[str, dict[float, dict]] = {}
-    for r in kept:
-        cells.setdefault(r["config"], {}).setdefault(r["cfg"]["lr"], {"runs": []})["runs"].append(r)
-    for config, by_lr in cells.items():
-        for lr, cell in by_lr.items():
-            rs = cell.pop("runs")
-            made = [sweep.evals(r) for r in rs]
-            steps = set.intersection(*({e["step"] for e in ev} for ev in made))
-            shared = [[e for e in ev if e["step"] in steps] for ev in made]  # the steps every seed evaluated
-            if any(len(ev) > len(steps) for ev in made):
-                print(f"pareto: {config} lr {lr:g}: evaluations that not every seed made are left out")
-            cell["cfg"] = rs[0]["cfg"]
-            cell["mu"] = float(np.median([r["records"][-1].get("mu", math.nan) for r in rs]))
-            cell["acc"] = np.array([[e["eval/greedy_acc"] for e in ev] for ev in shared])
-            cell["x"] = {
-                axis: np.median([[x_value(e, axis, mu_of_axis) for e in ev] for ev in shared], axis=0) for axis in AXES
-            }
-            trained = [[rec for rec in r["records"] if "entropy" in rec] for r in rs]
-            length = min(len(t) for t in trained)  # a seed extended by a resume: its first steps only
-            cell["entropy"] = np.array([[rec["entropy"] for rec in t[:length]] for t in trained])  # [seed, step]
-            cell["entropy_x"] = np.median(
-                [[rec.get("generated_rollouts", 0) for rec in t[:length]] for t in trained], axis=0
-            )
-    return cells, seeds, mu
-
-
-# ----------------------------------------------------------------------------------------------
 # The estimates on one set of seeds (all of them, or one bootstrap resample)
 # ----------------------------------------------------------------------------------------------
 
 
-def cost_to(by_lr: dict, medians: dict, axis: str, level: float, lrs=None) -> float:
-    """The first x where the frontier over learning rates (of `lrs`, default all) reaches level (inf: never)."""
-    cost = math.inf
-    for lr, med in medians.items():
-        if lrs is not None and lr not in lrs:
-            continue
-        hit = np.nonzero(med >= level - 1e-9)[0]
-        if len(hit):
-            cost = min(cost, float(by_lr[lr]["x"][axis][hit[0]]))
-    return cost
-
-
-def frontier_at(by_lr: dict, medians: dict, axis: str) -> dict:
-    """The frontier over learning rates at each x any of them was evaluated at: {x: best median accuracy at cost
-    <= x} (keys as text, for summary.json)."""
-    points = sorted((x, y) for lr, med in medians.items() for x, y in zip(by_lr[lr]["x"][axis], med))
-    best, out = -math.inf, {}
-    for x, y in points:
-        best = max(best, float(y))
-        out[f"{x:g}"] = best
-    return out
-
-
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
     """Every number of the report on the seeds at positions idx (a resample may repeat some)."""
-    med = {c: {lr: np.median(cell["acc"][idx], axis=0) for lr, cell in by_lr.items()} for c, by_lr in cells.items()}
+    med = {c: {lr: np.median(at["acc"][idx], axis=0) for lr, at in cell["lrs"].items()} for c, cell in cells.items()}
     target = max(float(m.max()) for m in med[reference].values())
     same_target = float(med[reference][same_lr].max()) if same_lr in med[reference] else math.nan
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
-    for c, by_lr in cells.items():
+    for c, cell in cells.items():
+        best = frontier(list(med[c].values()))  # the best median accuracy over lrs at cost <= each evaluation's
         row = out["configs"][c] = {
             "cost": {},
             "saving": {},
             "same_lr_cost": {},
             "same_lr_saving": {},
-            "best": max(float(m.max()) for m in med[c].values()),
+            "best": float(best[-1]),
             "lrs": {},
         }
         row["best_minus_reference"] = row["best"] - target
-        row["frontier"] = {axis: frontier_at(by_lr, med[c], axis) for axis in AXES}
+        row["frontier"] = {axis: {f"{x:g}": float(y) for x, y in zip(cell["x"][axis], best)} for axis in AXES}
         for axis in AXES:
-            row["cost"][axis] = {name: cost_to(by_lr, med[c], axis, f * target) for name, f in LEVELS.items()}
-            if same_lr in by_lr and same_lr in cells[reference]:
-                row["same_lr_cost"][axis] = {
-                    name: cost_to(by_lr, med[c], axis, f * same_target, lrs=[same_lr]) for name, f in LEVELS.items()
-                }
-        for lr, cell in by_lr.items():
+            x = cell["x"][axis]
+            row["cost"][axis] = {name: first_reach(x, best, f * target) for name, f in LEVELS.items()}
+            if same_lr in cell["lrs"] and same_lr in cells[reference]["lrs"]:
+                at = med[c][same_lr]
+                row["same_lr_cost"][axis] = {name: first_reach(x, at, f * same_target) for name, f in LEVELS.items()}
+        for lr, at in cell["lrs"].items():
             row["lrs"][lr] = {
                 "final": float(med[c][lr][-1]),
                 "best": float(med[c][lr].max()),
-                "entropy_end": float(np.median(cell["entropy"][idx, -1])),
-                "entropy_start": float(np.median(cell["entropy"][idx, 0])),
+                "entropy_end": float(np.median(at["entropy"][idx, -1])),
+                "entropy_start": float(np.median(at["entropy"][idx, 0])),
             }
     ref = out["configs"][reference]
     for row in out["configs"].values():
         for axis in AXES:
-            row["saving"][axis] = {n: sweep.saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
+            row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
             if axis in row["same_lr_cost"]:
                 row["same_lr_saving"][axis] = {
-                    n: sweep.saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
+                    n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
                 }
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
@@ -197,17 +147,10 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     return out
 
 
-def stack(trees: list):
-    """A list of equally nested dicts of floats -> one nested dict of arrays (over the list)."""
-    if isinstance(trees[0], dict):
-        return {k: stack([t[k] for t in trees]) for k in trees[0]}
-    return np.array(trees, dtype=float)
-
-
 def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds: int) -> dict:
-    """Per replay configuration: 'met' when, on every DECISION_AXES axis, the saving to 90% of the target is at
-    least saving_target percent and its interval's lower end is above 0; 'not met' otherwise; 'undecided' on one
-    seed, where every resample is that seed and the interval is no interval."""
+    """Per replay configuration: 'met' when, on every DECISION_AXES axis, the saving to 90% of the target meets
+    saving_target (report.meets: at least that, its interval's lower end above 0); 'not met' otherwise;
+    'undecided' on one seed, where every resample is that seed and the interval is no interval."""
     out = {}
     for c, row in point["configs"].items():
         if c == reference:
@@ -215,10 +158,10 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
         if n_seeds < 2:
             out[c] = {"axes": {a: "undecided" for a in DECISION_AXES}, "verdict": "undecided"}
             continue
-        checks = {}
-        for axis in DECISION_AXES:
-            low = ci["configs"][c]["saving"][axis]["90%"][0]
-            checks[axis] = row["saving"][axis]["90%"] >= saving_target and low is not None and low > 0
+        checks = {
+            a: meets(row["saving"][a]["90%"], ci["configs"][c]["saving"][a]["90%"][0], saving_target)
+            for a in DECISION_AXES
+        }
         out[c] = {
             "axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
             "verdict": "met" if all(checks.values()) else "not met",
@@ -226,43 +169,25 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
     return out
 
 
-def config_row(by_lr: dict) -> dict:
-    """A configuration's schedule, its evaluations' generated rollouts and its measured mu (median over runs)."""
-    cell = next(iter(by_lr.values()))
-    cfg = cell["cfg"]
-    R = cfg["prompts_per_step"] * cfg["group_size"]
-    return {
-        "N": cfg["buffer_size"],
-        "B": cfg["batch_size"],
-        "R": R,
-        "steps": cfg["total_steps"],
-        "eval_every": cfg["eval_every"],
-        "lrs": sorted(by_lr),
-        "eval_rollouts": cell["x"]["rollouts"].tolist(),
-        "mu": float(np.median([c["mu"] for c in by_lr.values()])),
-    }
-
-
 def analyse(runs: list[dict], args: Args) -> dict:
-    cells, seeds, mu = cells_of(runs, args.paper_mu)
+    cells, seeds, mu = report.cells_of(runs, args.paper_mu, axes=tuple(AXES))
     if args.reference not in cells:
         raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
     if args.primary not in cells:
         raise SystemExit(f"error: --primary {args.primary}: no finished runs (have: {', '.join(cells)})")
     cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
-    for c, by_lr in cells.items():
-        if sorted(by_lr) != sorted(cells[args.reference]):
+    for c, cell in cells.items():
+        if sorted(cell["lrs"]) != sorted(cells[args.reference]["lrs"]):
             print(
-                f"pareto: {c} ran at lrs {sorted(by_lr)}, {args.reference} at {sorted(cells[args.reference])}: "
-                "their frontiers are over different sweeps"
+                f"pareto: {c} ran at lrs {sorted(cell['lrs'])}, {args.reference} at "
+                f"{sorted(cells[args.reference]['lrs'])}: their frontiers are over different sweeps"
             )
-    point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
-    rng = np.random.default_rng(0)
-    replicates = [
-        estimates(cells, args.reference, rng.integers(0, len(seeds), len(seeds)), args.same_lr)
-        for _ in range(args.replicates)
-    ]
-    ci = sweep.intervals_of(stack(replicates), (5, 95))
+
+    def estimate(idx):
+        return estimates(cells, args.reference, idx, args.same_lr)
+
+    point = estimate(np.arange(len(seeds)))
+    ci, _ = report.bootstrap(estimate, report.resample(len(seeds)), args.replicates, np.random.default_rng(0))
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {
         "seeds": seeds,
@@ -277,9 +202,9 @@ def analyse(runs: list[dict], args: Args) -> dict:
         "interval_90": ci,
         "decision": decision,
         "claim": decision[args.primary]["verdict"],
-        "configs": {c: config_row(by_lr) for c, by_lr in cells.items()},
+        "configs": {c: report.config_row(cell) for c, cell in cells.items()},
         "start_greedy_acc": {
-            int(s): float(a) for s, a in zip(seeds, next(iter(cells[args.reference].values()))["acc"][:, 0])
+            int(s): float(a) for s, a in zip(seeds, next(iter(cells[args.reference]["lrs"].values()))["acc"][:, 0])
         },
         "_cells": cells,
     }
@@ -303,8 +228,8 @@ def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
             parts = []
             for axis in AXES:
                 rci = ci["configs"][c]
-                parts.append(fmt_interval(row[cost][axis][level], rci[cost][axis][level], fmt_cost))
-                parts.append(fmt_interval(row[saving][axis][level], rci[saving][axis][level], fmt_saving))
+                parts.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
+                parts.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
             lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
     return lines
 
@@ -319,9 +244,9 @@ def table_md(s: dict) -> str:
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
-        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt_acc(ci['target'][0])}, "
-        f"{fmt_acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
-        f"rollouts, at the measured mu = {fmt_mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt.acc(ci['target'][0])}, "
+        f"{fmt.acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
         "",
@@ -340,7 +265,7 @@ def table_md(s: dict) -> str:
         lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
         lines.append(
             f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt_mu(k['mu'])} |"
+            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt.mu(k['mu'])} |"
         )
     lines += [
         "",
@@ -356,7 +281,7 @@ def table_md(s: dict) -> str:
     ]
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt_interval(sv[a]["90%"], sci[a]["90%"], fmt_saving) for a in ("rollouts", "compute_paper_mu")]
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in ("rollouts", "compute_paper_mu")]
         name = f"**{c}**" if c == s["primary"] else c
         lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
@@ -365,7 +290,7 @@ def table_md(s: dict) -> str:
         "",
         f"## At one learning rate, {s['same_lr']:g}",
         "",
-        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt_acc(p['same_lr_target'])}.",
+        f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt.acc(p['same_lr_target'])}.",
         "",
     ]
     lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
@@ -388,19 +313,19 @@ def table_md(s: dict) -> str:
             delta = (
                 "—"
                 if c == ref or "final_minus_reference" not in at
-                else fmt_interval(at["final_minus_reference"], aci["final_minus_reference"], fmt_diff)
+                else fmt.interval(at["final_minus_reference"], aci["final_minus_reference"], fmt.diff)
             )
             lines.append(
-                f"| {c} | {float(lr):g} | {fmt_interval(at['final'], aci['final'], fmt_acc)} | {delta} | "
-                f"{fmt_interval(at['best'], aci['best'], fmt_acc)} | {at['entropy_start']:.3f} → "
+                f"| {c} | {float(lr):g} | {fmt.interval(at['final'], aci['final'], fmt.acc)} | {delta} | "
+                f"{fmt.interval(at['best'], aci['best'], fmt.acc)} | {at['entropy_start']:.3f} → "
                 f"{at['entropy_end']:.3f} |"
             )
     lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
         lines.append(
-            f"| {c} | {fmt_interval(row['best'], rci['best'], fmt_acc)} | "
-            f"{fmt_interval(row['best_minus_reference'], rci['best_minus_reference'], fmt_diff)} |"
+            f"| {c} | {fmt.interval(row['best'], rci['best'], fmt.acc)} | "
+            f"{fmt.interval(row['best_minus_reference'], rci['best_minus_reference'], fmt.diff)} |"
         )
     lines += [
         "",
@@ -417,33 +342,26 @@ def table_md(s: dict) -> str:
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
-    import matplotlib
-    import matplotlib.ticker
+    from matplotlib.ticker import NullFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     cells, target, written = s["_cells"], s["point"]["target"], []
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
 
     def save(fig, name: str) -> None:
-        written.append(sweep.save_figure(fig, dest / name))
+        written.append(save_figure(fig, dest / name))
 
     fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
     for ax, (axis, label) in zip(axes, AXES.items()):
-        for c, by_lr in cells.items():
-            for cell in by_lr.values():
-                ax.scatter(cell["x"][axis], np.median(cell["acc"], axis=0), s=6, color=colors[c], alpha=0.25)
+        for c, cell in cells.items():
+            for at in cell["lrs"].values():
+                ax.scatter(cell["x"][axis], np.median(at["acc"], axis=0), s=6, color=colors[c], alpha=0.25)
             line, band = s["point"]["configs"][c]["frontier"][axis], s["interval_90"]["configs"][c]["frontier"][axis]
-            xs = [float(x) for x in line]
-            ax.step(xs, list(line.values()), where="post", color=colors[c], label=c)
-            ax.fill_between(
-                xs, [band[x][0] for x in line], [band[x][1] for x in line], step="post", color=colors[c], alpha=0.06
-            )
+            report.frontier_band(ax, [float(x) for x in line], line, band, color=colors[c], label=c, alpha=0.06)
         for frac in LEVELS.values():
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the minor labels overlap
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap
         ax.set_xlabel(f"{label} (log scale; step 0 at x = 0 is left out)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
@@ -455,11 +373,10 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     lr = s["same_lr"]
-    for c, by_lr in cells.items():
-        if lr not in by_lr:
+    for c, cell in cells.items():
+        if lr not in cell["lrs"]:
             continue
-        cell = by_lr[lr]
-        q25, q50, q75 = np.percentile(cell["acc"], [25, 50, 75], axis=0)
+        q25, q50, q75 = np.percentile(cell["lrs"][lr]["acc"], [25, 50, 75], axis=0)
         for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
             ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
             ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
@@ -471,11 +388,13 @@ def plot(s: dict, dest: Path) -> list[Path]:
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")
     save(fig, "same_lr.png")
 
-    fig, axes = plt.subplots(1, len(next(iter(cells.values()))), figsize=(15, 4), sharey=True)
-    for ax, lr in zip(np.atleast_1d(axes), next(iter(cells.values()))):
-        for c, by_lr in cells.items():
-            if lr in by_lr:
-                ax.plot(by_lr[lr]["entropy_x"], np.median(by_lr[lr]["entropy"], axis=0), color=colors[c], label=c)
+    lrs = next(iter(cells.values()))["lrs"]  # the reference's
+    fig, axes = plt.subplots(1, len(lrs), figsize=(15, 4), sharey=True)
+    for ax, lr in zip(np.atleast_1d(axes), lrs):
+        for c, cell in cells.items():
+            if lr in cell["lrs"]:
+                at = cell["lrs"][lr]
+                ax.plot(at["entropy_x"], np.median(at["entropy"], axis=0), color=colors[c], label=c)
         ax.set_title(f"lr {lr:g}")
         ax.set_xlabel("generated rollouts")
         ax.grid(alpha=0.3)
@@ -487,8 +406,8 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    return sweep.study_report(args, "pareto", analyse, private="_cells", table_md=table_md, plot=plot)
+    return report.study_report(args, "pareto", analyse, private="_cells", table_md=table_md, plot=plot)
 
 
 if __name__ == "__main__":
-    sweep.cli(main)
+    runner.cli(main)

@@ -1,0 +1,718 @@
+"""replay_study.py: the replay study (docs/study) and the buffer's rules against uniform sampling
+(docs/study/variants): their grids, and their report (`sweep.py report`).
+
+The report reads every finished run under --out-dir, groups runs by configuration over seeds (median and IQR), keeps
+per configuration the learning rate with the best median final greedy accuracy, and measures savings against the
+on-policy GRPO configuration (N = B = R). Compute, in the paper's normalisation: training on one rollout costs 1 unit
+and generating one costs mu units, so compute after t steps = trained_rollouts + mu * generated_rollouts (= t * B *
+(1 + mu * R / B) for a fixed schedule; on-policy costs B(1 + mu) per update). It is reported twice: with the mu
+measured on this machine (median of the runs' logged "mu") and with the paper's mu = 5.28 (Qwen2.5-7B).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+from studylib import fmt, report, runner
+from studylib.report import compute, curve, evals, final, quartiles, save_figure
+
+
+@dataclass
+class Args:
+    """The table (table.md), summary.json and figures of the finished runs in --out-dir."""
+
+    out_dir: str = "runs/study"
+    """folder of the run folders."""
+    report_dir: str | None = None
+    """where table.md, summary.json and the figures go (default: --out-dir)."""
+    tune_seeds: list[int] = field(default_factory=list)
+    """seeds that chose a learning rate and are not reported (default: those `run` recorded in sweep.json)."""
+    reference: str | None = None
+    """configuration that savings are measured against (default: the on-policy GRPO one, N = B = R published
+    every step)."""
+    paper_mu: float = report.PAPER_MU
+    """the paper's generation/training cost ratio, for the second compute axis."""
+    saving_target: float = 30.0
+    """the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu) whose
+    attainment the report decides with bootstrap 90% intervals."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The grids (their format: sweep.py)
+# ----------------------------------------------------------------------------------------------
+
+# --preset cpu: B = 128, G = 16, so R = 16 x prompts_per_step. On this machine mu ~ 0.8, where the
+# paper's planner (alpha = rho = 0.1) wants N/R ~ 6, B/R ~ 2: N256-R64 (N/R = 4, B/R = 2) is near it.
+# N512-R32 (N/R = 16, B/R = 4) is near its optimum for the paper's mu = 5.28 (14.3, 5.6); the
+# paper's refinements (AsymRE, positive bias delta) matter most at large reuse, so they go there.
+# lrs: a trial scan of on-policy GRPO at 5e-5, 1e-4, 2e-4 found 2e-4 worse on every seed.
+LRS = [5e-5, 1e-4]
+DEFAULT_GRID = (
+    ["--preset", "cpu"],
+    [
+        dict(buffer_size=128, prompts_per_step=8, lr=LRS),  # on-policy GRPO: N = B = R = 128
+        dict(buffer_size=256, prompts_per_step=4),  # N/R = 4, B/R = 2
+        dict(buffer_size=512, prompts_per_step=2, lr=LRS),  # N/R = 16, B/R = 4
+        dict(buffer_size=512, prompts_per_step=2, loss="asymre"),
+        dict(buffer_size=512, prompts_per_step=2, positive_bias=0.2),
+        dict(buffer_size=512, prompts_per_step=2, positive_bias=0.5),
+    ],
+)
+SMOKE_GRID = (
+    (
+        "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+        "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 3 --eval-every 0"
+    ).split(),
+    [
+        dict(buffer_size=8, prompts_per_step=2),  # on-policy: N = B = R = 8
+        dict(buffer_size=16, prompts_per_step=1, lr=[1e-3, 3e-3]),  # N/R = 4, B/R = 2, two lrs
+    ],
+)
+# --preset cpu-study: B = 64 (the paper's 60 in whole groups), G = 16, R = 16 x prompts_per_step. Measured
+# mu ~ 1.0 there (HF generation, one thread per run), where the planner (alpha = rho = 0.1) puts the optimum
+# at N/R = 6.7, B/R = 2.0: N = 224, R = 32; for the paper's mu = 5.28: N/R = 14.3, B/R = 5.6: N = 240,
+# R = 16. Runs with less generated per step get more steps, so that every configuration can generate
+# as many tokens as on-policy does, with evaluations at the same generated-token intervals.
+STUDY_LRS = [1e-5, 3e-5, 1e-4]
+STUDY_GRID = (
+    ["--preset", "cpu-study"],
+    [
+        dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
+        dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
+        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+        # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
+        # accuracy 0.837 at lr 1e-5, against 0.825 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
+        dict(
+            buffer_size=240,
+            prompts_per_step=1,
+            total_steps=800,
+            eval_every=80,
+            loss="asymre",
+            lr=[1e-5, 3e-5],
+            asymre_delta_v=[-0.05, -0.1],
+        ),
+        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
+    ],
+)
+# The buffer's rules on --preset cpu-study, each against the default (uniform sampling) at one schedule: the
+# study's optimum for the measured mu, N = 224, R = 32, B = 64, at the lr that configuration picked there on the
+# tune seeds (1e-5), for 400 steps. The queue is the no-buffer baseline: in this loop it trains on each step's
+# B = 64 fresh rollouts once. At this size the grid shows what each rule does to the data a step trains on.
+VARIANTS_GRID = (
+    ("--preset cpu-study --buffer-size 224 --prompts-per-step 2 --total-steps 400 --eval-every 40 --lr 1e-5").split(),
+    [
+        dict(),  # uniform, the paper's
+        dict(sampling="without-replacement"),
+        dict(sampling="at-least-once"),
+        dict(sampling="fresh-anchored"),
+        dict(sampling="priority", priority_alpha=1.0),
+        dict(sampling="priority", priority_alpha=1.0, priority_tau=4.0),  # FreshPER's age decay
+        dict(max_age=4),
+        dict(max_uses=2),
+        dict(ratio_level="sequence"),
+        dict(sampling="queue"),
+    ],
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The learning rate of each configuration
+# ----------------------------------------------------------------------------------------------
+
+
+def is_on_policy(cfg: dict) -> bool:
+    R = cfg["prompts_per_step"] * cfg["group_size"]
+    return cfg["buffer_size"] == cfg["batch_size"] == R and cfg.get("publish_every", 1) == 1
+
+
+def variant_label(cfg: dict, variant: str) -> str:
+    return f"lr {cfg['lr']:g}" + (f", delta_V {cfg['asymre_delta_v']:g}" if "-dv" in variant else "")
+
+
+def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict[str, dict]:
+    """Per configuration, the variant (learning rate, delta_V) with the best median final greedy
+    accuracy over the tune seeds (all seeds when none; ties: pass@1, then the smaller lr)."""
+    groups: dict[str, dict[str, list[dict]]] = {}
+    for r in runs:
+        if not tune_seeds or r["seed"] in tune_seeds:
+            groups.setdefault(r["config"], {}).setdefault(r["variant"], []).append(r)
+    picks = {}
+    for config, by_variant in groups.items():
+        score = {
+            v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
+            for v, rs in by_variant.items()
+        }
+        order = sorted(
+            by_variant,
+            key=lambda v: (
+                -score[v][0],
+                -score[v][1],
+                by_variant[v][0]["cfg"]["lr"],
+                abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0)),
+            ),
+        )
+        best = order[0]
+        picks[config] = {
+            "variant": best,
+            "cfg": by_variant[best][0]["cfg"],
+            "n_variants": len(by_variant),
+            "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
+            "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
+        }
+    return picks
+
+
+def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dict[str, list[dict]], dict]:
+    """Group runs by configuration and keep, per configuration, the picked variant's runs on the
+    reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
+    configs, choices = {}, {}
+    for config, p in pick_variants(runs, tune_seeds).items():
+        kept = [
+            r
+            for r in runs
+            if r["config"] == config and r["variant"] == p["variant"] and not (tune_seeds and r["seed"] in tune_seeds)
+        ]
+        if not kept:
+            continue
+        configs[config] = sorted(kept, key=lambda r: r["seed"])
+        if p["n_variants"] > 1:
+            choices[config] = {
+                "picked": p["cfg"]["lr"],
+                "label": variant_label(p["cfg"], p["variant"]),
+                "asymre_delta_v": p["cfg"].get("asymre_delta_v"),
+                "tuned_on": p["tune_seeds"],
+                "median_final_greedy_acc": p["scores"],
+            }
+    return configs, choices
+
+
+AXES = ("tokens", "compute_measured_mu", "compute_paper_mu")
+FRACS = {"target": 1.0, "90% of target": 0.9}  # the levels: fractions of the reference's final median accuracy
+
+
+def summarize(
+    runs: list[dict],
+    reference: str | None,
+    paper_mu: float,
+    tune_seeds: list[int] | None = None,
+    saving_target: float = 30.0,
+) -> dict:
+    """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
+    seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
+    configs, lr_choice = pick_lrs(runs, tune_seeds)
+    if reference is None:  # the on-policy GRPO configuration (plain FIFO)
+        cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
+        reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c)) if cands else None
+    elif reference not in configs:
+        raise SystemExit(f"error: --reference {reference}: no finished runs (have: {', '.join(configs)})")
+    target = float(np.median(final(configs[reference], "eval/greedy_acc"))) if reference else None
+    mu_machine = report.measured_mu(runs)
+    axes = {axis: report.x_of(axis, {"compute_measured_mu": mu_machine, "compute_paper_mu": paper_mu}) for axis in AXES}
+    if reference:
+        estimate = cost_estimate(configs, reference, axes)
+        point = estimate({c: np.arange(len(rs)) for c, rs in configs.items()})
+    rows = {}
+    for config, rs in configs.items():
+        cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
+        stale = Counter()
+        for r in rs:
+            for rec in r["records"]:
+                stale.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
+        row = rows[config] = {
+            "lr": cfg["lr"],
+            "seeds": [r["seed"] for r in rs],
+            "steps": cfg["total_steps"],
+            "N": cfg["buffer_size"],
+            "B": cfg["batch_size"],
+            "R": cfg["prompts_per_step"] * cfg["group_size"],
+            "greedy_acc": quartiles(final(rs, "eval/greedy_acc")),
+            "pass@1": quartiles(final(rs, "eval/pass@1")),
+            "k": cfg["pass_k"],
+            "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}")),
+            "generated_tokens": float(np.median([rec.get("total_generated_tokens", 0) for rec in last])),
+            "mu": float(np.median([rec["mu"] for rec in last])) if all("mu" in rec for rec in last) else None,
+            "replay_ratio": float(np.mean([rec.get("replay_ratio", 0) for rec in last])),
+            "staleness": sum(s * n for s, n in stale.items()) / max(1, sum(stale.values())),
+            "by_staleness": staleness_buckets(rs),
+        }
+        for what, suffix in (("cost", "to_target"), ("saving", "saving_pct")):  # None: never reached, or no saving
+            for axis in axes:
+                value = point[config][what][axis]["target"] if reference else math.nan
+                row[f"{axis}_{suffix}"] = value if math.isfinite(value) else None
+    order = sorted(configs, key=lambda c: (c != reference, rows[c]["N"], -rows[c]["R"], c))
+    out = {
+        "reference": reference,
+        "target_greedy_acc": target,
+        "mu_measured": mu_machine,
+        "paper_mu": paper_mu,
+        "lr_choice": lr_choice,
+        "configs": {c: rows[c] for c in order},
+        "tune_seeds": sorted(tune_seeds or []),
+        "_runs": {c: configs[c] for c in order},
+    }
+    if reference:
+
+        def draw(rng):  # each configuration's seeds resampled apart
+            return {c: rng.integers(0, len(rs), len(rs)) for c, rs in configs.items()}
+
+        n = 2000
+        intervals, _ = report.bootstrap(estimate, draw, n, np.random.default_rng(0), ps=(5, 50, 95))
+        out["bootstrap"] = {"replicates": n, "intervals": intervals}
+        out["decision"] = decide(intervals, reference, saving_target)
+        out["saving_target"] = saving_target
+        out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
+    return out
+
+
+def cost_estimate(configs: dict, reference: str, axes: dict):
+    """The report's estimate on a resample of each configuration's seeds, drawn apart (draw: {config: the positions
+    of its seeds}): per configuration the cost (median x over the resampled seeds) to reach the reference's final
+    median accuracy and 90% of it, recomputed from the reference's resample; the saving against the reference; and
+    the median accuracy and pass@k at the reference's final compute (equal compute), on the compute axes."""
+    arrays = {}  # per configuration: its runs' accuracy, pass@k and x values at the evaluations all share
+    for c, rs in configs.items():
+        k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
+        columns = {"acc": lambda e: e["eval/greedy_acc"], "pass@k": lambda e, k=k: e.get(k, np.nan), **axes}
+        arrays[c] = report.at_shared_steps(rs, columns)
+    equal_axes = [axis for axis in axes if axis != "tokens"]
+
+    def estimate(draw: dict) -> dict:
+        drawn = {c: {name: v[draw[c]] for name, v in a.items()} for c, a in arrays.items()}
+        ref = drawn[reference]
+        level = float(np.median(ref["acc"][:, -1]))
+        budget = {axis: float(np.median(ref[axis][:, -1])) for axis in axes}
+        cost, at_equal = {}, {}
+        for c, a in drawn.items():
+            med, x = np.median(a["acc"], axis=0), {axis: np.median(a[axis], axis=0) for axis in axes}
+            cost[c] = {
+                axis: {f: report.first_reach(x[axis], med, v * level) for f, v in FRACS.items()} for axis in axes
+            }
+            at_equal[c] = {}
+            for axis in equal_axes:  # at the last evaluation within the reference's final compute
+                within = np.nonzero(x[axis] <= budget[axis] + 1e-6)[0]
+                at_equal[c][axis] = {
+                    what: float(np.median(a[what][:, within[-1]])) if len(within) else np.nan
+                    for what in ("acc", "pass@k")
+                }
+        return {
+            c: {
+                "cost": cost[c],
+                "saving": {
+                    axis: {f: report.saving(cost[c][axis][f], cost[reference][axis][f]) for f in FRACS} for axis in axes
+                },
+                "at_equal": at_equal[c],
+            }
+            for c in arrays
+        }
+
+    return estimate
+
+
+def decide(intervals: dict, reference: str, saving_target: float) -> dict:
+    """The decision on the saving target, per axis from the saving's interval (report.interval_verdict) and on both:
+    met when both are, not met when either is not."""
+    decision = {}
+    for c, iv in intervals.items():
+        if c == reference:
+            continue
+        axes = ("tokens", "compute_paper_mu")
+        verdicts = [
+            report.interval_verdict(lo, hi, saving_target) for lo, _, hi in (iv["saving"][a]["target"] for a in axes)
+        ]
+        both = "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts else "not resolvable"
+        decision[c] = {**dict(zip(axes, verdicts)), "both": both}
+    return decision
+
+
+def bucket_order(label: str) -> int:
+    """'0', '1', '2-3', '4-7', '8+' (replay_grpo.STALENESS_BUCKETS) in staleness order."""
+    return int(label.split("-")[0].rstrip("+"))
+
+
+def staleness_buckets(rs: list[dict]) -> dict | None:
+    """The records' metrics by staleness over every step and seed of a configuration: per bucket, its share of
+    the trained rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token (the ESS of
+    the token ratios over the tokens: 1 when every ratio is equal). None: runs that did not log them."""
+    sums = {}  # bucket -> rollouts, tokens, clipped tokens, |log ratio| summed over tokens, ESS
+    for r in rs:
+        for rec in r["records"]:
+            for label, b in rec.get("by_staleness", {}).items():
+                total = sums.setdefault(label, [0, 0, 0.0, 0.0, 0.0])
+                total[0] += b["rollouts"]
+                total[1] += b["tokens"]
+                total[2] += b["clip_frac"] * b["tokens"]
+                total[3] += b["abs_log_ratio"] * b["tokens"]
+                total[4] += b["ess"]
+    if not sums:
+        return None
+    rollouts = sum(t[0] for t in sums.values())
+    out = {}
+    for label in sorted(sums, key=bucket_order):
+        n, tokens, clipped, abs_log_ratio, ess = sums[label]
+        out[label] = {
+            "share": n / rollouts,
+            "clip_frac": clipped / tokens,
+            "abs_log_ratio": abs_log_ratio / tokens,
+            "ess_per_token": ess / tokens,
+        }
+    return out
+
+
+def per_seed(run: dict, target: float, axes: dict) -> dict:
+    """One run's numbers: the warm start, the final accuracies, and its cost to the target on each axis."""
+    first, last = run["records"][0], evals(run)[-1]
+    reach = next((r for r in evals(run) if r["eval/greedy_acc"] >= target - 1e-9), None)
+    return {
+        "seed": run["seed"],
+        "name": run["name"],
+        "warmstart_reached": first.get("warmstart_reached"),
+        "warmstart_pass@k": first.get("warmstart_pass@k"),
+        "greedy_acc_start": first.get("eval/greedy_acc"),
+        "greedy_acc_final": last["eval/greedy_acc"],
+        "pass@1_final": last["eval/pass@1"],
+        **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()},
+    }
+
+
+def table_md(s: dict) -> str:
+    """The study's table.md from its summary (summary.json's content)."""
+
+    def bootstrap(q, one) -> str:
+        """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]' ("—" where it is undefined)."""
+        return "—" if q[1] is None else fmt.interval(q[1], q, one)
+
+    ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
+    target = fmt.acc(s["target_greedy_acc"])
+    lines = [
+        "# Replay-GRPO study",
+        "",
+        f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
+        f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
+        f"{target} is the target: "
+        "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
+        "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
+        f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
+        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(mu)} (median of the runs' measured mu on this "
+        f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
+        "optimizer steps between a rollout's generation and its use, averaged over every use.",
+        "",
+        "| config | lr | seeds | steps | greedy acc | pass@1 | pass@k | gen. tokens | mu (meas.) | replay ratio "
+        "| staleness | tokens to target | saving | compute (meas.) to target | saving "
+        "| compute (paper) to target | saving |",
+        "|" + "---|" * 17,
+    ]
+    for c, r in s["configs"].items():
+        cells = [
+            c,
+            f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
+            len(r["seeds"]),
+            r["steps"],
+            fmt.quartiles(r["greedy_acc"]),
+            fmt.quartiles(r["pass@1"]),
+            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
+            fmt.amount(r["generated_tokens"]),
+            fmt.mu(r["mu"]),
+            f"{r['replay_ratio']:.2f}",
+            f"{r['staleness']:.2f}",
+        ]
+        for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
+            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
+        lines += [
+            "",
+            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
+            "so the savings are undefined: train longer or with a weaker warm start.",
+        ]
+    if "bootstrap" in s:
+        iv = s["bootstrap"]["intervals"]
+        lines += [
+            "",
+            f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
+            "",
+            f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
+            "configuration; the target recomputed from each resample of the reference). 'never': not reached "
+            "within the run. Saving = 1 − ours / reference's.",
+            "",
+            "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
+            "|" + "---|" * 8,
+        ]
+        for c in s["configs"]:
+            for f in ("target", "90% of target"):
+                cells = [c, f]
+                for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
+            "",
+            "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
+            "",
+            "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
+            "|" + "---|" * 5,
+        ]
+        for c in s["configs"]:
+            cells = [
+                bootstrap(iv[c]["at_equal"][a][w], fmt.acc)
+                for a in ("compute_measured_mu", "compute_paper_mu")
+                for w in ("acc", "pass@k")
+            ]
+            lines.append("| " + " | ".join([c] + cells) + " |")
+        target_pct = f"{s['saving_target']:g}%"
+        lines += [
+            "",
+            f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
+            f"compute at the paper's mu, to {ref}'s final median accuracy",
+            "",
+            "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+            "below it; not resolvable: the interval straddles it (or the target was not reached).",
+            "",
+        ]
+        for c, d in s["decision"].items():
+            lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
+    if any(r.get("by_staleness") for r in s["configs"].values()):
+        lines += [
+            "",
+            "## What a step trains on, by staleness",
+            "",
+            "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
+            "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
+            "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
+            "w^2 over the tokens: 1 when all ratios are equal).",
+            "",
+            "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
+            "|" + "---|" * 6,
+        ]
+        for c, r in s["configs"].items():
+            for label, b in (r.get("by_staleness") or {}).items():
+                lines.append(
+                    f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
+                    f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |"
+                )
+    if s.get("per_seed"):
+        lines += [
+            "",
+            "## Seeds",
+            "",
+            "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
+            "|" + "---|" * 6,
+        ]
+        for c, rows in s["per_seed"].items():
+            for r in rows:
+                lines.append(
+                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt.acc(r['warmstart_pass@k'])} | "
+                    f"{fmt.acc(r['greedy_acc_start'])} | {fmt.acc(r['greedy_acc_final'])} |"
+                )
+    if s["lr_choice"]:
+        tuned = s.get("tune_seeds")
+        lines += [
+            "",
+            "## Learning rate (*)",
+            "",
+            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
+            "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
+            + (
+                f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
+                if tuned
+                else "on the same seeds it is reported on:"
+            ),
+            "",
+        ]
+        for c in s["configs"]:
+            if c in s["lr_choice"]:
+                note = s["lr_choice"][c]
+                tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
+                lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, out_dir: Path) -> list[Path]:
+    """The figures: median over seeds, shaded IQR, one line per configuration (its best lr); the histograms of
+    staleness and replay ratio; the metrics by staleness where the runs logged them."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = report.pyplot()
+
+    runs, ref, target = s["_runs"], s["reference"], s["target_greedy_acc"]
+    palette = iter(plt.get_cmap("tab10").colors)
+    color = {c: "black" if c == ref else next(palette) for c in runs}
+    label = {c: c + (f" (lr {s['configs'][c]['lr']:g})" if c in s["lr_choice"] else "") for c in runs}
+    written = []
+
+    def save(fig, name):
+        written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
+
+    def lines(ax, y, x, xlabel, ylabel, eval_only=True, show_target=True):
+        for c, rs in runs.items():
+            key = y(c) if callable(y) else y
+            cv = curve(rs, key, x, eval_only)
+            ax.plot(cv["x"], cv["median"], color=color[c], lw=2.2 if c == ref else 1.4, label=label[c])
+            ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
+        if show_target and target is not None:
+            ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+
+    def legend(ax):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+
+    def step_of(r):
+        return r["step"]
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    lines(a, "eval/greedy_acc", step_of, "gradient steps", "held-out greedy accuracy")
+    lines(
+        b,
+        lambda c: f"eval/pass@{s['configs'][c]['k']}",
+        step_of,
+        "gradient steps",
+        "held-out pass@k (k samples, temperature 1)",
+        show_target=False,
+    )
+    fig.suptitle("Held-out accuracy vs gradient steps (median, IQR over seeds)")
+    legend(b)
+    save(fig, "accuracy_vs_steps.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines(
+        ax,
+        "eval/greedy_acc",
+        lambda r: r.get("total_generated_tokens", 0),
+        "generated tokens",
+        "held-out greedy accuracy",
+    )
+    ax.set_title("Held-out accuracy vs generated tokens")
+    legend(ax)
+    save(fig, "accuracy_vs_tokens.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (mu, what) in zip(axes, [(s["mu_measured"], "measured on this machine"), (s["paper_mu"], "the paper's")]):
+        lines(
+            ax,
+            "eval/greedy_acc",
+            lambda r, mu=mu: compute(r, mu),
+            "compute = trained + mu x generated rollouts",
+            "held-out greedy accuracy",
+        )
+        ax.set_title(f"mu = {mu:.2f} ({what})")
+    fig.suptitle("Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)")
+    legend(axes[1])
+    save(fig, "accuracy_vs_compute.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines(
+        ax,
+        "entropy",
+        step_of,
+        "gradient steps",
+        "policy entropy on the batch (nats/token)",
+        eval_only=False,
+        show_target=False,
+    )
+    ax.set_title("Training entropy")
+    legend(ax)
+    save(fig, "entropy.png")
+
+    def hists(name, title, xlabel, counts_of):
+        n = len(runs)
+        ncol = min(4, n)
+        nrow = math.ceil(n / ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.7 * nrow), squeeze=False, sharex=True, sharey=True)
+        for ax, (c, rs) in zip(axes.flat, runs.items()):
+            counts = sum((counts_of(r) for r in rs), Counter())
+            total = sum(counts.values()) or 1
+            xs = sorted(counts)
+            ax.bar(xs, [counts[x] / total for x in xs], width=0.85, color=color[c])
+            mean = sum(x * counts[x] for x in xs) / total
+            ax.set_title(f"{label[c]}\nmean {mean:.2f}", fontsize=9)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.tick_params(labelbottom=True)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("fraction")
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.suptitle(title)
+        save(fig, name)
+
+    hists(
+        "staleness_hist.png",
+        "Staleness of each use (steps since generation), all steps and seeds",
+        "staleness (optimizer steps)",
+        lambda r: Counter(
+            [int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items() for _ in range(v)]
+        ),
+    )
+    hists(
+        "replay_ratio_hist.png",
+        "Replay ratio per rollout: times each evicted rollout was trained on",
+        "uses",
+        lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}),
+    )
+
+    by_config = {c: s["configs"][c]["by_staleness"] for c in runs if s["configs"][c].get("by_staleness")}
+    if by_config:  # runs that logged the metrics by staleness
+        buckets = sorted({b for d in by_config.values() for b in d}, key=bucket_order)
+        fig, axes = plt.subplots(1, len(BUCKET_PANELS), figsize=(4 * len(BUCKET_PANELS), 3.6))
+        for ax, (key, ylabel) in zip(axes, BUCKET_PANELS):
+            for c, d in by_config.items():
+                xs = [i for i, b in enumerate(buckets) if b in d]
+                ax.plot(
+                    xs,
+                    [d[buckets[i]][key] for i in xs],
+                    marker="o",
+                    color=color[c],
+                    lw=2.2 if c == ref else 1.4,
+                    label=label[c],
+                )
+            ax.set_xticks(range(len(buckets)), buckets)
+            ax.set_xlabel("staleness (optimizer steps)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        legend(axes[-1])
+        fig.suptitle("What a step trains on, by staleness (all steps and seeds)")
+        save(fig, "staleness_metrics.png")
+    return written
+
+
+BUCKET_PANELS = [
+    ("share", "share of trained rollouts"),
+    ("clip_frac", "clip fraction"),
+    ("abs_log_ratio", "mean |log ratio| per token"),
+    ("ess_per_token", "ESS per token"),
+]
+
+
+def analyse(runs: list[dict], args: Args) -> dict:
+    """The summary, on the seeds that did not choose a learning rate (args.tune_seeds, or those sweep.json records)."""
+    sweep_json = Path(args.out_dir) / "sweep.json"  # the tune seeds that `run` used
+    tune_seeds = args.tune_seeds
+    if not tune_seeds and sweep_json.exists():
+        tune_seeds = runner.read_sweep_json(sweep_json)["tune_seeds"]
+    s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
+    if not s["configs"]:
+        raise SystemExit(
+            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
+        )
+    return s
+
+
+def write(args: Args) -> dict:
+    return report.study_report(args, "study", analyse, private="_runs", table_md=table_md, plot=plot)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return write(tyro.cli(Args, args=argv))
+
+
+if __name__ == "__main__":
+    runner.cli(main)

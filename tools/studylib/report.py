@@ -1,0 +1,319 @@
+"""report.py: the engine of the study reports (replay_study.py, pareto.py, compute_study.py): the runs as arrays, the
+estimators, the bootstrap over seeds, the decision rules, and how a report is written. A report's summary (what is
+computed from the runs) is written as summary.json; table.md is rendered from that JSON alone (its formatters:
+fmt.py), so that `sweep.py render` gives the same bytes again; the figures are drawn from the summary and the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from studylib import runner
+
+PAPER_MU = 5.28  # the paper's generation/training cost ratio (Qwen2.5-7B)
+
+# ----------------------------------------------------------------------------------------------
+# The runs as arrays
+# ----------------------------------------------------------------------------------------------
+
+
+def evals(run: dict) -> list[dict]:
+    return [r for r in run["records"] if "eval/greedy_acc" in r]
+
+
+def final(runs: list[dict], key: str) -> list[float]:
+    return [evals(r)[-1][key] for r in runs]
+
+
+def compute(rec: dict, mu: float) -> float:
+    """Paper units: training a rollout costs 1, generating one costs mu."""
+    return rec.get("trained_rollouts", 0) + mu * rec.get("generated_rollouts", 0)
+
+
+def x_of(axis: str, mus: dict):
+    """A record's cost so far on one axis: its generated tokens or rollouts, or its compute at mus[axis]."""
+    if axis == "tokens":
+        return lambda r: r.get("total_generated_tokens", 0)
+    if axis == "rollouts":
+        return lambda r: r.get("generated_rollouts", 0)
+    return lambda r: compute(r, mus[axis])
+
+
+def measured_mu(runs: list[dict]) -> float:
+    """The median of the runs' last logged mu (nan where none logged it)."""
+    return float(np.median([r["records"][-1]["mu"] for r in runs if "mu" in r["records"][-1]] or [math.nan]))
+
+
+def at_shared_steps(runs: list[dict], columns: dict, records=evals) -> dict:
+    """{name: [run, step]}: each column (a function of a record) at the steps that every run has a record of
+    (records(run): its evaluations by default), in step order."""
+    by_step = [{r["step"]: r for r in records(run)} for run in runs]
+    steps = sorted(set.intersection(*(set(b) for b in by_step)))
+    return {name: np.array([[f(b[t]) for t in steps] for b in by_step], dtype=float) for name, f in columns.items()}
+
+
+def curve(runs: list[dict], y: str, x, eval_only: bool = True) -> dict:
+    """Over seeds at each step all of them logged y: median x, and median / IQR of y."""
+
+    def logged(run):
+        return [r for r in (evals(run) if eval_only else run["records"]) if y in r]
+
+    a = at_shared_steps(runs, {"x": x, "y": lambda r: r[y]}, records=logged)
+    q = np.percentile(a["y"], [25, 50, 75], axis=0)
+    return {"x": np.median(a["x"], axis=0), "q25": q[0], "median": q[1], "q75": q[2]}
+
+
+def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measured_mu", "compute_paper_mu")):
+    """The runs of a learning-rate sweep as arrays, on the seeds every (config, lr) finished: returns the cells, those
+    seeds and the measured mu. A configuration's cell holds x[axis] [evaluation] (median over its runs, at the
+    evaluations all of them made, so that its learning rates share their x values) and per learning rate: cfg, mu,
+    acc [seed, evaluation], and the trained batch's entropy [seed, step] with its generated rollouts entropy_x
+    [step]."""
+    seeds_of: dict[tuple, list] = {}
+    for r in runs:
+        seeds_of.setdefault((r["config"], r["cfg"]["lr"]), []).append(r["seed"])
+    for (config, lr), have in seeds_of.items():
+        if len(set(have)) < len(have):  # two variants at one lr: the cell would mix them
+            raise SystemExit(f"error: {config} at lr {lr:g} has several runs of one seed: keep one variant per lr")
+    seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
+    for (config, lr), have in sorted(seeds_of.items()):
+        if set(have) - set(seeds):
+            print(
+                f"report: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
+            )
+    if not seeds:
+        raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
+    kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
+    mu = measured_mu(kept)
+    mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
+    cells: dict[str, dict] = {}
+    for config in dict.fromkeys(r["config"] for r in kept):
+        rs = [r for r in kept if r["config"] == config]
+        a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
+        if any(len(evals(r)) > a["acc"].shape[1] for r in rs):
+            print(f"report: {config}: evaluations that not every run made are left out")
+        cell = cells[config] = {"x": {ax: np.median(a[ax], axis=0) for ax in axes}, "lrs": {}}
+        for lr in dict.fromkeys(r["cfg"]["lr"] for r in rs):
+            at = [i for i, r in enumerate(rs) if r["cfg"]["lr"] == lr]
+            trained = at_shared_steps(
+                [rs[i] for i in at],
+                {"entropy": lambda rec: rec["entropy"], "x": lambda rec: rec.get("generated_rollouts", 0)},
+                records=lambda r: [rec for rec in r["records"] if "entropy" in rec],
+            )
+            cell["lrs"][lr] = {
+                "cfg": rs[at[0]]["cfg"],
+                "mu": float(np.median([rs[i]["records"][-1].get("mu", math.nan) for i in at])),
+                "acc": a["acc"][at],
+                "entropy": trained["entropy"],
+                "entropy_x": np.median(trained["x"], axis=0),
+            }
+    return cells, seeds, mu
+
+
+def config_row(cell: dict) -> dict:
+    """A configuration's schedule, its evaluations' generated rollouts and its measured mu (median over its lrs)."""
+    cfg = next(iter(cell["lrs"].values()))["cfg"]
+    return {
+        "N": cfg["buffer_size"],
+        "B": cfg["batch_size"],
+        "R": cfg["prompts_per_step"] * cfg["group_size"],
+        "steps": cfg["total_steps"],
+        "eval_every": cfg["eval_every"],
+        "lrs": sorted(cell["lrs"]),
+        "eval_rollouts": cell["x"]["rollouts"].tolist(),
+        "mu": float(np.median([at["mu"] for at in cell["lrs"].values()])),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimators
+# ----------------------------------------------------------------------------------------------
+
+
+def quartiles(values) -> tuple[float, float, float]:
+    q25, q50, q75 = np.percentile(np.asarray(values, dtype=float), [25, 50, 75])
+    return float(q25), float(q50), float(q75)
+
+
+def iqm(a: np.ndarray) -> np.ndarray:
+    """The interquartile mean over axis 0: the mean of what is left after int(n / 4) values are cut from each
+    end (as scipy.stats.trim_mean(a, 0.25)); the mean itself for fewer than 4 values."""
+    a = np.sort(np.asarray(a, dtype=float), axis=0)
+    cut = len(a) // 4
+    return a[cut : len(a) - cut].mean(axis=0)
+
+
+def frontier(curves: list[np.ndarray]) -> np.ndarray:
+    """The running maximum over evaluations of the maximum over learning rates (curves share their x values)."""
+    return np.maximum.accumulate(np.max(curves, axis=0))
+
+
+def frontier_at(x: np.ndarray, f: np.ndarray, budget: float) -> float:
+    """The frontier's value at a cost budget: the best reached at cost <= budget."""
+    return float(f[np.searchsorted(x, budget + 1e-9, side="left") - 1])
+
+
+def first_reach(x: np.ndarray, y: np.ndarray, level: float) -> float:
+    """x at the first evaluation where y reaches level (1e-9 of rounding allowed); inf when none does."""
+    hit = np.nonzero(np.asarray(y) >= level - 1e-9)[0]
+    return float(x[hit[0]]) if len(hit) else math.inf
+
+
+def first_crossing(x: np.ndarray, f: np.ndarray, level: float) -> float:
+    """The x where a non-decreasing frontier f first reaches level, linear between the evaluations around it;
+    x's last value (the run's final compute) when it never does."""
+    hit = np.nonzero(f >= level)[0]
+    if not len(hit):
+        return float(x[-1])
+    i = int(hit[0])
+    if i == 0:
+        return float(x[0])
+    return float(x[i - 1] + (level - f[i - 1]) / (f[i] - f[i - 1]) * (x[i] - x[i - 1]))
+
+
+def saving(cost: float, reference_cost: float) -> float:
+    """Percent of the reference's cost saved: -inf when the level is never reached (cost inf); nan when the
+    reference's cost is 0 (reached before training: nothing to save) or inf (the reference never got there)."""
+    if not 0 < reference_cost < math.inf:
+        return math.nan
+    return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
+
+
+def level_saving(costs: list[float], reference_costs: list[float]) -> float:
+    """1 - exp(mean log(cost / reference cost)), in percent; nan where a cost is 0 (a level reached before any
+    training: the ratio says nothing)."""
+    c, r = np.asarray(costs, dtype=float), np.asarray(reference_costs, dtype=float)
+    if (c <= 0).any() or (r <= 0).any():
+        return math.nan
+    return float(100 * (1 - np.exp(np.mean(np.log(c / r)))))
+
+
+# ----------------------------------------------------------------------------------------------
+# The bootstrap over seeds, and the decision rules
+# ----------------------------------------------------------------------------------------------
+
+
+def resample(n: int):
+    """A paired resample of n seeds: one draw of positions for every configuration and learning rate alike (a seed
+    fixes the warm start they all share)."""
+    return lambda rng: rng.integers(0, n, n)
+
+
+def bootstrap(estimate, draw, replicates: int, rng: np.random.Generator, ps: tuple = (5, 95)) -> tuple[dict, dict]:
+    """estimate (a nested dict of numbers) on `replicates` resamples of the seeds (draw(rng): their positions, which
+    may repeat one): the percentiles ps of each number over the replicates, and the replicates as arrays."""
+    replicates = stack([estimate(draw(rng)) for _ in range(replicates)])
+    return intervals_of(replicates, ps), replicates
+
+
+def stack(trees: list):
+    """A list of equally nested dicts of floats -> one nested dict of arrays (over the list)."""
+    if isinstance(trees[0], dict):
+        return {k: stack([t[k] for t in trees]) for k in trees[0]}
+    return np.array(trees, dtype=float)
+
+
+def percentiles(values, ps: tuple) -> list:
+    """The percentiles ps of a bootstrap quantity's replicates, each one of the replicates (method "nearest"); the
+    replicates where it is undefined (nan) are left out, and where every one is, each percentile is None."""
+    v = np.asarray(values, dtype=float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return [None] * len(ps)
+    return [float(np.percentile(v, p, method="nearest")) for p in ps]
+
+
+def intervals_of(tree, ps: tuple):
+    """The nesting of `tree` (dicts), each sequence of replicate values replaced by its percentiles ps."""
+    if isinstance(tree, dict):
+        return {k: intervals_of(v, ps) for k, v in tree.items()}
+    return percentiles(tree, ps)
+
+
+def meets(saving: float, low: float | None, target: float) -> bool:
+    """A saving meets the target: at least target percent, with its interval's lower end above 0."""
+    return saving >= target and low is not None and low > 0
+
+
+def interval_verdict(low: float | None, high: float | None, target: float) -> str:
+    """'met' when the whole interval is at or above the target, 'not met' when it is all below, else 'not
+    resolvable' (so also when the saving is undefined)."""
+    if low is None:
+        return "not resolvable"
+    return "met" if low >= target else "not met" if high < target else "not resolvable"
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a report (its table's formatters: fmt.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def strict_json(x):
+    """summary.json is plain JSON for any reader: a cost or saving that is never reached (+-inf) is
+    "never", an undefined one (nan) is null."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else "never"
+    return x
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing into files only (a report needs no display); imported when a report draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def frontier_band(ax, x, frontier: dict, band: dict, *, color, label: str, alpha: float) -> None:
+    """A frontier as summary.json holds it ({key: value}, a step at each x) with its band ({key: [5th, 95th]})."""
+    ax.step(x, list(frontier.values()), where="post", color=color, label=label)
+    lo, hi = [band[k][0] for k in frontier], [band[k][1] for k in frontier]
+    ax.fill_between(x, lo, hi, step="post", color=color, alpha=alpha)
+
+
+def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=dpi, **savefig)
+    finally:
+        pyplot().close(fig)
+    return path
+
+
+def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
+    """summary.json (s without its `private` key, as strict JSON), table.md (table_md of that JSON, as a reader
+    of summary.json has it) and the figures (plot of s) into dest; an unwritable folder stops with one line."""
+    text = json.dumps(strict_json({k: v for k, v in s.items() if k != private}), indent=2, allow_nan=False)
+    table = table_md(json.loads(text))
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "table.md").write_text(table)
+        (dest / "summary.json").write_text(text)
+        figures = plot(s, dest)
+    except OSError as e:
+        raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
+    print(table)
+    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+
+
+def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> dict:
+    """A study report's main after its arguments: the finished runs in args.out_dir (made by `run --grid grid`),
+    analysed, and the report written into args.report_dir (default: args.out_dir)."""
+    out = Path(args.out_dir)
+    runs = runner.load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
+    s = analyse(runs, args)
+    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot)
+    return s

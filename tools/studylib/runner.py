@@ -1,0 +1,286 @@
+"""runner.py: the study tools' runner: each planned run trained once, under its claim (execute), and the finished
+run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
+checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the method's modules live at the root
+
+import run_folder
+
+TRAINER = ROOT / "replay_grpo.py"
+PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and seed, as the study planned them
+
+
+def checkpoint_state(run_dir: Path) -> dict | None:
+    """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint (one that cannot be
+    read, or holds no integer "step", is said in one line)."""
+    import torch
+
+    for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
+        path = run_dir / ckpt / "trainer_state.pt"
+        if path.exists():
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            except Exception as e:
+                print(f"warning: cannot read {path}: {type(e).__name__}: {e}")
+                continue
+            if isinstance(state, dict) and isinstance(state.get("step"), int):
+                return state
+            print(f'warning: {path} holds no integer "step": not a trainer state')
+    return None
+
+
+def run_status(run_dir: Path, total_steps: int) -> str:
+    """'new', 'done' (config.json and a checkpoint at total_steps), 'partial' (a checkpoint at an
+    earlier step) or 'broken' (a folder without a checkpoint: died before its first one)."""
+    if not run_dir.exists():
+        return "new"
+    state = checkpoint_state(run_dir)
+    if state is None:
+        return "broken"
+    return "done" if state["step"] >= total_steps and (run_dir / "config.json").exists() else "partial"
+
+
+CLAIMS = ".sweep_locks"  # beside run folders: a lock file per run that a runner process holds while it handles it
+
+
+def claim(path: Path, wait: bool = False) -> int | None:
+    """This process's claim on `path` (a run folder, or a file several runners rewrite): an flock on
+    <parent>/.sweep_locks/<name>, a file that is never deleted, so that it outlives a run folder deleted and made
+    again. Returns its descriptor (os.close releases it, as the process's end does), or None when another process
+    holds it (wait: block until it is free)."""
+    locks = path.parent / CLAIMS
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / path.name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+STATUS_LINES = {
+    "new": "start",
+    "done": "finished, skipped",
+    "partial": "resume from its checkpoint",
+    "broken": "no checkpoint: delete and restart",
+    "restart": "delete and run again from nothing",
+}
+
+
+def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
+    """The runner of every study tool. Each run: name, run_dir, argv (replay_grpo.py's flags, its --out-dir and
+    --run-name naming run_dir), and total_steps for run_status, or status(run), a function that returns one of
+    STATUS_LINES' keys in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths
+    deleted before a run is trained from nothing, e.g. its warm-start cache).
+
+    A run is handled under its claim (claim(run_dir)), so that two runner processes on one folder never both
+    decide on, train, delete or restart one run: a run another process claims, or whose folder a trainer holds
+    (its lock), is skipped. Otherwise it is skipped when done, resumed from its checkpoint (partial), or deleted
+    and trained from nothing (broken: it died before its first checkpoint; restart). A run that fails does not
+    stop the others; Ctrl-C does. in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its
+    stdout), else replay_grpo.main in this process. on_trained(run, seconds) is called after each run trained
+    without error, with its wall time, under the run's claim. Returns the names of the runs that failed and of
+    those skipped as another process's."""
+    import replay_grpo
+
+    failed, skipped = [], []
+    for i, r in enumerate(runs, 1):
+        run_dir, argv, head = Path(r["run_dir"]), r["argv"], f"[{i}/{len(runs)}] {r['name']}:"
+        fd = claim(run_dir)
+        if fd is None or run_dir.exists() and run_folder.in_use(run_dir):  # another process has it: leave it alone
+            print(f"{head} in use by another process, skipped", flush=True)
+            skipped.append(r["name"])
+            if fd is not None:
+                os.close(fd)
+            continue
+        try:
+            status = r["status"](r) if "status" in r else run_status(run_dir, r["total_steps"])
+            print(f"{head} {STATUS_LINES[status]}", flush=True)
+            if status == "done":
+                continue
+            if status == "partial":
+                argv = argv + ["--resume"]
+            else:  # trained from nothing: nothing of an earlier attempt is kept
+                for path in [run_dir, *r.get("clear", [])]:
+                    shutil.rmtree(path, ignore_errors=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if "planned" in r:  # what the report groups it by, written when it is planned
+                (run_dir / PLANNED).write_text(json.dumps(r["planned"]))
+            start = time.perf_counter()
+            # a vLLM engine with sleep mode is one per process and never freed (CUDA): such runs get a process each
+            if in_subprocess or r.get("generator", "auto") != "hf":
+                out = subprocess.DEVNULL if quiet else None
+                code = subprocess.run([sys.executable, str(TRAINER), *argv], stdout=out).returncode
+            else:
+                try:
+                    replay_grpo.main(argv)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code
+                except Exception:  # a crash fails this run only; the traceback is printed
+                    traceback.print_exc()
+                    code = 1
+            if code == 130:  # Ctrl-C: stop the runner (the run keeps its last checkpoint)
+                raise SystemExit(130)
+            if code:
+                failed.append(r["name"])
+            elif on_trained is not None:
+                on_trained(r, time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    return {"failed": failed, "skipped": skipped}
+
+
+VARIANT = r"(?P<variant>(?:-lr[\d.]+(?:e-?\d+)?)?(?:-dv-?[\d.]+(?:e-?\d+)?)?)"  # -lr0.0001, -dv-0.1, both or none
+RUN_NAME = re.compile(r"(?P<config>.+?)" + VARIANT + r"-s(?P<seed>\d+)")
+
+
+class Damaged(Exception):
+    """A run folder's file that cannot be read: its message names the file (and line)."""
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
+        raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}") from None
+    if not isinstance(value, dict):
+        raise Damaged(f"{path}: a JSON object was expected, not {type(value).__name__}")
+    return value
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; Damaged names the first line that is not a record with an integer step."""
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100]}") from None
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise Damaged(f"{path}:{lineno}: not JSON (a cut or garbage line)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise Damaged(f'{path}:{lineno}: not a record with an integer "step"')
+        records.append(record)
+    return records
+
+
+# config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
+CONFIG_KEYS = {
+    "seed": int,
+    "lr": (int, float),
+    "total_steps": int,
+    "eval_every": int,
+    "buffer_size": int,
+    "batch_size": int,
+    "prompts_per_step": int,
+    "group_size": int,
+    "pass_k": int,
+    "loss": str,
+    "positive_bias": (int, float),
+}
+
+
+def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None, dict | None]:
+    """A run folder's settings (config.json with the resumes' changes), and when it is finished (its checkpoint at
+    total_steps) its records and planned configuration. Damaged names the file that is missing, unreadable, or
+    lacks what the report reads."""
+    path = run_dir / "config.json"
+    cfg = read_json(path)
+    for key, kind in CONFIG_KEYS.items():
+        if type(cfg.get(key)) is bool or not isinstance(cfg.get(key), kind):
+            what = {int: "an integer", str: "text"}.get(kind, "a number")
+            raise Damaged(f'{path}: "{key}" is missing or not {what}')
+    try:
+        cfg = run_folder.current_config(run_dir, cfg)
+    except ValueError as e:
+        raise Damaged(str(e)) from None
+    if state is None or state["step"] != cfg["total_steps"]:
+        return cfg, None, None
+    records, path = read_metrics(run_dir / "metrics.jsonl"), run_dir / "metrics.jsonl"
+    if not records or records[-1]["step"] < state["step"]:
+        raise Damaged(f"{path}: its records do not reach the checkpoint's step {state['step']} (cut)")
+    if not any("eval/greedy_acc" in r for r in records):
+        raise Damaged(f"{path}: it holds no evaluation")
+    if (run_dir / PLANNED).exists():
+        planned = read_json(run_dir / PLANNED)
+        if not all(isinstance(planned.get(k), str) for k in ("config", "variant")):
+            raise Damaged(f'{run_dir / PLANNED}: "config" and "variant" are not both text')
+    else:  # a folder from before sweep_run.json: its name says it
+        m = RUN_NAME.fullmatch(run_dir.name)
+        planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
+    return cfg, records, planned
+
+
+def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
+    """Every finished run: name, config (name without variant and seed), variant (e.g. -lr0.0001), seed, cfg and
+    metric records. A run folder with a damaged file is left out, named in one line, and counted."""
+    runs, damaged = [], 0
+    for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
+        try:
+            cfg, records, planned = read_run(run_dir, checkpoint_state(run_dir))
+        except Damaged as e:
+            print(f"report: {run_dir.name} left out, a file is damaged: {e}")
+            damaged += 1
+            continue
+        if records is None:
+            if not quiet:
+                print(f"report: {run_dir.name} is not finished, left out")
+            continue
+        runs.append(
+            {
+                "name": run_dir.name,
+                "config": planned["config"],
+                "variant": planned["variant"],
+                "seed": cfg["seed"],
+                "cfg": cfg,
+                "records": records,
+            }
+        )
+    if damaged:
+        print(f"report: {damaged} run folder(s) with a damaged file left out")
+    return runs
+
+
+def read_sweep_json(path: Path) -> dict:
+    """sweep.json's record, its seeds and tune_seeds lists of integers; a damaged one stops with one line."""
+    keep = "it records which seeds only chose a learning rate: restore it, or delete it (report: give --tune-seeds)"
+    try:
+        recorded = read_json(path)
+    except Damaged as e:
+        raise SystemExit(f"error: {e}; {keep}") from None
+    seeds, tune_seeds = recorded.get("seeds", []), recorded.get("tune_seeds", [])
+    if not all(isinstance(x, list) and all(type(s) is int for s in x) for x in (seeds, tune_seeds)):
+        raise SystemExit(f"error: {path}: seeds and tune_seeds are not lists of integers; {keep}")
+    return {**recorded, "seeds": seeds, "tune_seeds": tune_seeds}
+
+
+def cli(main) -> None:
+    """A tool's entry point: main's one-line error (a SystemExit with a message) goes to stderr with exit status 2,
+    as replay_grpo.py's errors do; any other exit keeps its status."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
