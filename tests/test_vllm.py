@@ -7,6 +7,7 @@ except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI), where a missing vLLM is a failure.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -364,26 +365,29 @@ def test_evaluating_never_changes_training_with_the_vllm_generator(tmp_path, cap
     assert len(often) == 4 and often == never
 
 
-def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys):
+@pytest.mark.parametrize("version", ["0.15.1", "0.31.0", "0.33.0"])  # 0.31: runs sync, lacks the servers' API
+def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys, version):
     import types
 
     fake = types.ModuleType("vllm")
-    fake.__version__ = "0.15.1"
+    fake.__version__ = version
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = None
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    with pytest.raises(VLLMUnavailable, match=r"vLLM 0\.15\.1 is installed; the weight sync needs vllm>=0\.16,<0\.33"):
+    with pytest.raises(
+        VLLMUnavailable, match=rf"vLLM {re.escape(version)} is installed; this code needs vllm>=0\.32,<0\.33"
+    ):
         import_vllm()
     err = None
     try:
         rg.make_generator(rg.parse_args(["--generator", "vllm"]), None, None, "tiny")
     except rg.UserError as e:
         err = str(e)
-    assert err and "0.15.1" in err and ">=0.16,<0.33" in err
+    assert err and version in err and ">=0.32,<0.33" in err
     model, tok = warm_start.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
     assert isinstance(rg.make_generator(rg.parse_args(["--generator", "auto"]), model, tok, "tiny"), rg.HFGenerator)
-    assert "vLLM is not used: vLLM 0.15.1 is installed" in capsys.readouterr().out
+    assert f"vLLM is not used: vLLM {version} is installed" in capsys.readouterr().out
 
 
 @needs_vllm
