@@ -122,6 +122,13 @@ def set_cpu_threads(role: str, processes: int) -> int:
 REQUEST_FACTOR = 10
 REQUEST_FLOOR = 60.0
 START_SECONDS = 1800.0
+PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
+# The publish check stops a run whose server serves other log-probs than the trainer's at the published version by
+# more than this, per probe token on average. Measured on a CPU server (fp32, tiny model): the right weights 2.7e-7;
+# another model's 0.25; the right model with every weight moved at random by 10%, 30%, 100% of its tensor's std
+# 0.035, 0.095, 0.22. It sits above the sampler/trainer gap MISMATCH_WARN warns about (0.05), so bf16 serving does
+# not trip it: it catches weights that are wrong, not a server a few small steps behind
+PROBE_BOUND = 0.1
 READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
 
 
@@ -482,6 +489,7 @@ class Publisher:
         self.pending, self.cond, self.done_version, self.error = None, threading.Condition(), None, None
         self.sending = False  # weights handed over and not yet on every server
         self.seconds, self.count = 0.0, 0  # time spent publishing, publishes done
+        self.probe_diff = None  # the last publish check's largest mean |served - trained| log-prob (check_served)
         self.engines = []
         if how == "nccl":
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -501,11 +509,12 @@ class Publisher:
         self.thread = threading.Thread(target=self.run, name="publisher", daemon=True)
         self.thread.start()
 
-    def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None) -> None:
+    def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None, probe=None) -> None:
         """Hand the weights over; with `wait`, until every server holds them, a publish fails, a launched server
-        dies or `failure()` says why the run stops (the dealer reports each)."""
+        dies or `failure()` says why the run stops (the dealer reports each). `probe`: (pairs, the trainer's
+        log-probs of them at `version`), which every server must then serve (check_served)."""
         with self.cond:
-            self.pending = (dict(weights), version)  # its own dict: a checkpoint's save_pretrained empties the caller's
+            self.pending = (dict(weights), version, probe)  # its own dict: save_pretrained empties the caller's
             self.sending = True
             self.cond.notify_all()
             while wait and not self.error and (self.done_version is None or self.done_version < version):
@@ -516,10 +525,13 @@ class Publisher:
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.pending is not None)
-                (weights, version), self.pending = self.pending, None
+                (weights, version, probe), self.pending = self.pending, None
             t0 = time.perf_counter()
             try:
                 self.send(weights, version)
+                if probe is not None:
+                    diffs = on_daemons(lambda i: check_served(self.servers[i], *probe, version), len(self.servers))
+                    self.probe_diff = max(diffs)
             except Exception as e:
                 with self.cond:
                     self.error = as_server_error("weight publish failed", e)
@@ -576,6 +588,42 @@ class Publisher:
 
 
 # ===== The trainers ==============================================================================
+
+
+def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
+    """The publish check's probe: the first PROBE_PROMPTS held-out prompts and their gold solutions (token ids)."""
+    return [
+        (rg.render_prompt(tok, ex.prompt), tok(ex.solution or ex.answer, add_special_tokens=False)["input_ids"])
+        for ex in task.eval[:PROBE_PROMPTS]
+    ]
+
+
+def check_served(server: Server, pairs: list, expected: list[torch.Tensor], version: int) -> float:
+    """The mean |served - trained| log-prob of the probe's completion tokens (the server's prompt_logprobs of prompt
+    + completion, at temperature 1; the trainer's at `version`); a ServerError naming both beyond PROBE_BOUND."""
+    served = []
+    for prompt, completion in pairs:
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
+        answer = server.post("/inference/v1/generate", {"token_ids": prompt + completion, "sampling_params": params})
+        rows = (answer.get("prompt_logprobs") or [])[len(prompt) :]
+        try:
+            served += [row[str(t)]["logprob"] for row, t in zip(rows, completion, strict=True)]
+        except (KeyError, TypeError, ValueError):
+            raise ServerError(f"vLLM server {server.url}: /inference/v1/generate gave no prompt_logprobs") from None
+    diff = (torch.tensor(served) - torch.cat(expected).float().cpu()).abs().mean().item()
+    if not diff <= PROBE_BOUND:  # NaN too
+        raise ServerError(
+            f"vLLM server {server.url} serves other weights than the trainer's version {version}: its log-probs of "
+            f"the publish check's probe differ by {diff:.3g} per token on average (bound {PROBE_BOUND})"
+        )
+    return diff
+
+
+@torch.no_grad()
+def served_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
+    """What a server holding the trainer's weights serves for `pairs`: their log-probs at temperature 1, per pair."""
+    logp = rg.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
+    return list(logp.float().cpu().split([len(c) for _, c in pairs]))
 
 
 def shard_policy(model, device: torch.device) -> LogprobPolicy:
@@ -932,6 +980,7 @@ def train_async(cfg: rg.Args) -> dict:
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         ready = False  # every shard could draw a batch at the last look
         weights = full_weights(policy)
+        probes = probe_pairs(task, tok)
         if rank == 0:
             signal.signal(signal.SIGTERM, _interrupt)
             how = weight_transfer(cfg, device, T)
@@ -1015,8 +1064,15 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
+            probe = None
+            if (
+                step % cfg.publish_every == 0
+                and cfg.publish_check
+                and step // cfg.publish_every % cfg.publish_check == 0
+            ):
+                probe = (probes, served_logprobs(policy, probes, tok))  # collective: every rank's forward
             if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
-                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure)
+                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure, probe=probe)
             evaluator = None
             if rank == 0 and evaluating:  # on the GPU for this evaluation only
                 host_copy.load_state_dict(weights)
@@ -1039,6 +1095,7 @@ def train_async(cfg: rg.Args) -> dict:
                     queue_depth=loop.depth(),
                     publish_seconds=publisher.seconds,
                     publishes=publisher.count,
+                    publish_probe_diff=publisher.probe_diff,
                     mixed_version_rollouts=totals.get("mixed_version_rollouts", 0),
                     rollouts_per_rank=list(dealer.dealt),
                     wait_seconds=wait_seconds,

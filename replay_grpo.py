@@ -128,6 +128,7 @@ class Args:
     generator_urls: list[str] = dataclasses.field(default_factory=list)  # async: servers started elsewhere (W URLs)
     generator_host: str = "127.0.0.1"  # async: the address the launched servers listen on
     weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # async: how weights reach the servers (docs/async.md)
+    publish_check: int = 1  # async: every k-th publish, each server's log-probs of a fixed probe checked (0: off)
     generator: Literal["auto", "vllm", "hf"] = "auto"  # sync: vllm, an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
@@ -540,8 +541,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             lengths=repeats,
             ratio_level=cfg.ratio_level,
         )
-        if cfg.correction != "none":  # "none" multiplies nothing: the paper's loss, bit for bit
-            tok_loss = tok_loss * weight
+        tok_loss = tok_loss if cfg.correction == "none" else tok_loss * weight  # none: the paper's loss, to the bit
         loss = (tok_loss * token_weights(mb_len, cfg.loss_agg, norm_tokens, len(batch)).to(device)).sum()
         if not all_ranks(torch.isfinite(loss)):
             nonfinite = True
@@ -1944,7 +1944,11 @@ def validate(cfg: Args) -> None:
             lambda v: v >= 1,
             ">= 1",
         ),
-        ("eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout".split(), lambda v: v >= 0, ">= 0"),
+        (
+            "eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout publish_check".split(),
+            lambda v: v >= 0,
+            ">= 0",
+        ),
         (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),

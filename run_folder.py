@@ -34,6 +34,7 @@ RESUMABLE = (
     "generator_urls",
     "generator_host",
     "weight_transfer",
+    "publish_check",
     "micro_batch_size",
     "vllm_gpu_memory_utilization",
     "activation_checkpointing",

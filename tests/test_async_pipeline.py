@@ -3,6 +3,7 @@
 resume with servers the run launches itself, a server killed mid-run, and one process (T = 1) stopped by Ctrl-C.
 CPU, offline."""
 
+import copy
 import json
 import os
 import random
@@ -367,6 +368,42 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
     with torch.no_grad():
         old = rg.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
     assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
+
+
+def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version(vllm_servers, tmp_path, monkeypatch):
+    """The publish check: after a publish the server's log-probs of the probe (held-out prompts and gold solutions)
+    match the trainer's at that version; a reload made to load other weights (another model's; the old weights
+    under the new version, as a reload that silently did nothing) stops the publisher with one line naming the
+    server and the version."""
+    model, tok = warm_start.build_tiny_model(21)
+    other, _ = warm_start.build_tiny_model(22)
+    server = vllm_servers["tied"]
+    pairs = ap.probe_pairs(rg.make_task(rg.parse_args([])), tok)
+    probe = (pairs, ap.served_logprobs(model, pairs, tok))
+    publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
+    publisher.publish(model.state_dict(), 30, wait=True, probe=probe)
+    assert publisher.error is None and publisher.probe_diff < 1e-4, publisher.probe_diff
+    print(f"right weights: mean |d log p| {publisher.probe_diff:.3g}")
+    # 31: another model's weights are loaded; 32: the server keeps version 30's while the trainer has moved far on
+    for version, loaded, trained in ((31, other, model), (32, model, build_shifted(model, seed=32))):
+        publisher = ap.Publisher([server], "disk", tmp_path / str(version), torch.float32, True, "127.0.0.1")
+        real_send = publisher.send
+        monkeypatch.setattr(publisher, "send", lambda weights, v, real=real_send, w=loaded: real(w.state_dict(), v))
+        probe = (pairs, ap.served_logprobs(trained, pairs, tok))
+        publisher.publish(trained.state_dict(), version, wait=True, probe=probe)
+        error = str(publisher.error)
+        assert f"vLLM server {server.url} serves other weights than the trainer's version {version}" in error, error
+        print(error)
+
+
+def build_shifted(model, seed: int):
+    """`model` after much training: each weight moved at random by its tensor's standard deviation."""
+    moved = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn_like(p) * p.std())
+    return moved
 
 
 def test_closing_the_nccl_publisher_waits_for_the_broadcast_under_way(vllm_servers, tmp_path, monkeypatch):
