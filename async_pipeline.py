@@ -623,6 +623,8 @@ def check_served(server: Server, pairs: list, expected: list[torch.Tensor], vers
 def served_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
     """What a server holding the trainer's weights serves for `pairs`: their log-probs at temperature 1, per pair."""
     logp = rg.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
+    if hasattr(policy, "reshard"):  # FSDP2 keeps the root unsharded after a forward until a backward: shard it back
+        policy.reshard()
     return list(logp.float().cpu().split([len(c) for _, c in pairs]))
 
 
