@@ -217,6 +217,18 @@ def test_a_cut_last_line_of_the_records_is_dropped_on_resume_and_said(tmp_path, 
     assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(6))
 
 
+def test_a_record_line_nesting_too_deep_is_dropped_on_resume_naming_its_line(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    path = tmp_path / "r" / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"step": 4, "x": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    n = len(lines(path))
+    capsys.readouterr()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "5"))
+    assert f"dropped 1 unreadable line(s) of {path} (line {n}: " in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in lines(path)] == list(range(6))
+
+
 # --- 4. damaged checkpoints and a full disk --------------------------------------------------------
 
 
@@ -394,6 +406,14 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
         (b'{"prompt": "1+1=", "answer": " "}', ':2: "answer" is empty or not a finite number: " "'),
         (b'{"prompt": "1+1=", "answer": 2, "solution": ""}', ':2: "solution" is empty or not a finite number'),
         (b'{"prompt": "1+1=", "answer": 1' + b"0" * 5000 + b"}", ":2: not valid JSON (Exceeds the limit"),
+        (
+            b'{"prompt": "1+1=", "answer": 2, "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+            ":2: its arrays and objects nest deeper than 64 levels, the most a line may hold",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2, "x": "' + b"y" * 2**24 + b'"}',
+            f":2: a line of {2**24 + 40} characters, beyond the {2**24} one may hold",
+        ),
     ],
 )
 def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
