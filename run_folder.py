@@ -300,6 +300,7 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     out, run = os.path.abspath(cfg.out_dir), os.path.abspath(run_dir)
     if run == out or os.path.commonpath([out, run]) != out:  # '..', '.', an absolute name
         raise UserError(f"--run-name {run_name}: a run folder must be a folder inside --out-dir {cfg.out_dir}")
+    check_nesting(Path(run), f"--out-dir {cfg.out_dir} --run-name {run_name}")
     ckpt = run_dir / "checkpoint"
     if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
@@ -330,6 +331,35 @@ def open_run(cfg) -> tuple[str, Path, Path]:
         full = "disk full: " if disk_full(e, run_dir) else ""
         raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run's folder: it holds the run's lock and its config.json (open_run writes both first)."""
+    return (path / "lock").is_file() and (path / "config.json").is_file()
+
+
+def check_nesting(run: Path, given: str) -> None:
+    """Refuse a run folder (`run`, absolute; `given`: the flags that name it) that lies inside a warm-start cache or
+    inside another run's folder, or that holds either: a run would write into the other's files, and a removal of
+    one (rm -r) would take the other with it."""
+    for folder in (run, *run.parents):
+        if folder.name == WARM_START_FOLDER:
+            raise UserError(f"{given}: the run folder {run} lies inside the warm-start cache {folder}: choose another")
+    for folder in run.parents:
+        if is_run_folder(folder):
+            raise UserError(
+                f"{given}: the run folder {run} lies inside the folder of another run, {folder}: a run folder never "
+                "holds another; choose a --run-name beside it"
+            )
+    for folder, subfolders, _ in os.walk(run):  # nothing to walk unless it exists (a resume, or a folder given again)
+        for name in subfolders:
+            inner = Path(folder) / name
+            if name == WARM_START_FOLDER or is_run_folder(inner):
+                what = "a warm-start cache" if name == WARM_START_FOLDER else "the folder of another run"
+                raise UserError(
+                    f"{given}: the run folder {run} holds {what}, {inner}: a run folder never holds one; choose "
+                    "another --run-name"
+                )
 
 
 def swap_in_checkpoint(run_dir: Path) -> None:

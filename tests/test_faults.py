@@ -132,6 +132,36 @@ def test_a_run_name_that_leaves_the_out_dir_is_refused(tmp_path, capsys, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, --out-dir included
 
 
+def tree(root: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "name,needle",
+    [
+        (".warmstart", "lies inside the warm-start cache {out}/.warmstart"),
+        (".warmstart/mine", "lies inside the warm-start cache {out}/.warmstart"),
+        ("r1/checkpoint", "lies inside the folder of another run, {out}/r1"),
+        ("r1/servers/mine", "lies inside the folder of another run, {out}/r1"),
+        ("a", "holds the folder of another run, {out}/a/b"),
+        ("x", "holds a warm-start cache, {out}/x/.warmstart"),
+    ],
+)
+def test_a_run_folder_never_lies_in_or_holds_a_warm_start_cache_or_another_run(tmp_path, capsys, name, needle):
+    """Refused in one line before anything is written: a run writing into another's files (its checkpoint's
+    config.json first), or an rm -r of one taking the other with it."""
+    out = tmp_path / "runs"
+    rg.main(small_args(out, "--run-name", "r1", "--eval-every", "3", "--sft-warmup-steps", "3"))  # and .warmstart
+    rg.main(small_args(out, "--run-name", "a/b"))
+    rg.main(small_args(out / "x", "--run-name", "y", "--sft-warmup-steps", "3"))  # x/.warmstart beside x/y
+    shutil.rmtree(out / "x" / "y")
+    (out / "r1" / "servers").mkdir()
+    before = tree(tmp_path)
+    err = user_error(capsys, small_args(out, "--run-name", name))
+    assert needle.format(out=out) in err and f"--run-name {name}: the run folder {out / name} " in err, err
+    assert tree(tmp_path) == before
+
+
 # --- 2. one process per run folder ------------------------------------------------------------------
 
 
