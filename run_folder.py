@@ -184,9 +184,16 @@ def check_resume_config(cfg, run_dir: Path) -> None:
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
 
+    def differs(k: str) -> str:
+        """A refused flag with its given and saved values; and their JSON types where those differ (4 and "4")."""
+        if json_type(saved[k]) == json_type(given[k]):
+            return f"{flag(k)} {given[k]} (saved: {saved[k]})"
+        types = f"types: {json_type(given[k])} given, {json_type(saved[k])} saved"
+        return f"{flag(k)} {given[k]} (saved: {json.dumps(saved[k])}; {types})"
+
     differ = [k for k in given if k in saved and saved[k] != given[k] and k not in RESUMABLE]
     if differ:
-        listed = "; ".join(f"{flag(k)} {given[k]} (saved: {saved[k]})" for k in differ)
+        listed = "; ".join(differs(k) for k in differ)
         raise UserError(
             f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
             "Resume with the saved values, or start a new --run-name"
@@ -206,6 +213,16 @@ def check_resume_config(cfg, run_dir: Path) -> None:
         )
     changed = {flag(k): [saved.get(k), v] for k, v in given.items() if k not in saved or saved[k] != v}
     changed.pop("--resume", None)
+    # a setting this code has no flag for (a flag of another version of the code, which removed or renamed it since):
+    # the run continues without it, which is said and recorded (given: null)
+    unknown = [k for k in saved if k not in given]
+    for k in unknown:
+        changed[flag(k)] = [saved[k], None]
+    if unknown:
+        print(
+            f"warning: {config} holds {len(unknown)} setting(s) this code has no flag for, and the run continues "
+            f"without them: {', '.join(f'{k} = {json.dumps(saved[k])[:60]}' for k in unknown)}"
+        )
     record = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed})
     try:
         append_line(run_dir / "resumes.jsonl", record)
@@ -213,6 +230,13 @@ def check_resume_config(cfg, run_dir: Path) -> None:
         if not disk_full(e, run_dir):
             raise
         raise UserError(full_disk_line(run_dir / "resumes.jsonl")) from None
+
+
+def json_type(value) -> str:
+    """The JSON type of a value read from JSON."""
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}.get(type(value), "?")
 
 
 def full_disk_line(path: Path) -> str:

@@ -99,6 +99,33 @@ def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_
     assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
 
 
+def test_a_saved_setting_this_code_has_no_flag_for_is_named_and_the_run_continues_without_it(tmp_path, capsys):
+    """A config.json of another version of the code (here kl_coef, a flag older versions had): the resume goes on
+    without it, says so in one line naming it, and records it in resumes.jsonl (given: null)."""
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "kl_coef": 0.1}))
+    capsys.readouterr()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4"))
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert said == [
+        f"warning: {config} holds 1 setting(s) this code has no flag for, and the run continues without them: "
+        "kl_coef = 0.1"
+    ], out
+    changed = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])["changed"]
+    assert changed == {"--total-steps": [3, 4], "--kl-coef": [0.1, None]}
+    assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
+
+
+def test_a_refused_flag_saved_with_another_type_shows_both_types(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "group_size": "4"}))
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
+    assert '--group-size 4 (saved: "4"; types: int given, str saved)' in err, err
+
+
 @pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt", "another model"])
 def test_a_checkpoint_file_with_other_content_is_named_in_one_line(tmp_path, capsys, damage):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
