@@ -3,10 +3,13 @@ kills inside a rewrite, damaged checkpoints, a full disk, settings that would ha
 (plan, sweep.py) on bad input. Each ends in one clear line (exit 2) or is counted and logged, and never loses a
 checkpoint or mixes two configurations. docs/reference.md's table of faults lists the same cases."""
 
+import contextlib
+import functools
 import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import socket
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -21,6 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import sweep
 import torch
+from misbehaving_server import GENERATE, HOST, Silent, StandIn, closed_port
 from test_async_pipeline import Run, metrics  # a CLI run in its own session, watched
 
 import async_pipeline as ap
@@ -956,3 +961,221 @@ def test_the_scorer_process_ends_with_its_trainer():
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{pid}"), pid
+
+
+# --- 10. --mode async: servers the run did not launch, probed at start; a wrong answer or silence named -------------
+
+
+@functools.cache
+def encode(text: str) -> list[int]:
+    """The run's tokenizer (the tiny model's), as a stand-in serving the run's model encodes with it."""
+    return list(tiny_tokenizer().encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def tiny_tokenizer():
+    return warm_start.build_tiny_model(0)[1]
+
+
+def async_args(out_dir: Path, url: str, *extra) -> list[str]:
+    return [sys.executable, str(ROOT / "replay_grpo.py")] + small_args(
+        out_dir, "--mode", "async", "--generator-urls", url, "--run-name", "r", *extra
+    )
+
+
+def at(url: str):
+    """A URL that no stand-in serves, as the stand-ins' context managers give theirs."""
+    return contextlib.nullcontext(types.SimpleNamespace(url=url))
+
+
+START_FAULTS = {  # how the server is made, what the one line says, and whether the run folder was made by then
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 0),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 0),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 0),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 0),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 0),
+    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404", 0),
+    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404", 0),
+    "a version below the floor": (
+        lambda: StandIn(version="0.31.2"),
+        "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
+        0,
+    ),
+    "no weight routes": (
+        lambda: StandIn(missing=("/is_paused",)),
+        "without its weight routes (GET /is_paused answered 404): start it with VLLM_SERVER_DEV_MODE=1",
+        0,
+    ),
+    "no token route": (
+        lambda: StandIn(missing=(GENERATE,)),
+        f"without its token route (POST {GENERATE} answered 404): start it with --enable-scale-out",
+        0,
+    ),
+    "another model": (
+        lambda: StandIn(tokens=[7, 7, 7]),
+        "serves another model than the run's --model tiny: it serves /models/stand-in, whose tokenizer reads",
+        1,
+    ),
+    "a context too short": (
+        lambda: StandIn(encode=encode, max_model_len=8),
+        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens",
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(START_FAULTS))
+def test_a_server_elsewhere_that_is_down_wrong_or_silent_is_named_in_one_line_within_seconds(tmp_path, case):
+    """Each URL is probed at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found, within
+    seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same command
+    runs once the server is right (the model checks come once the run's tokenizer is loaded, after config.json)."""
+    make, needle, folder_made = START_FAULTS[case]
+    with make() as server:
+        t0 = time.time()
+        rc, log = Run(async_args(tmp_path, server.url)).finish(timeout=90)
+        took = time.time() - t0
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: --generator-urls {server.url}: ") and needle in errors[0], errors
+    assert took < 30, took
+    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "metrics.jsonl").exists()
+    print(f"[{case}: one line {took:.1f} s after the start] {errors[0]}")
+
+
+MID_RUN_FAULTS = {  # the stand-in's fault, the endpoint named, what the line says, the bound it reports within
+    "garbage": (
+        {"fault": "garbage"},
+        GENERATE,
+        "answered what the run cannot read as JSON (not UTF-8 at byte 0): b'\\xff\\xfe\\x00 not JSON \\x81'",
+        0.0,
+    ),
+    "{}": ({"fault": "{}"}, GENERATE, "answered without what the run reads (no 'choices'): b'{}'", 0.0),
+    "never": ({"fault": "never"}, GENERATE, "failed (timed out): no answer in ", ap.REQUEST_FLOOR),
+    "a publish never answered": (
+        {"hang": ("/pause",)},
+        "/pause?mode=keep&clear_cache=false",
+        "failed (timed out): no answer in ",
+        ap.CONTROL_SECONDS,
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(MID_RUN_FAULTS))
+def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_named_and_the_run_resumes(tmp_path, fault):
+    """Once the run has a checkpoint, the stand-in answers what is not JSON, JSON without the fields, or nothing (a
+    generate request, or a publish's /pause): one line (exit 1) names the server, the endpoint and what was wrong (the
+    answer's first bytes, or the request's age), and the checkpoint kept; --resume continues from it. Without new
+    rollouts (--sampling without-replacement) the trainers wait for the server."""
+    kind, endpoint, needle, bound = MID_RUN_FAULTS[fault]
+    run_dir = tmp_path / "r"
+    extra = ["--eval-every", "2", "--sampling", "without-replacement"]
+    with StandIn(encode=encode, fault_when=lambda: (run_dir / "checkpoint").exists(), **kind) as server:
+        rc, log = Run(async_args(tmp_path, server.url, *extra, "--total-steps", "100000")).finish(timeout=bound + 150)
+        took = time.time() - server.faulted_at
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: vLLM server {server.url}: {endpoint} {needle}"), errors
+    assert f"the last checkpoint in {run_dir} is kept: continue with --resume" in errors[0], errors
+    if bound:
+        age = int(re.search(r"no answer in (\d+) s, this request's bound", errors[0])[1])
+        assert bound <= age < bound + 5 and bound <= took < bound + 30, (age, took)
+    else:
+        assert took < 30, took
+    print(f"[{fault}: one line {took:.1f} s after the fault] {errors[0]}")
+    step = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    with StandIn(encode=encode) as server:
+        resume = async_args(tmp_path, server.url, *extra, "--resume", "--total-steps", str(step + 2))
+        res = subprocess.run(resume, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(step + 3))
+
+
+def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tmp_path):
+    """A resumed run on a server that answers its probes (its model is loaded) and never its first generate request:
+    named after REQUEST_FLOOR (a launched server's first request has START_SECONDS: 30 minutes), with the checkpoint
+    kept and the records untouched (the warm-up comes before any); then the run resumes on a server that answers."""
+    run_dir = tmp_path / "r"
+    with StandIn(encode=encode) as server:
+        first = async_args(tmp_path, server.url, "--total-steps", "2", "--eval-every", "2")
+        done = subprocess.run(first, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    records = lines(run_dir / "metrics.jsonl")
+    with StandIn(encode=encode, fault="never") as server:
+        run = Run(async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume"))
+        rc, log = run.finish(timeout=ap.REQUEST_FLOOR + 90)
+        took, generated = time.time() - server.faulted_at, server.generated
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in log and generated == 0, log[-3000:]
+    assert errors[0].startswith(f"error: vLLM server {server.url}: {GENERATE} failed (timed out): no answer in 6")
+    assert f"the last checkpoint in {run_dir} is kept: continue with --resume" in errors[0], errors
+    assert ap.REQUEST_FLOOR <= took < ap.REQUEST_FLOOR + 30 and lines(run_dir / "metrics.jsonl") == records
+    print(f"[first request: one line {took:.1f} s after it was sent] {errors[0]}")
+    with StandIn(encode=encode) as server:
+        again = async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume")
+        res = subprocess.run(again, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(5))
+
+
+def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, monkeypatch):
+    """A generate request's bound is REQUEST_FACTOR x its server's reference answer scaled to its tokens per sample: the
+    warm-up's (WARM_UP_TOKENS) for the first rollout request, then the longest rollout request's. A publish's control
+    requests have CONTROL_SECONDS, its reload a bound that grows with the weights' size. The floor is lowered here so
+    that the scaling shows within seconds."""
+    monkeypatch.setattr(ap, "REQUEST_FLOOR", 0.5)
+    with StandIn(encode=encode, delay=0.3) as stand_in:
+        server = ap.Server(stand_in.url)
+        ap.wait_ready([server])
+        tokens, seconds = server.reference
+        assert tokens == ap.WARM_UP_TOKENS and 0.3 <= seconds < 3, server.reference
+        assert server.bound(8) == pytest.approx(10 * seconds * 8 / ap.WARM_UP_TOKENS)
+        stand_in.delay = 4 * seconds  # above 10 x the warm-up: a bound blind to sizes would give up on it
+        generator = ap.ServerGenerator(server, [0], random.Random(0))
+        groups = generator.generate([[1, 2], [3]], 2, 8, temperature=1.0)
+        assert [len(g) for g in groups] == [2, 2] and server.reference[0] == 8
+        assert server.bound(8) == pytest.approx(10 * server.reference[1]) and server.reference[1] >= 4 * seconds
+        timeouts = []
+        real = ap.Server.post
+        monkeypatch.setattr(
+            ap.Server,
+            "post",
+            lambda self, path, body=None, timeout=ap.CONTROL_SECONDS, parse=None: (
+                timeouts.append((path.split("?")[0], timeout)) or real(self, path, body, timeout, parse)
+            ),
+        )
+        publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="")
+        model, _ = warm_start.build_tiny_model(0)
+        publisher.publish(model.state_dict(), 1, wait=True)
+    assert publisher.error is None and publisher.done_version == 1
+    size = (tmp_path / "model.safetensors").stat().st_size
+    load = max(ap.REQUEST_FLOOR, size / ap.LOAD_BYTES_PER_SECOND)
+    assert timeouts == [
+        ("/pause", ap.CONTROL_SECONDS),
+        ("/collective_rpc", load),
+        ("/update_weight_version", ap.CONTROL_SECONDS),
+        ("/resume", ap.CONTROL_SECONDS),
+    ]
+
+
+def test_launched_servers_still_starting_are_named_every_minute(tmp_path, monkeypatch, capsys):
+    """While launched servers load, a line every STARTING_LINE_SECONDS (a second here) names those still starting and
+    for how long. The servers are stand-ins that listen after 4 s, launched as the run launches vLLM."""
+    monkeypatch.setattr(ap, "STARTING_LINE_SECONDS", 1.0)
+    script = str(Path(__file__).with_name("misbehaving_server.py"))
+
+    def command(cfg, folder, max_model_len, port, cpu, memory=0.9) -> list[str]:
+        return [sys.executable, script, cfg.generator_host, str(port), "4"]
+
+    monkeypatch.setattr(ap, "server_command", command)
+    cfg = types.SimpleNamespace(generator_host=HOST, seed=0)
+    servers = ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+    try:
+        seconds = ap.wait_ready(servers, timeout=60)
+    finally:
+        ap.stop_servers(servers)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("vLLM servers still starting")]
+    urls = ", ".join(s.url for s in servers)
+    assert len(said) >= 2 and said[0].endswith(f" s: {urls}"), said
+    ages = [int(re.match(r"vLLM servers still starting after (\d+) s", line)[1]) for line in said]
+    assert ages == sorted(ages) and ages[-1] >= 2 and seconds >= 4, said
+    assert all(s.proc.poll() is not None for s in servers)
