@@ -570,6 +570,31 @@ def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_
     assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value
 
 
+# --- compare_metrics.py and bench_async.py on bad input --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tool,args,needle",
+    [
+        ("compare_metrics.py", ["no-such-revision"], "no-such-revision: not a revision of the repository at "),
+        ("compare_metrics.py", ["HEAD", "--keep", "{tmp}/file"], "--keep {tmp}/file: a file, not a folder"),
+        ("compare_metrics.py", ["HEAD", "--keep", "{tmp}/full"], "--keep {tmp}/full: the folder is not empty"),
+        ("bench_async.py", ["no-such-revision", "--out-dir", "{tmp}/bench"], "no-such-revision: not a revision of "),
+    ],
+)
+def test_a_tools_bad_revision_or_folder_is_one_line(tmp_path, tool, args, needle):
+    """Said before anything runs (a git command's traceback before)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full" / "earlier").mkdir(parents=True)
+    args = [a.format(tmp=tmp_path) for a in args]
+    t0 = time.time()
+    cmd = [sys.executable, str(ROOT / "tools" / tool), *args]
+    res = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith(f"error: {needle.format(tmp=tmp_path)}"), res.stderr
+    assert res.stderr.count("\n") == 1 and time.time() - t0 < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]  # nothing run, nothing made
+
+
 # --- messages that name the real cause ------------------------------------------------------------
 
 
