@@ -121,13 +121,17 @@ def set_cpu_threads(role: str, processes: int) -> int:
 # A generate request that gets no answer within its bound fails the run (a hung or stopped server): REQUEST_FACTOR times
 # its server's reference answer (the longest of those asking the most tokens per sample so far: its warm-up's until a
 # rollout request answers), scaled to the tokens per sample it asks for, at least REQUEST_FLOOR. Tokens per sample set
-# a request's time: a request's samples decode together, one token each per engine step.
+# a request's time: a request's samples decode together, one token each per engine step. A launched server's first
+# request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
+# (probe), so its first requests have the bound of any other.
 REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
-REQUEST_FLOOR = 60.0  # a busy 2-core machine's requests take seconds; also the bound of a server's first request
-START_SECONDS = 1800.0  # a launched server's first generation (its warm-up): it may compile, and its process is watched
+REQUEST_FLOOR = 60.0  # a busy 2-core machine's requests take seconds
+START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
 READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
+# /pause, /update_weight_version, /resume (no generation) may take CONTROL_FACTOR times the bound of the server's
+# generate requests of the reference size: a hung server is then named by its generate request when one is in flight
+CONTROL_FACTOR = 2
 STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
-CONTROL_SECONDS = 60.0  # /pause, /update_weight_version, /resume: no generation (a /pause takes 6.5 s on 2 busy cores)
 LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
 PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
 SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
@@ -176,11 +180,13 @@ class Server:
     log: Path | None = None
     reference: tuple[int, float] = (0, 0.0)
 
-    def post(self, path: str, body: dict | None = None, timeout: float = CONTROL_SECONDS, parse=None):
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None):
         """POST JSON; the answer as JSON ({} when empty), through `parse` when given. Any failure is a ServerError in
-        one line naming the server and the endpoint: no connection, no answer within `timeout` (the request's age
-        said), an HTTP error, an answer that is not JSON or that `parse` cannot read (a missing field, a wrong value:
-        KeyError, IndexError, TypeError or ValueError), with its first SHOWN_BYTES bytes."""
+        one line naming the server and the endpoint: no connection, no answer within `timeout` (default: a control
+        request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that `parse`
+        cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its first
+        SHOWN_BYTES bytes."""
+        timeout = self.control_bound() if timeout is None else timeout
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method="POST")
         t0 = time.monotonic()
@@ -195,15 +201,13 @@ class Server:
                     self.proc.wait(2.0)
             age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
             raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
-        if not text.strip():
-            return parse({}) if parse else {}
-        why = unreadable(text)
+        why = unreadable(text) if text.strip() else None
         if why:
             raise ServerError(
                 f"vLLM server {self.url}: {path} answered what the run cannot read as JSON ({why}): "
                 f"{text[:SHOWN_BYTES]!r}"
             )
-        value = json.loads(text)
+        value = json.loads(text) if text.strip() else {}
         try:
             return parse(value) if parse else value
         except (KeyError, IndexError, TypeError, ValueError) as e:
@@ -223,11 +227,17 @@ class Server:
             return f"failed ({e})"
 
     def bound(self, tokens: int) -> float:
-        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and REQUEST_FLOOR above)."""
+        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
         ref_tokens, ref_seconds = self.reference
+        if self.proc is not None and ref_tokens < tokens:
+            return START_SECONDS
         if not ref_tokens:
             return REQUEST_FLOOR
         return max(REQUEST_FLOOR, REQUEST_FACTOR * ref_seconds * max(1.0, tokens / ref_tokens))
+
+    def control_bound(self) -> float:
+        """Seconds a request that generates nothing may take (CONTROL_FACTOR above)."""
+        return CONTROL_FACTOR * self.bound(self.reference[0])
 
     def answered(self, tokens: int, seconds: float) -> None:
         """Keep the reference of the bounds: the longest answer among those of the most tokens per sample so far."""
@@ -448,7 +458,7 @@ def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
     starting and for how long), then warm each up with a WARM_UP_TOKENS request, the first reference of its bounds;
     seconds waited. A launched server that exits, or that is not healthy after `timeout`, is a ServerError with its
     log's last lines; a server the run did not launch is up (probe): one whose /health fails is named at once, and its
-    warm-up has the bound of any request (REQUEST_FLOOR), a launched server's START_SECONDS."""
+    warm-up has the bound of any request (Server.bound: REQUEST_FLOOR), a launched server's START_SECONDS."""
     t0 = said = time.monotonic()
     starting = list(servers)
     while starting:
@@ -475,9 +485,8 @@ def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
         if starting:
             time.sleep(1.0)
     for s in servers:
-        bound = START_SECONDS if s.proc is not None else REQUEST_FLOOR
         t1 = time.monotonic()
-        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, bound)
+        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, s.bound(WARM_UP_TOKENS))
         s.answered(WARM_UP_TOKENS, time.monotonic() - t1)
     return time.monotonic() - t0
 
@@ -789,7 +798,7 @@ class Publisher:
         s.post("/pause?mode=keep&clear_cache=false")
         if self.how == "disk":  # the reload reads the file: its bound grows with its size
             size = (self.folder / "model.safetensors").stat().st_size
-            bound = max(REQUEST_FLOOR, size / LOAD_BYTES_PER_SECOND)
+            bound = max(s.control_bound(), size / LOAD_BYTES_PER_SECOND)
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}}
             s.post("/collective_rpc", rpc, timeout=bound)
         else:

@@ -15,7 +15,7 @@ import threading
 import time
 
 HOST = "127.0.0.3"  # not the session's vLLM servers' 127.0.0.2, nor the trainers' 127.0.0.1
-MAX_REQUESTS = 5000  # a run against a stand-in makes a few hundred requests
+MAX_REQUESTS = 20000  # a run against a stand-in answering every 0.2 s makes fewer in LIFETIME
 LIFETIME = 600.0  # seconds: longer than any test that uses one
 GENERATE = "/inference/v1/generate"
 

@@ -1080,7 +1080,7 @@ MID_RUN_FAULTS = {  # the stand-in's fault, the endpoint named, what the line sa
         {"hang": ("/pause",)},
         "/pause?mode=keep&clear_cache=false",
         "failed (timed out): no answer in ",
-        ap.CONTROL_SECONDS,
+        ap.CONTROL_FACTOR * ap.REQUEST_FLOOR,
     ),
 }
 
@@ -1094,7 +1094,8 @@ def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_nam
     kind, endpoint, needle, bound = MID_RUN_FAULTS[fault]
     run_dir = tmp_path / "r"
     extra = ["--eval-every", "2", "--sampling", "without-replacement"]
-    with StandIn(encode=encode, fault_when=lambda: (run_dir / "checkpoint").exists(), **kind) as server:
+    checkpointed = (run_dir / "checkpoint").exists
+    with StandIn(encode=encode, fault_when=checkpointed, delay=0.2, **kind) as server:  # a step at most every 0.2 s
         rc, log = Run(async_args(tmp_path, server.url, *extra, "--total-steps", "100000")).finish(timeout=bound + 150)
         took = time.time() - server.faulted_at
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
@@ -1117,7 +1118,7 @@ def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_nam
 
 def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tmp_path):
     """A resumed run on a server that answers its probes (its model is loaded) and never its first generate request:
-    named after REQUEST_FLOOR (a launched server's first request has START_SECONDS: 30 minutes), with the checkpoint
+    named after REQUEST_FLOOR (a launched server's first requests have START_SECONDS: 30 minutes), with the checkpoint
     kept and the records untouched (the warm-up comes before any); then the run resumes on a server that answers."""
     run_dir = tmp_path / "r"
     with StandIn(encode=encode) as server:
@@ -1145,8 +1146,8 @@ def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tm
 def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, monkeypatch):
     """A generate request's bound is REQUEST_FACTOR x its server's reference answer scaled to its tokens per sample: the
     warm-up's (WARM_UP_TOKENS) for the first rollout request, then the longest rollout request's. A publish's control
-    requests have CONTROL_SECONDS, its reload a bound that grows with the weights' size. The floor is lowered here so
-    that the scaling shows within seconds."""
+    requests have CONTROL_FACTOR x the generate bound, its reload as much or more as the weights' size grows. The floor
+    is lowered here so that the scaling shows within seconds."""
     monkeypatch.setattr(ap, "REQUEST_FLOOR", 0.5)
     with StandIn(encode=encode, delay=0.3) as stand_in:
         server = ap.Server(stand_in.url)
@@ -1159,26 +1160,25 @@ def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, m
         groups = generator.generate([[1, 2], [3]], 2, 8, temperature=1.0)
         assert [len(g) for g in groups] == [2, 2] and server.reference[0] == 8
         assert server.bound(8) == pytest.approx(10 * server.reference[1]) and server.reference[1] >= 4 * seconds
-        timeouts = []
-        real = ap.Server.post
-        monkeypatch.setattr(
-            ap.Server,
-            "post",
-            lambda self, path, body=None, timeout=ap.CONTROL_SECONDS, parse=None: (
-                timeouts.append((path.split("?")[0], timeout)) or real(self, path, body, timeout, parse)
-            ),
-        )
+        control = server.control_bound()
+        assert control == pytest.approx(2 * server.bound(8))
+        timeouts, real = [], ap.Server.post
+
+        def post(self, path, body=None, timeout=None, parse=None):
+            timeouts.append((path.split("?")[0], timeout))
+            return real(self, path, body, timeout, parse)
+
+        monkeypatch.setattr(ap.Server, "post", post)
         publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="")
         model, _ = warm_start.build_tiny_model(0)
         publisher.publish(model.state_dict(), 1, wait=True)
     assert publisher.error is None and publisher.done_version == 1
-    size = (tmp_path / "model.safetensors").stat().st_size
-    load = max(ap.REQUEST_FLOOR, size / ap.LOAD_BYTES_PER_SECOND)
+    load = max(control, (tmp_path / "model.safetensors").stat().st_size / ap.LOAD_BYTES_PER_SECOND)
     assert timeouts == [
-        ("/pause", ap.CONTROL_SECONDS),
+        ("/pause", None),
         ("/collective_rpc", load),
-        ("/update_weight_version", ap.CONTROL_SECONDS),
-        ("/resume", ap.CONTROL_SECONDS),
+        ("/update_weight_version", None),
+        ("/resume", None),
     ]
 
 
