@@ -28,6 +28,7 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -117,11 +118,15 @@ def set_cpu_threads(role: str, processes: int) -> int:
 
 # ===== vLLM servers: launch, requests, weights ====================================================
 
-# A request to a server that answers nothing for longer than this fails the run: START_SECONDS for its first
-# (the server compiles and warms up), then REQUEST_FACTOR times the longest request so far, at least REQUEST_FLOOR.
-REQUEST_FACTOR = 10
-REQUEST_FLOOR = 60.0
-START_SECONDS = 1800.0
+# A generate request that gets no answer within its bound fails the run (a hung or stopped server): REQUEST_FACTOR times
+# its server's reference answer (the longest of those asking the most tokens per sample so far: its warm-up's until a
+# rollout request answers), scaled to the tokens per sample it asks for, at least REQUEST_FLOOR. Tokens per sample set
+# a request's time: a request's samples decode together, one token each per engine step. A launched server's first
+# request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
+# (probe), so its first requests have the bound of any other.
+REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
+REQUEST_FLOOR = 60.0  # a busy 2-core machine's requests take seconds
+START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
 PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
 # The publish check stops a run whose server serves other log-probs than the trainer's at the published version by
 # more than this, per probe token on average. Measured on a CPU server (fp32, tiny model): the right weights 2.7e-7;
@@ -130,6 +135,18 @@ PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions,
 # not trip it: it catches weights that are wrong, not a server a few small steps behind
 PROBE_BOUND = 0.1
 READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
+# /pause, /update_weight_version, /resume (no generation) may take CONTROL_FACTOR times the bound of the server's
+# generate requests of the reference size: a hung server is then named by its generate request when one is in flight
+CONTROL_FACTOR = 2
+STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
+LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
+PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
+SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
+SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
+WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
+GENERATE = "/inference/v1/generate"
+# encoded by the run's tokenizer and by a server's (POST /tokenize): other token ids mean another model
+MODEL_PROBE_TEXT = "Please reason step by step: 12+7=?"
 
 
 class ServerError(PipelineError):
@@ -141,29 +158,101 @@ def as_server_error(what: str, e: Exception) -> ServerError:
     return e if isinstance(e, ServerError) else ServerError(" ".join(f"{what}: {type(e).__name__}: {e}".split()))
 
 
+def timed_out(e: BaseException) -> bool:
+    """Whether a failed request got no answer within its timeout (urllib wraps a connect's timeout in a URLError)."""
+    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+def unreadable(text: bytes) -> str | None:
+    """Why an answer is not JSON the run can read (not UTF-8, not JSON, beyond run_folder.read_json's bounds), or
+    None."""
+    try:
+        run_folder.read_json(text.decode(), "it", max_chars=None)
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 at byte {e.start}"
+    except run_folder.JSONBoundError as e:
+        return str(e)
+    except ValueError as e:
+        return f"not JSON: {getattr(e, 'msg', e)}"
+    return None
+
+
 @dataclasses.dataclass
 class Server:
-    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log."""
+    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log; and the reference
+    answer of its generate requests' bounds (tokens per sample, seconds)."""
 
     url: str
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    reference: tuple[int, float] = (0, 0.0)
 
-    def post(self, path: str, body: dict | None = None, timeout: float = 300.0) -> dict:
-        """POST JSON, the answer as JSON ({} when empty); any failure is a ServerError naming the server."""
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None):
+        """POST JSON; the answer as JSON ({} when empty), through `parse` when given. Any failure is a ServerError in
+        one line naming the server and the endpoint: no connection, no answer within `timeout` (default: a control
+        request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that `parse`
+        cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its first
+        SHOWN_BYTES bytes."""
+        timeout = self.control_bound() if timeout is None else timeout
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method="POST")
+        t0 = time.monotonic()
         try:
             with urllib.request.urlopen(req, timeout=timeout) as answer:
                 text = answer.read()
         except urllib.error.HTTPError as e:
-            raise ServerError(f"vLLM server {self.url}: {path} answered {e.code}: {e.read()[:300]!r}") from None
+            raise ServerError(f"vLLM server {self.url}: {path} answered {e.code}: {e.read()[:SHOWN_BYTES]!r}") from None
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
             if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(2.0)
-            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){self.died() or ''}") from None
-        return json.loads(text) if text.strip() else {}
+            age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
+            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
+        why = unreadable(text) if text.strip() else None
+        if why:
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered what the run cannot read as JSON ({why}): "
+                f"{text[:SHOWN_BYTES]!r}"
+            )
+        value = json.loads(text) if text.strip() else {}
+        try:
+            return parse(value) if parse else value
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered without what the run reads ({what}): {text[:SHOWN_BYTES]!r}"
+            ) from None
+
+    def health(self) -> str | None:
+        """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=PROBE_SECONDS) as answer:
+                return None if answer.status == 200 else f"answered {answer.status}"
+        except urllib.error.HTTPError as e:
+            return f"answered HTTP {e.code}: {e.read()[:SHOWN_BYTES]!r}"
+        except (OSError, http.client.HTTPException) as e:
+            return f"failed ({e})"
+
+    def bound(self, tokens: int) -> float:
+        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
+        ref_tokens, ref_seconds = self.reference
+        if self.proc is not None and ref_tokens < tokens:
+            return START_SECONDS
+        if not ref_tokens:
+            return REQUEST_FLOOR
+        return max(REQUEST_FLOOR, REQUEST_FACTOR * ref_seconds * max(1.0, tokens / ref_tokens))
+
+    def control_bound(self) -> float:
+        """Seconds a request that generates nothing may take (CONTROL_FACTOR above)."""
+        return CONTROL_FACTOR * self.bound(self.reference[0])
+
+    def answered(self, tokens: int, seconds: float) -> None:
+        """Keep the reference of the bounds: the longest answer among those of the most tokens per sample so far."""
+        ref_tokens, ref_seconds = self.reference
+        if tokens > ref_tokens:
+            self.reference = (tokens, seconds)
+        elif tokens == ref_tokens:
+            self.reference = (tokens, max(seconds, ref_seconds))
 
     def died(self) -> str | None:
         """Launched here and exited: how, with the last lines of its log; else None."""
@@ -177,6 +266,135 @@ class Server:
         except OSError:
             return "(no log)"
         return " | ".join(line.strip() for line in text[-lines:])
+
+
+def resolve(host: str | None, where: str, timeout: float) -> None:
+    """Refuse a host name that does not resolve within `timeout` (the resolver has no bound of its own: it runs on a
+    daemon thread)."""
+    if not host:
+        raise UserError(f"{where}: no host in the URL")
+    found = []
+
+    def look() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, None))
+        except (OSError, UnicodeError) as e:  # gaierror; a label the IDNA codec refuses (over 63 characters)
+            found.append(e)
+
+    thread = threading.Thread(target=look, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        raise UserError(f"{where}: the host {host} was not resolved within {timeout:.0f} s")
+    if isinstance(found[0], Exception):
+        reason = getattr(found[0], "strerror", None) or str(found[0])
+        raise UserError(f"{where}: the host {host} cannot be resolved ({reason}): is the name right?")
+
+
+def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
+    """What a server the run did not launch is, from a few requests of `timeout` each: its vLLM version (GET /version,
+    at least SERVER_VERSION_FLOOR), its model and context (GET /v1/models), its weight routes (GET /is_paused, there
+    with VLLM_SERVER_DEV_MODE=1), its token route (POST /inference/v1/generate without a body: 400 there, 404 without
+    --enable-scale-out) and /health. Anything else is one line (UserError) naming the URL and what was found: refused,
+    unresolvable, silent, an HTTP error with its status, not a vLLM server, a version below the floor."""
+    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    try:
+        _ = parts.port  # urlsplit checks the port when it is read
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+    resolve(parts.hostname, where, timeout)
+
+    def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
+        data = b"{}" if method == "POST" else None
+        req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:
+                return answer.status, answer.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()[:SHOWN_BYTES]
+        except (OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ConnectionRefusedError):
+                said = (
+                    "was refused: nothing listens at that address and port (a vLLM server listens once its model is "
+                    "loaded: start the run once its /health answers)"
+                )
+            elif timed_out(e):
+                said = (
+                    f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or "
+                    "the host drops them)"
+                )
+            else:
+                said = f"failed ({reason})"
+            raise UserError(f"{where}: {method} {path} {said}") from None
+
+    def read(path: str, fields):
+        """`fields` of the JSON answer to GET `path`; one line when it is missing, an HTTP error or another answer."""
+        status, text = ask(path)
+        if status == 404:
+            raise UserError(f"{where}: not a vLLM server: GET {path} answered 404 (vLLM's API server has that route)")
+        if status != 200:
+            raise UserError(f"{where}: GET {path} answered HTTP {status}: {text[:SHOWN_BYTES]!r}")
+        try:
+            if unreadable(text):
+                raise ValueError
+            return fields(json.loads(text))
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise UserError(
+                f"{where}: not a vLLM server: GET {path} answered {text[:SHOWN_BYTES]!r}, not what vLLM answers there"
+            ) from None
+
+    version = read("/version", lambda a: str(a["version"]))
+    model, context = read("/v1/models", lambda a: (str(a["data"][0]["id"]), int(a["data"][0]["max_model_len"])))
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if numbers < SERVER_VERSION_FLOOR:
+        floor = ".".join(map(str, SERVER_VERSION_FLOOR))
+        raise UserError(
+            f"{where}: vLLM {version} (GET /version); the run needs vLLM {floor} or later on its servers (the weight "
+            "versions of every generated token): upgrade it"
+        )
+    status, text = ask("/is_paused")
+    if status == 404:
+        raise UserError(
+            f"{where}: vLLM {version} serving {model} without its weight routes (GET /is_paused answered 404): start "
+            "it with VLLM_SERVER_DEV_MODE=1 (docs/async.md)"
+        )
+    status, text = ask(GENERATE, "POST")
+    if status == 404:
+        raise UserError(
+            f"{where}: vLLM {version} serving {model} without its token route (POST {GENERATE} answered 404): start "
+            "it with --enable-scale-out (docs/async.md)"
+        )
+    why = Server(url).health()
+    if why:
+        raise UserError(f"{where}: GET /health {why}")
+    return {"url": url, "version": version, "model": model, "max_model_len": context}
+
+
+def check_model(info: dict, tok, model: str, longest_prompt: int, max_new_tokens: int) -> None:
+    """Refuse a server the run did not launch (`info`: what probe found) that serves another model than the run's
+    (its tokenizer reads MODEL_PROBE_TEXT as other token ids: the ids sent to it would be other text), or whose
+    context is shorter than the run's longest prompt and --max-new-tokens."""
+    url, where = info["url"], f"--generator-urls {info['url']}"
+    ids = list(tok.encode(MODEL_PROBE_TEXT, add_special_tokens=False))
+    body = {"prompt": MODEL_PROBE_TEXT, "add_special_tokens": False}
+    try:
+        served = Server(url).post("/tokenize", body, PROBE_SECONDS, parse=lambda a: [int(t) for t in a["tokens"]])
+    except ServerError as e:
+        raise UserError(f"{where}: {e}") from None
+    if served != ids:
+        raise UserError(
+            f"{where}: serves another model than the run's --model {model}: it serves {info['model']}, whose "
+            f"tokenizer reads {MODEL_PROBE_TEXT!r} as token ids {served[:8]}..., where the run's gives {ids[:8]}...; "
+            "the run publishes its weights to it, but the token ids it sends would be other text"
+        )
+    need = longest_prompt + max_new_tokens
+    if info["max_model_len"] < need:
+        raise UserError(
+            f"{where}: its context, {info['max_model_len']} tokens, is below the run's longest prompt and "
+            f"--max-new-tokens ({longest_prompt} + {max_new_tokens} = {need}): start it with --max-model-len {need} "
+            "or more"
+        )
 
 
 def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
@@ -243,28 +461,40 @@ def server_command(cfg: rg.Args, folder, max_model_len: int, port, cpu: bool, me
 
 
 def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
-    """Wait until every server answers /health, then warm each up with a two-token request; seconds waited. A
-    launched server that exits, or any that stays silent past `timeout`, is a ServerError with its log's last
-    lines."""
-    t0 = time.monotonic()
-    for s in servers:
-        while True:
-            try:
-                with urllib.request.urlopen(s.url + "/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except (OSError, http.client.HTTPException):
-                pass
-            if s.died():
+    """Wait until every server answers /health (a line every STARTING_LINE_SECONDS names the launched ones still
+    starting and for how long), then warm each up with a WARM_UP_TOKENS request, the first reference of its bounds;
+    seconds waited. A launched server that exits, or that is not healthy after `timeout`, is a ServerError with its
+    log's last lines; a server the run did not launch is up (probe): one whose /health fails is named at once, and its
+    warm-up has the bound of any request (Server.bound: REQUEST_FLOOR), a launched server's START_SECONDS."""
+    t0 = said = time.monotonic()
+    starting = list(servers)
+    while starting:
+        for s in list(starting):
+            why = s.health()
+            if why is None:
+                starting.remove(s)
+            elif s.died():
                 raise ServerError(f"vLLM server {s.url} did not start{s.died()}")
-            if time.monotonic() - t0 > timeout:
-                raise ServerError(
-                    f"vLLM server {s.url} not healthy after {timeout:.0f} s"
-                    + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
-                )
+            elif s.proc is None:
+                raise ServerError(f"vLLM server {s.url}: /health {why}")
+        now = time.monotonic()
+        if starting and now - t0 > timeout:
+            s = starting[0]
+            raise ServerError(
+                f"vLLM server {s.url} not healthy after {timeout:.0f} s"
+                + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
+            )
+        if starting and now - said >= STARTING_LINE_SECONDS:
+            print(
+                f"vLLM servers still starting after {now - t0:.0f} s: {', '.join(s.url for s in starting)}", flush=True
+            )
+            said = now
+        if starting:
             time.sleep(1.0)
-    for s in servers:  # a server's first generation compiles and warms up (seconds to minutes on a CPU)
-        s.post("/inference/v1/generate", {"token_ids": [0], "sampling_params": {"max_tokens": 2}}, timeout)
+    for s in servers:
+        t1 = time.monotonic()
+        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, s.bound(WARM_UP_TOKENS))
+        s.answered(WARM_UP_TOKENS, time.monotonic() - t1)
     return time.monotonic() - t0
 
 
@@ -317,7 +547,6 @@ class ServerGenerator:
 
     def __init__(self, server: Server, eos_ids: list[int], rng: random.Random):
         self.server, self.eos_ids, self.rng = server, eos_ids, rng
-        self.timeout, self.longest = START_SECONDS, 0.0  # seconds a request may take; the longest so far
 
     def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0)
@@ -325,19 +554,33 @@ class ServerGenerator:
         bodies = [
             {"token_ids": list(p), "sampling_params": {**params, "seed": self.rng.getrandbits(31)}} for p in prompts
         ]
-        t0 = time.monotonic()
-        answers = on_daemons(lambda i: self.server.post("/inference/v1/generate", bodies[i], self.timeout), len(bodies))
-        self.longest = max(self.longest, time.monotonic() - t0)
-        self.timeout = max(REQUEST_FLOOR, REQUEST_FACTOR * self.longest)
-        return [[self.sample(c) for c in sorted(a["choices"], key=lambda c: c["index"])] for a in answers]
+        timeout, t0 = self.server.bound(max_new_tokens), time.monotonic()
+        answers = on_daemons(
+            lambda i: self.server.post(GENERATE, bodies[i], timeout, parse=lambda a: self.samples(a, n)), len(bodies)
+        )
+        self.server.answered(max_new_tokens, time.monotonic() - t0)
+        return answers
+
+    @classmethod
+    def samples(cls, answer: dict, n: int) -> list[rg.Sample]:
+        """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not."""
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise ValueError(f"{len(choices)} choices where {n} were asked for")
+        return [cls.sample(c) for c in choices]
 
     @staticmethod
     def sample(choice: dict) -> rg.Sample:
+        ids = choice["token_ids"]
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ValueError("token_ids is not a list of integers")
         lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
+        if len(lp) != len(ids):
+            raise ValueError(f"{len(ids)} token_ids but {len(lp)} log-probs")
         versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
         if not versions:  # without them no rollout could say which policy made it
-            raise ServerError("a vLLM server answered without weight_versions spans: it needs vLLM 0.32 or later")
-        return rg.Sample(choice["token_ids"], lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
+            raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
+        return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
 def exit_with_parent(parent: int) -> None:
@@ -509,12 +752,12 @@ class Publisher:
         self.thread = threading.Thread(target=self.run, name="publisher", daemon=True)
         self.thread.start()
 
-    def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None, probe=None) -> None:
+    def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None, check=None) -> None:
         """Hand the weights over; with `wait`, until every server holds them, a publish fails, a launched server
-        dies or `failure()` says why the run stops (the dealer reports each). `probe`: (pairs, the trainer's
+        dies or `failure()` says why the run stops (the dealer reports each). `check`: (the probe's pairs, the trainer's
         log-probs of them at `version`), which every server must then serve (check_served)."""
         with self.cond:
-            self.pending = (dict(weights), version, probe)  # its own dict: save_pretrained empties the caller's
+            self.pending = (dict(weights), version, check)  # its own dict: save_pretrained empties the caller's
             self.sending = True
             self.cond.notify_all()
             while wait and not self.error and (self.done_version is None or self.done_version < version):
@@ -525,12 +768,12 @@ class Publisher:
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.pending is not None)
-                (weights, version, probe), self.pending = self.pending, None
+                (weights, version, check), self.pending = self.pending, None
             t0 = time.perf_counter()
             try:
                 self.send(weights, version)
-                if probe is not None:
-                    diffs = on_daemons(lambda i: check_served(self.servers[i], *probe, version), len(self.servers))
+                if check is not None:
+                    diffs = on_daemons(lambda i: check_served(self.servers[i], *check, version), len(self.servers))
                     self.probe_diff = max(diffs)
             except Exception as e:
                 with self.cond:
@@ -565,8 +808,11 @@ class Publisher:
         # keep: requests in flight stay, with their KV cache (clear_cache would recompute them, and with a per-request
         # seed the CPU runner then fails: "CPU Generator does not use offset"); their later tokens get the new weights
         s.post("/pause?mode=keep&clear_cache=false")
-        if self.how == "disk":
-            s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}})
+        if self.how == "disk":  # the reload reads the file: its bound grows with its size
+            size = (self.folder / "model.safetensors").stat().st_size
+            bound = max(s.control_bound(), size / LOAD_BYTES_PER_SECOND)
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}}
+            s.post("/collective_rpc", rpc, timeout=bound)
         else:
             self.source = DictSource(weights, self.dtype, self.device)
             self.engines[i].send_weights()
@@ -601,15 +847,15 @@ def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
 def check_served(server: Server, pairs: list, expected: list[torch.Tensor], version: int) -> float:
     """The mean |served - trained| log-prob of the probe's completion tokens (the server's prompt_logprobs of prompt
     + completion, at temperature 1; the trainer's at `version`); a ServerError naming both beyond PROBE_BOUND."""
-    served = []
+    served, params = [], {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
     for prompt, completion in pairs:
-        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
-        answer = server.post("/inference/v1/generate", {"token_ids": prompt + completion, "sampling_params": params})
-        rows = (answer.get("prompt_logprobs") or [])[len(prompt) :]
-        try:
-            served += [row[str(t)]["logprob"] for row, t in zip(rows, completion, strict=True)]
-        except (KeyError, TypeError, ValueError):
-            raise ServerError(f"vLLM server {server.url}: /inference/v1/generate gave no prompt_logprobs") from None
+
+        def logprobs(answer: dict, prompt=prompt, completion=completion) -> list[float]:
+            rows = answer["prompt_logprobs"][len(prompt) :]
+            return [float(row[str(t)]["logprob"]) for row, t in zip(rows, completion, strict=True)]
+
+        body = {"token_ids": prompt + completion, "sampling_params": params}
+        served += server.post("/inference/v1/generate", body, parse=logprobs)
     diff = (torch.tensor(served) - torch.cat(expected).float().cpu()).abs().mean().item()
     if not diff <= PROBE_BOUND:  # NaN too
         raise ServerError(
@@ -904,10 +1150,15 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: stop the servers too
 
 
-def start_generators(cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device) -> list[Server]:
-    """--generator-urls as given, or W servers launched on this node from a plain folder of the current policy
-    (`model`: rank 0's host copy) under the run folder; not yet waited for."""
+def start_generators(
+    cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
+) -> list[Server]:
+    """--generator-urls (`probed`: what probe found of each), refused if one serves another model or too short a
+    context (check_model), or W servers launched on this node from a plain folder of the current policy (`model`: rank
+    0's host copy) under the run folder; not yet waited for."""
     if cfg.generator_urls:
+        for info in probed:
+            check_model(info, tok, cfg.model, longest_prompt=longest_prompt, max_new_tokens=cfg.max_new_tokens)
         return [Server(url.rstrip("/")) for url in cfg.generator_urls]
     try:
         rg.import_vllm()
@@ -949,9 +1200,12 @@ def train_async(cfg: rg.Args) -> dict:
     device, _ = place_trainer(rank, 0 if cfg.generator_urls else W)
     B, N = cfg.batch_size, cfg.buffer_size
     servers, loop, publisher, runlog, old_sigterm = [], None, None, None, signal.getsignal(signal.SIGTERM)
+    run_dir = None
     try:
-        # 0. setup: the run folder (rank 0 creates it), the policy sharded over the T ranks, a buffer shard each
+        # 0. setup: the servers given by URL probed (before anything is written), the run folder (rank 0 creates it),
+        #    the policy sharded over the T ranks, a buffer shard each
         check_sharding(cfg, T)
+        probed = [probe(url.rstrip("/")) for url in cfg.generator_urls] if rank == 0 else []
         run_folder.seed_everything(cfg.seed)
         if rank == 0:
             kernels.report_precision(device)
@@ -986,14 +1240,18 @@ def train_async(cfg: rg.Args) -> dict:
         if rank == 0:
             signal.signal(signal.SIGTERM, _interrupt)
             how = weight_transfer(cfg, device, T)
-            servers = start_generators(cfg, run_dir, host_copy, tok, T=T, device=device)
+            servers = start_generators(
+                cfg, run_dir, host_copy, tok, T=T, device=device, probed=probed, longest_prompt=task.longest_prompt
+            )
+            seconds = wait_ready(servers) if cfg.generator_urls else None  # up already: before any record is written
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}")
-            if step == 0:  # while the servers start
+            if step == 0:  # while launched servers start
                 evaluator = rg.HFGenerator(host_copy, tok, device)
                 last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
                 evaluator.close()
-            seconds = wait_ready(servers)
+            if seconds is None:
+                seconds = wait_ready(servers)
             tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
             dtype = kernels.compute_dtype(device)
             publisher = Publisher(
@@ -1066,15 +1324,11 @@ def train_async(cfg: rg.Args) -> dict:
             t0 = time.perf_counter()
             if step % cfg.publish_every == 0 or evaluating:
                 weights = full_weights(policy)  # collective
-            probe = None
-            if (
-                step % cfg.publish_every == 0
-                and cfg.publish_check
-                and step // cfg.publish_every % cfg.publish_check == 0
-            ):
-                probe = (probes, served_logprobs(policy, probes, tok))  # collective: every rank's forward
+            check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
+            if cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
+                check = (probes, served_logprobs(policy, probes, tok))
             if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
-                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure, probe=probe)
+                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure, check=check)
             evaluator = None
             if rank == 0 and evaluating:  # on the GPU for this evaluation only
                 host_copy.load_state_dict(weights)
@@ -1125,6 +1379,8 @@ def train_async(cfg: rg.Args) -> dict:
             bar.close()
             print_summary(totals, T, W)
         return {**last_eval, "run_dir": str(run_dir)}
+    except ServerError as e:  # a server failed at setup (the loop's failures, PipelineErrors, say what is kept)
+        raise ServerError(f"{e}; {run_folder.what_is_kept(run_dir)}") from None
     finally:
         if rank == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short

@@ -911,7 +911,7 @@ def read_jsonl(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line, parse_constant=reject_constant)
+            row = run_folder.read_json(line, f"{path}:{lineno}", parse_constant=reject_constant)
         except ValueError as e:  # bad JSON, NaN or Infinity, an integer too long to read
             raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(row, dict) or "prompt" not in row or "answer" not in row:

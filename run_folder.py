@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -40,6 +41,36 @@ RESUMABLE = (
     "activation_checkpointing",
 )
 RUN_LOCKS: dict[str, int] = {}  # run folder -> open file descriptor of its lock (flock), held until release_runs
+WARM_START_FOLDER = ".warmstart"  # the warm-start caches' folder under --out-dir (warm_start.py)
+
+# A JSON text nesting deeper than this is refused before it is parsed: json's parser recurses once per level and would
+# end in a RecursionError near Python's limit of 1000; records, data rows and server answers nest a few levels.
+JSON_DEPTH = 64
+# A JSONL line longer than this is refused before it is parsed: a data row is a prompt and its answer, and a whole
+# 1M-token context is about 4 MB of text; a longer line is a file that is not one row per line.
+JSON_LINE_CHARS = 16 * 2**20
+JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+class JSONBoundError(UserError):
+    """A JSON text beyond JSON_DEPTH or a size bound: one line naming where it is."""
+
+
+def read_json(text: str, where: str, max_chars: int | None = JSON_LINE_CHARS, **kwargs):
+    """json.loads(text, **kwargs) within bounds: a text longer than `max_chars` (None: no bound) or nesting deeper than
+    JSON_DEPTH is a JSONBoundError naming `where` (a file:line) and the bound; invalid JSON raises json's ValueError."""
+    if max_chars is not None and len(text) > max_chars:
+        raise JSONBoundError(f"{where}: a line of {len(text)} characters, beyond the {max_chars} one may hold")
+    if text.count("[") + text.count("{") > JSON_DEPTH:  # else it cannot nest deeper: no need to look
+        depth = 0
+        for m in JSON_BRACKET.finditer(JSON_STRING.sub("", text)):  # brackets outside strings
+            depth += 1 if m[0] in "[{" else -1
+            if depth > JSON_DEPTH:
+                raise JSONBoundError(
+                    f"{where}: its arrays and objects nest deeper than {JSON_DEPTH} levels, the most a line may hold"
+                )
+    return json.loads(text, **kwargs)
 
 
 def lock_run(run_dir: Path) -> None:
@@ -139,11 +170,14 @@ def check_resume_config(cfg, run_dir: Path) -> None:
     """The saved configuration is the truth: refuse a resume whose flags differ outside RESUMABLE (one line naming
     each, with its saved and given values), or that gives a flag config.json lacks another value than its default;
     append the flags that changed (and those config.json lacks: saved as null) to <run>/resumes.jsonl."""
+    config = run_dir / "config.json"
     try:
-        saved = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
+        saved = read_json(config.read_text(), str(config), max_chars=None)
+        if not isinstance(saved, dict):
+            raise ValueError(f"a {type(saved).__name__}, not a record of settings")
+    except (OSError, ValueError, JSONBoundError) as e:
         raise UserError(
-            f"--resume: {run_dir / 'config.json'} is missing or damaged ({type(e).__name__}): the run's "
+            f"--resume: {config} is missing or damaged ({type(e).__name__}): the run's "
             "settings are unknown, so it cannot be continued"
         ) from None
     given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as saved: JSON types
@@ -151,9 +185,16 @@ def check_resume_config(cfg, run_dir: Path) -> None:
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
 
+    def differs(k: str) -> str:
+        """A refused flag with its given and saved values; and their JSON types where those differ (4 and "4")."""
+        if json_type(saved[k]) == json_type(given[k]):
+            return f"{flag(k)} {given[k]} (saved: {saved[k]})"
+        types = f"types: {json_type(given[k])} given, {json_type(saved[k])} saved"
+        return f"{flag(k)} {given[k]} (saved: {json.dumps(saved[k])}; {types})"
+
     differ = [k for k in given if k in saved and saved[k] != given[k] and k not in RESUMABLE]
     if differ:
-        listed = "; ".join(f"{flag(k)} {given[k]} (saved: {saved[k]})" for k in differ)
+        listed = "; ".join(differs(k) for k in differ)
         raise UserError(
             f"--resume: {run_dir} was started with other settings, and a run never mixes two: {listed}. "
             "Resume with the saved values, or start a new --run-name"
@@ -173,6 +214,16 @@ def check_resume_config(cfg, run_dir: Path) -> None:
         )
     changed = {flag(k): [saved.get(k), v] for k, v in given.items() if k not in saved or saved[k] != v}
     changed.pop("--resume", None)
+    # a setting this code has no flag for (a flag of another version of the code, which removed or renamed it since):
+    # the run continues without it, which is said and recorded (given: null)
+    unknown = [k for k in saved if k not in given]
+    for k in unknown:
+        changed[flag(k)] = [saved[k], None]
+    if unknown:
+        print(
+            f"warning: {config} holds {len(unknown)} setting(s) this code has no flag for, and the run continues "
+            f"without them: {', '.join(f'{k} = {json.dumps(saved[k])[:60]}' for k in unknown)}"
+        )
     record = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed})
     try:
         append_line(run_dir / "resumes.jsonl", record)
@@ -180,6 +231,13 @@ def check_resume_config(cfg, run_dir: Path) -> None:
         if not disk_full(e, run_dir):
             raise
         raise UserError(full_disk_line(run_dir / "resumes.jsonl")) from None
+
+
+def json_type(value) -> str:
+    """The JSON type of a value read from JSON."""
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}.get(type(value), "?")
 
 
 def full_disk_line(path: Path) -> str:
@@ -196,12 +254,12 @@ def current_config(run_dir: Path, saved: dict) -> dict:
     resumes.jsonl raises ValueError."""
     current, path = dict(saved), run_dir / "resumes.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    for line in lines:
+    for lineno, line in enumerate(lines, 1):
         try:
-            changes = json.loads(line)["changed"].items()
+            changes = read_json(line, f"{path}:{lineno}")["changed"].items()
             for flag, (_, value) in changes:
                 current[flag.removeprefix("--").replace("-", "_")] = value
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, JSONBoundError):
             raise ValueError(f"{path}: a line is not a resume record: {line[:80]!r}") from None
     return current
 
@@ -227,16 +285,17 @@ def read_checkpoint_file(ckpt: Path, name: str, read, keys: tuple[str, ...] = ()
     return content
 
 
-def cut_records(path: Path, last_step: int) -> tuple[list[str], int]:
-    """The lines of a records file up to `last_step`, and how many lines were unreadable (cut, garbage, no step)."""
-    kept, unreadable = [], 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+def cut_records(path: Path, last_step: int) -> tuple[list[str], list[int]]:
+    """The lines of a records file up to `last_step`, and the numbers of the unreadable lines (cut, garbage, beyond
+    read_json's bounds, no step)."""
+    kept, unreadable = [], []
+    for lineno, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
         try:
-            step = json.loads(line)["step"]
-        except (ValueError, TypeError, KeyError):
+            step = read_json(line, f"{path}:{lineno}")["step"]
+        except (ValueError, TypeError, KeyError, JSONBoundError):
             step = None
         if not isinstance(step, int):
-            unreadable += 1
+            unreadable.append(lineno)
         elif step <= last_step:
             kept.append(line)
     return kept, unreadable
@@ -266,6 +325,7 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     out, run = os.path.abspath(cfg.out_dir), os.path.abspath(run_dir)
     if run == out or os.path.commonpath([out, run]) != out:  # '..', '.', an absolute name
         raise UserError(f"--run-name {run_name}: a run folder must be a folder inside --out-dir {cfg.out_dir}")
+    check_nesting(Path(run), f"--out-dir {cfg.out_dir} --run-name {run_name}")
     ckpt = run_dir / "checkpoint"
     if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
@@ -296,6 +356,35 @@ def open_run(cfg) -> tuple[str, Path, Path]:
         full = "disk full: " if disk_full(e, run_dir) else ""
         raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
     return run_name, run_dir, ckpt
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run's folder: it holds the run's lock and its config.json (open_run writes both first)."""
+    return (path / "lock").is_file() and (path / "config.json").is_file()
+
+
+def check_nesting(run: Path, given: str) -> None:
+    """Refuse a run folder (`run`, absolute; `given`: the flags that name it) that lies inside a warm-start cache or
+    inside another run's folder, or that holds either: a run would write into the other's files, and a removal of
+    one (rm -r) would take the other with it."""
+    for folder in (run, *run.parents):
+        if folder.name == WARM_START_FOLDER:
+            raise UserError(f"{given}: the run folder {run} lies inside the warm-start cache {folder}: choose another")
+    for folder in run.parents:
+        if is_run_folder(folder):
+            raise UserError(
+                f"{given}: the run folder {run} lies inside the folder of another run, {folder}: a run folder never "
+                "holds another; choose a --run-name beside it"
+            )
+    for folder, subfolders, _ in os.walk(run):  # nothing to walk unless it exists (a resume, or a folder given again)
+        for name in subfolders:
+            inner = Path(folder) / name
+            if name == WARM_START_FOLDER or is_run_folder(inner):
+                what = "a warm-start cache" if name == WARM_START_FOLDER else "the folder of another run"
+                raise UserError(
+                    f"{given}: the run folder {run} holds {what}, {inner}: a run folder never holds one; choose "
+                    "another --run-name"
+                )
 
 
 def swap_in_checkpoint(run_dir: Path) -> None:
@@ -424,8 +513,10 @@ class RunLog:
                         raise
                     raise UserError(full_disk_line(path)) from None
                 if unreadable:
+                    where = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
                     print(
-                        f"resume: dropped {unreadable} unreadable line(s) of {path} (what a kill or a full disk leaves)"
+                        f"resume: dropped {len(unreadable)} unreadable line(s) of {path} (line {where}: cut, not "
+                        "a record, or beyond the bounds a line may hold; what a kill or a full disk leaves)"
                     )
         self.metrics = (run_dir / "metrics.jsonl").open("a")
         self.samples = (run_dir / "samples.jsonl").open("a")

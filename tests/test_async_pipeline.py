@@ -381,7 +381,7 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
     pairs = ap.probe_pairs(rg.make_task(rg.parse_args([])), tok)
     probe = (pairs, ap.served_logprobs(model, pairs, tok))
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
-    publisher.publish(model.state_dict(), 30, wait=True, probe=probe)
+    publisher.publish(model.state_dict(), 30, wait=True, check=probe)
     assert publisher.error is None and publisher.probe_diff < 1e-4, publisher.probe_diff
     print(f"right weights: mean |d log p| {publisher.probe_diff:.3g}")
     # 31: another model's weights are loaded; 32: the server keeps version 30's while the trainer has moved far on
@@ -390,7 +390,7 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
         real_send = publisher.send
         monkeypatch.setattr(publisher, "send", lambda weights, v, real=real_send, w=loaded: real(w.state_dict(), v))
         probe = (pairs, ap.served_logprobs(trained, pairs, tok))
-        publisher.publish(trained.state_dict(), version, wait=True, probe=probe)
+        publisher.publish(trained.state_dict(), version, wait=True, check=probe)
         error = str(publisher.error)
         assert f"vLLM server {server.url} serves other weights than the trainer's version {version}" in error, error
         print(error)

@@ -3,10 +3,13 @@ kills inside a rewrite, damaged checkpoints, a full disk, settings that would ha
 (plan, sweep.py) on bad input. Each ends in one clear line (exit 2) or is counted and logged, and never loses a
 checkpoint or mixes two configurations. docs/reference.md's table of faults lists the same cases."""
 
+import contextlib
+import functools
 import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import socket
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -21,6 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import sweep
 import torch
+from misbehaving_server import GENERATE, HOST, Silent, StandIn, closed_port
 from test_async_pipeline import Run, metrics  # a CLI run in its own session, watched
 
 import async_pipeline as ap
@@ -99,6 +104,33 @@ def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_
     assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
 
 
+def test_a_saved_setting_this_code_has_no_flag_for_is_named_and_the_run_continues_without_it(tmp_path, capsys):
+    """A config.json of another version of the code (here kl_coef, a flag older versions had): the resume goes on
+    without it, says so in one line naming it, and records it in resumes.jsonl (given: null)."""
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "kl_coef": 0.1}))
+    capsys.readouterr()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4"))
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert said == [
+        f"warning: {config} holds 1 setting(s) this code has no flag for, and the run continues without them: "
+        "kl_coef = 0.1"
+    ], out
+    changed = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])["changed"]
+    assert changed == {"--total-steps": [3, 4], "--kl-coef": [0.1, None]}
+    assert json.loads(lines(tmp_path / "r" / "metrics.jsonl")[-1])["step"] == 4
+
+
+def test_a_refused_flag_saved_with_another_type_shows_both_types(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    config = tmp_path / "r" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "group_size": "4"}))
+    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume"))
+    assert '--group-size 4 (saved: "4"; types: int given, str saved)' in err, err
+
+
 @pytest.mark.parametrize("damage", ["swap", "trainer_state.pt", "optimizer.pt", "another model"])
 def test_a_checkpoint_file_with_other_content_is_named_in_one_line(tmp_path, capsys, damage):
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
@@ -130,6 +162,36 @@ def test_a_run_name_that_leaves_the_out_dir_is_refused(tmp_path, capsys, name):
     err = user_error(capsys, small_args(out, "--run-name", name))
     assert f"--run-name {name}: a run folder must be a folder inside --out-dir {out}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, --out-dir included
+
+
+def tree(root: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    "name,needle",
+    [
+        (".warmstart", "lies inside the warm-start cache {out}/.warmstart"),
+        (".warmstart/mine", "lies inside the warm-start cache {out}/.warmstart"),
+        ("r1/checkpoint", "lies inside the folder of another run, {out}/r1"),
+        ("r1/servers/mine", "lies inside the folder of another run, {out}/r1"),
+        ("a", "holds the folder of another run, {out}/a/b"),
+        ("x", "holds a warm-start cache, {out}/x/.warmstart"),
+    ],
+)
+def test_a_run_folder_never_lies_in_or_holds_a_warm_start_cache_or_another_run(tmp_path, capsys, name, needle):
+    """Refused in one line before anything is written: a run writing into another's files (its checkpoint's
+    config.json first), or an rm -r of one taking the other with it."""
+    out = tmp_path / "runs"
+    rg.main(small_args(out, "--run-name", "r1", "--eval-every", "3", "--sft-warmup-steps", "3"))  # and .warmstart
+    rg.main(small_args(out, "--run-name", "a/b"))
+    rg.main(small_args(out / "x", "--run-name", "y", "--sft-warmup-steps", "3"))  # x/.warmstart beside x/y
+    shutil.rmtree(out / "x" / "y")
+    (out / "r1" / "servers").mkdir()
+    before = tree(tmp_path)
+    err = user_error(capsys, small_args(out, "--run-name", name))
+    assert needle.format(out=out) in err and f"--run-name {name}: the run folder {out / name} " in err, err
+    assert tree(tmp_path) == before
 
 
 # --- 2. one process per run folder ------------------------------------------------------------------
@@ -215,6 +277,18 @@ def test_a_cut_last_line_of_the_records_is_dropped_on_resume_and_said(tmp_path, 
     rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "5"))
     assert "dropped 1 unreadable line(s)" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(6))
+
+
+def test_a_record_line_nesting_too_deep_is_dropped_on_resume_naming_its_line(tmp_path, capsys):
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    path = tmp_path / "r" / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"step": 4, "x": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    n = len(lines(path))
+    capsys.readouterr()
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "5"))
+    assert f"dropped 1 unreadable line(s) of {path} (line {n}: " in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in lines(path)] == list(range(6))
 
 
 # --- 4. damaged checkpoints and a full disk --------------------------------------------------------
@@ -382,6 +456,14 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run(tmp_path, capsys
         (b'{"prompt": "1+1=", "answer": " "}', ':2: "answer" is empty or not a finite number: " "'),
         (b'{"prompt": "1+1=", "answer": 2, "solution": ""}', ':2: "solution" is empty or not a finite number'),
         (b'{"prompt": "1+1=", "answer": 1' + b"0" * 5000 + b"}", ":2: not valid JSON (Exceeds the limit"),
+        (
+            b'{"prompt": "1+1=", "answer": 2, "x": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+            ":2: its arrays and objects nest deeper than 64 levels, the most a line may hold",
+        ),
+        (
+            b'{"prompt": "1+1=", "answer": 2, "x": "' + b"y" * 2**24 + b'"}',
+            f":2: a line of {2**24 + 40} characters, beyond the {2**24} one may hold",
+        ),
     ],
 )
 def test_bad_jsonl_data_is_named_by_file_and_line(tmp_path, capsys, line, needle):
@@ -474,6 +556,31 @@ def test_sweep_plot_into_a_folder_it_cannot_write_is_one_line(finished_run, tmp_
     with pytest.raises(SystemExit) as exc:
         sweep.main(["plot", str(copy)])
     assert str(exc.value).startswith(f"error: {copy}: cannot write curves_vs_steps.png"), exc.value
+
+
+# --- compare_metrics.py and bench_async.py on bad input --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tool,args,needle",
+    [
+        ("compare_metrics.py", ["no-such-revision"], "no-such-revision: not a revision of the repository at "),
+        ("compare_metrics.py", ["HEAD", "--keep", "{tmp}/file"], "--keep {tmp}/file: a file, not a folder"),
+        ("compare_metrics.py", ["HEAD", "--keep", "{tmp}/full"], "--keep {tmp}/full: the folder is not empty"),
+        ("bench_async.py", ["no-such-revision", "--out-dir", "{tmp}/bench"], "no-such-revision: not a revision of "),
+    ],
+)
+def test_a_tools_bad_revision_or_folder_is_one_line(tmp_path, tool, args, needle):
+    """Said before anything runs (a git command's traceback before)."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full" / "earlier").mkdir(parents=True)
+    args = [a.format(tmp=tmp_path) for a in args]
+    t0 = time.time()
+    cmd = [sys.executable, str(ROOT / "tools" / tool), *args]
+    res = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith(f"error: {needle.format(tmp=tmp_path)}"), res.stderr
+    assert res.stderr.count("\n") == 1 and time.time() - t0 < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]  # nothing run, nothing made
 
 
 # --- messages that name the real cause ------------------------------------------------------------
@@ -867,3 +974,221 @@ def test_the_scorer_process_ends_with_its_trainer():
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.2)
     assert not os.path.exists(f"/proc/{pid}"), pid
+
+
+# --- 10. --mode async: servers the run did not launch, probed at start; a wrong answer or silence named -------------
+
+
+@functools.cache
+def encode(text: str) -> list[int]:
+    """The run's tokenizer (the tiny model's), as a stand-in serving the run's model encodes with it."""
+    return list(tiny_tokenizer().encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def tiny_tokenizer():
+    return warm_start.build_tiny_model(0)[1]
+
+
+def async_args(out_dir: Path, url: str, *extra) -> list[str]:
+    return [sys.executable, str(ROOT / "replay_grpo.py")] + small_args(
+        out_dir, "--mode", "async", "--generator-urls", url, "--run-name", "r", *extra
+    )
+
+
+def at(url: str):
+    """A URL that no stand-in serves, as the stand-ins' context managers give theirs."""
+    return contextlib.nullcontext(types.SimpleNamespace(url=url))
+
+
+START_FAULTS = {  # how the server is made, what the one line says, and whether the run folder was made by then
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 0),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 0),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 0),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 0),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 0),
+    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404", 0),
+    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404", 0),
+    "a version below the floor": (
+        lambda: StandIn(version="0.31.2"),
+        "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
+        0,
+    ),
+    "no weight routes": (
+        lambda: StandIn(missing=("/is_paused",)),
+        "without its weight routes (GET /is_paused answered 404): start it with VLLM_SERVER_DEV_MODE=1",
+        0,
+    ),
+    "no token route": (
+        lambda: StandIn(missing=(GENERATE,)),
+        f"without its token route (POST {GENERATE} answered 404): start it with --enable-scale-out",
+        0,
+    ),
+    "another model": (
+        lambda: StandIn(tokens=[7, 7, 7]),
+        "serves another model than the run's --model tiny: it serves /models/stand-in, whose tokenizer reads",
+        1,
+    ),
+    "a context too short": (
+        lambda: StandIn(encode=encode, max_model_len=8),
+        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens",
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(START_FAULTS))
+def test_a_server_elsewhere_that_is_down_wrong_or_silent_is_named_in_one_line_within_seconds(tmp_path, case):
+    """Each URL is probed at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found, within
+    seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same command
+    runs once the server is right (the model checks come once the run's tokenizer is loaded, after config.json)."""
+    make, needle, folder_made = START_FAULTS[case]
+    with make() as server:
+        t0 = time.time()
+        rc, log = Run(async_args(tmp_path, server.url)).finish(timeout=90)
+        took = time.time() - t0
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: --generator-urls {server.url}: ") and needle in errors[0], errors
+    assert took < 30, took
+    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "metrics.jsonl").exists()
+    print(f"[{case}: one line {took:.1f} s after the start] {errors[0]}")
+
+
+MID_RUN_FAULTS = {  # the stand-in's fault, the endpoint named, what the line says, the bound it reports within
+    "garbage": (
+        {"fault": "garbage"},
+        GENERATE,
+        "answered what the run cannot read as JSON (not UTF-8 at byte 0): b'\\xff\\xfe\\x00 not JSON \\x81'",
+        0.0,
+    ),
+    "{}": ({"fault": "{}"}, GENERATE, "answered without what the run reads (no 'choices'): b'{}'", 0.0),
+    "never": ({"fault": "never"}, GENERATE, "failed (timed out): no answer in ", ap.REQUEST_FLOOR),
+    "a publish never answered": (
+        {"hang": ("/pause",)},
+        "/pause?mode=keep&clear_cache=false",
+        "failed (timed out): no answer in ",
+        ap.CONTROL_FACTOR * ap.REQUEST_FLOOR,
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(MID_RUN_FAULTS))
+def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_named_and_the_run_resumes(tmp_path, fault):
+    """Once the run has a checkpoint, the stand-in answers what is not JSON, JSON without the fields, or nothing (a
+    generate request, or a publish's /pause): one line (exit 1) names the server, the endpoint and what was wrong (the
+    answer's first bytes, or the request's age), and the checkpoint kept; --resume continues from it. Without new
+    rollouts (--sampling without-replacement) the trainers wait for the server."""
+    kind, endpoint, needle, bound = MID_RUN_FAULTS[fault]
+    run_dir = tmp_path / "r"
+    extra = ["--eval-every", "2", "--sampling", "without-replacement"]
+    checkpointed = (run_dir / "checkpoint").exists
+    with StandIn(encode=encode, fault_when=checkpointed, delay=0.2, **kind) as server:  # a step at most every 0.2 s
+        rc, log = Run(async_args(tmp_path, server.url, *extra, "--total-steps", "100000")).finish(timeout=bound + 150)
+        took = time.time() - server.faulted_at
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: vLLM server {server.url}: {endpoint} {needle}"), errors
+    assert f"the last checkpoint in {run_dir} is kept: continue with --resume" in errors[0], errors
+    if bound:
+        age = int(re.search(r"no answer in (\d+) s, this request's bound", errors[0])[1])
+        assert bound <= age < bound + 5 and bound <= took < bound + 30, (age, took)
+    else:
+        assert took < 30, took
+    print(f"[{fault}: one line {took:.1f} s after the fault] {errors[0]}")
+    step = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=False)["step"]
+    with StandIn(encode=encode) as server:
+        resume = async_args(tmp_path, server.url, *extra, "--resume", "--total-steps", str(step + 2))
+        res = subprocess.run(resume, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(step + 3))
+
+
+def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tmp_path):
+    """A resumed run on a server that answers its probes (its model is loaded) and never its first generate request:
+    named after REQUEST_FLOOR (a launched server's first requests have START_SECONDS: 30 minutes), with the checkpoint
+    kept and the records untouched (the warm-up comes before any); then the run resumes on a server that answers."""
+    run_dir = tmp_path / "r"
+    with StandIn(encode=encode) as server:
+        first = async_args(tmp_path, server.url, "--total-steps", "2", "--eval-every", "2")
+        done = subprocess.run(first, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    records = lines(run_dir / "metrics.jsonl")
+    with StandIn(encode=encode, fault="never") as server:
+        run = Run(async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume"))
+        rc, log = run.finish(timeout=ap.REQUEST_FLOOR + 90)
+        took, generated = time.time() - server.faulted_at, server.generated
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in log and generated == 0, log[-3000:]
+    assert errors[0].startswith(f"error: vLLM server {server.url}: {GENERATE} failed (timed out): no answer in 6")
+    assert f"the last checkpoint in {run_dir} is kept: continue with --resume" in errors[0], errors
+    assert ap.REQUEST_FLOOR <= took < ap.REQUEST_FLOOR + 30 and lines(run_dir / "metrics.jsonl") == records
+    print(f"[first request: one line {took:.1f} s after it was sent] {errors[0]}")
+    with StandIn(encode=encode) as server:
+        again = async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume")
+        res = subprocess.run(again, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(5))
+
+
+def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, monkeypatch):
+    """A generate request's bound is REQUEST_FACTOR x its server's reference answer scaled to its tokens per sample: the
+    warm-up's (WARM_UP_TOKENS) for the first rollout request, then the longest rollout request's. A publish's control
+    requests have CONTROL_FACTOR x the generate bound, its reload as much or more as the weights' size grows. The floor
+    is lowered here so that the scaling shows within seconds."""
+    monkeypatch.setattr(ap, "REQUEST_FLOOR", 0.5)
+    with StandIn(encode=encode, delay=0.3) as stand_in:
+        server = ap.Server(stand_in.url)
+        ap.wait_ready([server])
+        tokens, seconds = server.reference
+        assert tokens == ap.WARM_UP_TOKENS and 0.3 <= seconds < 3, server.reference
+        assert server.bound(8) == pytest.approx(10 * seconds * 8 / ap.WARM_UP_TOKENS)
+        stand_in.delay = 4 * seconds  # above 10 x the warm-up: a bound blind to sizes would give up on it
+        generator = ap.ServerGenerator(server, [0], random.Random(0))
+        groups = generator.generate([[1, 2], [3]], 2, 8, temperature=1.0)
+        assert [len(g) for g in groups] == [2, 2] and server.reference[0] == 8
+        assert server.bound(8) == pytest.approx(10 * server.reference[1]) and server.reference[1] >= 4 * seconds
+        control = server.control_bound()
+        assert control == pytest.approx(2 * server.bound(8))
+        timeouts, real = [], ap.Server.post
+
+        def post(self, path, body=None, timeout=None, parse=None):
+            timeouts.append((path.split("?")[0], timeout))
+            return real(self, path, body, timeout, parse)
+
+        monkeypatch.setattr(ap.Server, "post", post)
+        publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="")
+        model, _ = warm_start.build_tiny_model(0)
+        publisher.publish(model.state_dict(), 1, wait=True)
+    assert publisher.error is None and publisher.done_version == 1
+    load = max(control, (tmp_path / "model.safetensors").stat().st_size / ap.LOAD_BYTES_PER_SECOND)
+    assert timeouts == [
+        ("/pause", None),
+        ("/collective_rpc", load),
+        ("/update_weight_version", None),
+        ("/resume", None),
+    ]
+
+
+def test_launched_servers_still_starting_are_named_every_minute(tmp_path, monkeypatch, capsys):
+    """While launched servers load, a line every STARTING_LINE_SECONDS (a second here) names those still starting and
+    for how long. The servers are stand-ins that listen after 4 s, launched as the run launches vLLM."""
+    monkeypatch.setattr(ap, "STARTING_LINE_SECONDS", 1.0)
+    script = str(Path(__file__).with_name("misbehaving_server.py"))
+
+    def command(cfg, folder, max_model_len, port, cpu, memory=0.9) -> list[str]:
+        return [sys.executable, script, cfg.generator_host, str(port), "4"]
+
+    monkeypatch.setattr(ap, "server_command", command)
+    cfg = types.SimpleNamespace(generator_host=HOST, seed=0)
+    servers = ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+    try:
+        seconds = ap.wait_ready(servers, timeout=60)
+    finally:
+        ap.stop_servers(servers)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("vLLM servers still starting")]
+    urls = ", ".join(s.url for s in servers)
+    assert len(said) >= 2 and said[0].endswith(f" s: {urls}"), said
+    ages = [int(re.match(r"vLLM servers still starting after (\d+) s", line)[1]) for line in said]
+    assert ages == sorted(ages) and ages[-1] >= 2 and seconds >= 4, said
+    assert all(s.proc.poll() is not None for s in servers)

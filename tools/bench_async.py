@@ -56,6 +56,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/bench-async")
     a = p.parse_args()
+    known = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{a.rev}^{{commit}}"], cwd=ROOT, capture_output=True
+    )
+    if known.returncode:  # before the warm start's minutes
+        print(f"error: {a.rev}: not a revision of the repository at {ROOT} (git log --oneline)", file=sys.stderr)
+        raise SystemExit(2)
     out = Path(a.out_dir).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     flags = ["--preset", "cpu", "--mode", "async", "--num-generators", "2", "--seed", str(a.seed)]

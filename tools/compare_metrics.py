@@ -32,6 +32,36 @@ def timing(key: str) -> bool:
     return replay_grpo.measured_on_this_machine(key)
 
 
+def fail(line: str):
+    """Stop with one line (exit 2): a revision, a folder or a run that cannot be used."""
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_revision(rev: str) -> str:
+    """The commit `rev` names in this repository; one line when it names none."""
+    found = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT, capture_output=True, text=True
+    )
+    if found.returncode:
+        fail(f"{rev}: not a revision of the repository at {ROOT} (a commit, branch or tag: git log --oneline)")
+    return found.stdout.strip()
+
+
+def check_keep(keep: str) -> Path:
+    """--keep as a folder this tool may fill: new or empty (the runs of an earlier comparison would be refused)."""
+    path = Path(keep)
+    if path.exists() and not path.is_dir():
+        fail(f"--keep {keep}: a file, not a folder: give a new or empty folder for both versions' run folders")
+    if path.is_dir() and any(path.iterdir()):
+        fail(f"--keep {keep}: the folder is not empty (an earlier comparison's?): give a new or empty one")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--keep {keep}: cannot create the folder ({e.strerror or e})")
+    return path
+
+
 def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     records = []
@@ -39,7 +69,9 @@ def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
         trainer = str(code_dir / "replay_grpo.py")
         cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir / f"c{i}"), "--run-name", "run"]
         print("$", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, cwd=code_dir, env=env, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, cwd=code_dir, env=env, stdout=subprocess.DEVNULL)
+        if done.returncode:  # its own error line is above, on stderr
+            fail(f"the run of {code_dir} ended with exit code {done.returncode}: {' '.join(cmd[1:])}")
         lines = (out_dir / f"c{i}" / "run" / "metrics.jsonl").read_text().splitlines()
         records.append([json.loads(line) for line in lines])
     return records
@@ -78,15 +110,14 @@ def main() -> int:
         "purpose): their values are not compared, every other key must match",
     )
     args = ap.parse_args()
-    work = Path(args.keep or tempfile.mkdtemp(prefix="compare_metrics_"))
+    commit = check_revision(args.rev)
+    work = check_keep(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="compare_metrics_"))
     before_code = work / "code"
-    if not before_code.exists():
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(before_code), args.rev],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-        )
+    added = subprocess.run(
+        ["git", "worktree", "add", "--detach", str(before_code), commit], cwd=ROOT, capture_output=True, text=True
+    )
+    if added.returncode:
+        fail(f"{args.rev}: git could not check it out in {before_code}: {' '.join(added.stderr.split())[:300]}")
     try:
         before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after")
     finally:
