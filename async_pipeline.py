@@ -1118,27 +1118,14 @@ def resume_async(
 ) -> tuple[int, dict]:
     """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
     returns the step and the dealing state."""
-    load_optimizer_state(policy, optimizer, state.get("optimizer", {}))
+    load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
     own = run_folder.read_checkpoint_file(
         ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
     )
     shard.load_state_dict(own["buffer"])
     rg.run_folder.set_rng_state(own["rng"])
-    state = split_old_counters(state)
     totals.update(state["totals"])
-    totals["gen_seconds"] = totals.pop("gen_busy_seconds", totals["gen_seconds"])  # its older name
     return state["step"], state["dealing"]
-
-
-def split_old_counters(state: dict) -> dict:
-    """A checkpoint's trainer state with totals and dealing state apart (older checkpoints held both in one
-    "counters", with a replay histogram that the buffer shards now hold)."""
-    if "totals" not in state:
-        totals = dict(state["counters"])
-        state["dealing"] = {k: totals.pop(k) for k in ("next_group_id", "next_rank", "dealt")}
-        totals.pop("replay_hist", None)
-        state["totals"] = totals
-    return state
 
 
 def barrier() -> None:
