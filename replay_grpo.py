@@ -88,7 +88,7 @@ class Args:
     ratio_level: Literal["token", "sequence"] = "token"  # GRPO ratio per token, or per sequence (the paper's, GSPO)
     correction: Correction = "none"  # stale-data correction beyond the clip (none: the paper's loss; correction_terms)
     tis_cap: float = 2.0  # tis: the importance weight prox/behaviour is truncated at this (SkyRL's default)
-    seq_mask: tuple[float, float] = (0.99, 1.01)  # seq-mask: a sequence's geometric-mean weight must lie in (low, high)
+    seq_mask: tuple[float, float] = (0.99, 1.01)  # seq-mask: a sequence's geometric-mean weight must lie in [low, high]
     m2po_tau: float = 0.04  # m2po: mask the largest (log r)^2 until their mean is at most this (the paper's tau)
     decoupled_cap: float = 5.0  # decoupled: tokens whose weight prox/behaviour exceeds this are masked (AReaL's)
     prox_lag: int = 0  # decoupled: the proximal policy is the trainer's weights this many versions back (0: these)
