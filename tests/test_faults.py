@@ -991,8 +991,9 @@ def tiny_tokenizer():
 
 
 def async_args(out_dir: Path, url: str, *extra) -> list[str]:
+    """A run on the stand-in, whose answers carry no model: no publish check of its log-probs (--publish-check 0)."""
     return [sys.executable, str(ROOT / "replay_grpo.py")] + small_args(
-        out_dir, "--mode", "async", "--generator-urls", url, "--run-name", "r", *extra
+        out_dir, "--mode", "async", "--generator-urls", url, "--run-name", "r", "--publish-check", "0", *extra
     )
 
 
