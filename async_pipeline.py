@@ -866,8 +866,8 @@ def check_served(server: Server, pairs: list, expected: list[torch.Tensor], vers
 
 
 @torch.no_grad()
-def served_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
-    """What a server holding the trainer's weights serves for `pairs`: their log-probs at temperature 1, per pair."""
+def trainer_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
+    """The trainer's log-probs of `pairs` at temperature 1 (what a server holding its weights serves), per pair."""
     logp = rg.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
     if hasattr(policy, "reshard"):  # FSDP2 keeps the root unsharded after a forward until a backward: shard it back
         policy.reshard()
@@ -1313,7 +1313,7 @@ def train_async(cfg: rg.Args) -> dict:
                 weights = full_weights(policy)  # collective
             check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
             if cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
-                check = (probes, served_logprobs(policy, probes, tok))
+                check = (probes, trainer_logprobs(policy, probes, tok))
             if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
                 publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure, check=check)
             evaluator = None

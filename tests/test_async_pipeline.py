@@ -379,7 +379,7 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
     other, _ = warm_start.build_tiny_model(22)
     server = vllm_servers["tied"]
     pairs = ap.probe_pairs(rg.make_task(rg.parse_args([])), tok)
-    probe = (pairs, ap.served_logprobs(model, pairs, tok))
+    probe = (pairs, ap.trainer_logprobs(model, pairs, tok))
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 30, wait=True, check=probe)
     assert publisher.error is None and publisher.probe_diff < 1e-4, publisher.probe_diff
@@ -389,7 +389,7 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
         publisher = ap.Publisher([server], "disk", tmp_path / str(version), torch.float32, True, "127.0.0.1")
         real_send = publisher.send
         monkeypatch.setattr(publisher, "send", lambda weights, v, real=real_send, w=loaded: real(w.state_dict(), v))
-        probe = (pairs, ap.served_logprobs(trained, pairs, tok))
+        probe = (pairs, ap.trainer_logprobs(trained, pairs, tok))
         publisher.publish(trained.state_dict(), version, wait=True, check=probe)
         error = str(publisher.error)
         assert f"vLLM server {server.url} serves other weights than the trainer's version {version}" in error, error
