@@ -10,6 +10,7 @@ import torch
 
 import replay_grpo as rg
 import warm_start
+from test_replay_grpo import metrics, small_args
 
 CFG = dataclasses.replace(rg.PRESETS["cpu"], sft_warmup_steps=0)
 
@@ -211,32 +212,18 @@ def test_the_lagged_proximal_policy_is_the_weights_lag_versions_back_for_older_r
     assert torch.equal(proximal[2:], torch.zeros(2))  # made by version 1: its own behaviour log-probs
 
 
-def run_args(tmp_path, *extra):
-    return [
-        *"--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 1 --batch-size 8".split(),
-        *"--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --eval-every 2 --loss grpo --out-dir".split(),
-        str(tmp_path),
-        *extra,
-    ]
-
-
 def flat(tree: dict) -> dict:
     return {(bucket, k): v for bucket, values in tree.items() for k, v in values.items()}
-
-
-def metrics(run_dir):
-    import json
-
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_decoupled_with_a_lag_resumes_as_the_uninterrupted_run_and_logs_the_per_age_diagnostics(tmp_path):
     """The lagged weights are in the checkpoint: a run cut at step 4 and resumed matches the run of 6 steps; every
     record has offpolicy_by_staleness beside by_staleness, over the same buckets."""
-    common = ("--correction", "decoupled", "--prox-lag", "2", "--decoupled-cap", "1.5")
-    rg.main(run_args(tmp_path, "--run-name", "full", "--total-steps", "6", *common))
-    rg.main(run_args(tmp_path, "--run-name", "cut", "--total-steps", "4", *common))
-    rg.main(run_args(tmp_path, "--run-name", "cut", "--total-steps", "6", "--resume", *common))
+    common = ("--prompts-per-step", "1", "--buffer-size", "16", "--eval-every", "2", "--loss", "grpo")
+    common += ("--correction", "decoupled", "--prox-lag", "2", "--decoupled-cap", "1.5")
+    rg.main(small_args(tmp_path, "--run-name", "full", "--total-steps", "6", *common))
+    rg.main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "4", *common))
+    rg.main(small_args(tmp_path, "--run-name", "cut", "--total-steps", "6", "--resume", *common))
     full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
     assert [r["step"] for r in cut] == list(range(7))
     for a, b in zip(full[1:], cut[1:]):
