@@ -14,6 +14,7 @@ what it imitates (a run of noisy pass@k checks stops each seed at another point)
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -126,12 +127,13 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     streak = 0  # checks in a row at the target
     since, since_step = time.perf_counter(), 0  # without a terminal: a progress line at least this often
     model.train()
+
+    @functools.cache  # a few thousand distinct problems, drawn again and again: each tokenized once
+    def encode(prompt: str, solution: str) -> tuple[list[int], list[int]]:
+        return rg.render_prompt(tok, prompt), tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
     for step in range(1, cfg.sft_warmup_steps + 1):
-        examples = task.sample(rng, BATCH_SIZE)
-        seqs = []
-        for ex in examples:
-            solution = tok(ex.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            seqs.append((rg.render_prompt(tok, ex.prompt), solution))
+        seqs = [encode(ex.prompt, ex.solution) for ex in task.sample(rng, BATCH_SIZE)]
         loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
