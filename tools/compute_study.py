@@ -67,7 +67,7 @@ def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128
 
 
 COMPUTE_GRID = (
-    ["--preset", "cpu"],
+    runner.CPU_AS_STUDIED,
     [
         compute_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
         compute_entry(buffer_size=512, prompts_per_step=2),  # H1: B/R = 4

@@ -64,7 +64,7 @@ def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
 
 
 PARETO_GRID = (
-    ["--preset", "cpu"],
+    runner.CPU_AS_STUDIED,
     [
         pareto_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
         pareto_entry(buffer_size=512, prompts_per_step=4),  # B/R = 2

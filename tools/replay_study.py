@@ -53,7 +53,7 @@ class Args:
 # lrs: a trial scan of on-policy GRPO at 5e-5, 1e-4, 2e-4 found 2e-4 worse on every seed.
 LRS = [5e-5, 1e-4]
 DEFAULT_GRID = (
-    ["--preset", "cpu"],
+    runner.CPU_AS_STUDIED,
     [
         dict(buffer_size=128, prompts_per_step=8, lr=LRS),  # on-policy GRPO: N = B = R = 128
         dict(buffer_size=256, prompts_per_step=4),  # N/R = 4, B/R = 2
