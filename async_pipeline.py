@@ -1101,6 +1101,16 @@ def check_sharding(cfg: rg.Args, T: int) -> None:
         )
 
 
+def warm_start_threads(device: torch.device) -> int | None:
+    """Rank 0's torch threads while it loads the run, which may train the warm start: the servers are not started
+    yet, so on a CPU it takes this node's cores among its trainer ranks alone (None: unchanged)."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return None
+    threads = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    print(f"threads: the warm start (if not cached) uses {threads} torch thread{'s' * (threads > 1)}", flush=True)
+    return threads
+
+
 def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
     """This rank's device, and its torch threads among the processes sharing this machine's cores: its trainer
     ranks, and the W servers rank 0 launches on its machine (returned: their number)."""
@@ -1200,7 +1210,8 @@ def train_async(cfg: rg.Args) -> dict:
         dist.broadcast_object_list(box, src=0)
         run_name, run_dir, ckpt = box[0]
         if rank == 0:  # first: it may write the warm-start cache that the others then read
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
+            with rg.torch_threads(warm_start_threads(device)):
+                task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
         barrier()
         if rank != 0:
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)

@@ -287,7 +287,8 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path, tiny):
 def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
     """T = 1 as plain `python replay_grpo.py` launching its server; Ctrl-C (SIGINT to the process group) ends it
     cleanly, server included, even when it was started with SIGINT ignored, as a background job of a script starts
-    it. The trainer shares the cores with the server it launched."""
+    it. The trainer shares the cores with the server it launched; the warm start, trained before the server starts,
+    uses them all."""
     run = Run(
         [
             sys.executable,
@@ -299,6 +300,8 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
             str(tmp_path),
             "--run-name",
             "t1",
+            "--sft-warmup-steps",
+            "3",
         ],
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         env={k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"},  # its own share of the cores
@@ -312,6 +315,9 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
     assert rc == 130 and "interrupted" in log, log[-3000:]  # and no process left behind (Run.finish)
     n = max(1, ap.available_cores() // 2)
     assert f"threads: trainer rank 0 uses {n} torch thread{'s' * (n > 1)} ({ap.available_cores()} cores / 2 " in log
+    # the warm start ran before the server started: on every core, not on the trainer's share
+    (cache,) = (tmp_path / ".warmstart").glob("*/warmstart.json")
+    assert json.loads(cache.read_text())["threads"] == ap.available_cores(), log[-3000:]
     recs = metrics(tmp_path / "t1")
     assert recs[1]["num_trainers"] == 1 and all(math_finite(r["loss"]) for r in recs[1:])
 
