@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 import compute_study
+import corrections_study
 import pareto
 import replay_study
 import tyro
@@ -52,11 +53,12 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute"] = "study"
+    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute", "corrections"] = "study"
     """which grid of GRIDS, each defined in its study's module (study: the replay study on --preset cpu-study;
     cpu: the first study, on --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform
     sampling, on cpu-study; pareto: on-policy against replay on --preset cpu at three lrs, at equal generated
-    rollouts; compute: the compute study's, at equal compute at the paper's mu)."""
+    rollouts; compute: the compute study's, at equal compute at the paper's mu; corrections: the stale-data
+    corrections at high staleness)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -100,6 +102,7 @@ GRIDS = {
     "variants": replay_study.VARIANTS_GRID,
     "pareto": pareto.PARETO_GRID,
     "compute": compute_study.COMPUTE_GRID,
+    "corrections": corrections_study.CORRECTIONS_GRID,
 }
 
 

@@ -1,0 +1,288 @@
+"""corrections_study.py: the stale-data corrections study (its grid and report), its rule fixed before its runs.
+
+    python tools/sweep.py run --grid corrections --out-dir runs/corrections --tune-seeds 120 121 122 \
+        --seeds $(seq 400 415)                                                              # the runs (resumable)
+    python tools/corrections_study.py --out-dir runs/corrections --report-dir docs/study/corrections
+    python tools/corrections_study.py --records docs/study/corrections/records.json --report-dir docs/study/corrections
+
+The question: which --correction does a replay buffer need when its rollouts are many policy versions old? The
+setting is the cpu preset with a buffer that holds each rollout for N/R = 16 or 32 steps (R = 16 fresh rollouts a
+step, B = 128) and a generator that gets the weights every 4 steps (--publish-every 4), so the trained policy drifts
+from the behaviour policy that made a rollout by up to N/R + 3 versions. Every --correction (none, tis, seq-mask,
+m2po, decoupled; each at its flags' defaults) runs in both settings at each lr of CORRECTIONS_LRS on the tune seeds;
+the lr with the best median final greedy accuracy there (sweep.py's pick) is the one run on the reported seeds.
+
+The rule, fixed before any run:
+  * a run's score: its held-out greedy accuracy averaged over its last LATE_EVALS evaluations (steps 150, 175, 200);
+  * per setting and correction c != none, the effect: the mean over the reported seeds of score(c) - score(none),
+    each seed paired with itself (a seed fixes the warm start every configuration of it shares);
+  * its interval: percentiles of the effect over 2,000 paired bootstrap resamples of the seeds; the 8 comparisons
+    share a 10% error rate (Bonferroni): each is read at its 0.625th and 99.375th percentiles;
+  * the decision per comparison: "helps" when that interval lies above 0, "hurts" when below, else "no difference
+    shown"; a setting "needs a correction" when at least one correction helps there.
+Reported without deciding: each comparison's plain 90% interval (5th-95th), each configuration's median score and
+IQR, the lrs the tune seeds picked, and per staleness bucket the diagnostics every record carries (offpolicy_by_
+staleness: the share of tokens the correction masked or truncated, mean (log r)^2, and the behaviour-to-policy KL).
+
+The report's input is every run's compact record (records.json: settings, evaluations, diagnostics), written beside
+the report; --records recomputes the whole report from that file alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tyro
+from studylib import fmt, report, runner
+from studylib.report import save_figure
+
+CORRECTIONS = ("none", "tis", "seq-mask", "m2po", "decoupled")
+SETTINGS = {"N256": 256, "N512": 512}  # buffer sizes: N/R = 16 and 32 at R = 16
+CORRECTIONS_LRS = [3e-6, 1e-5]
+LATE_EVALS = 3
+FAMILY = 8  # comparisons sharing one error rate
+PS = (100 * 0.05 / FAMILY, 5, 95, 100 - 100 * 0.05 / FAMILY)  # Bonferroni's two-sided 90% and the plain 90%
+# The cpu preset's flags as of this study, pinned so that the study reruns as it ran whatever the preset becomes.
+PINNED = (
+    "--preset cpu --generator hf --arith-max-operand 49 --arith-demo-error 0.75 --sft-warmup-steps 650 "
+    "--sft-lr 1e-3 --sft-lr-decay --max-new-tokens 6 --group-size 16 --batch-size 128 --total-steps 200 "
+    "--eval-every 25"
+).split()
+CORRECTIONS_GRID = (
+    PINNED,
+    [
+        dict(
+            name=f"{setting}-R16-k4-{c}",
+            buffer_size=n,
+            prompts_per_step=1,
+            publish_every=4,
+            correction=c,
+            lr=CORRECTIONS_LRS,
+        )
+        for setting, n in SETTINGS.items()
+        for c in CORRECTIONS
+    ],
+)
+
+
+@dataclass
+class Args:
+    """The corrections study's table (table.md), summary.json, records.json and figure."""
+
+    out_dir: str = "runs/corrections"
+    """folder of the run folders (sweep.py run --grid corrections)."""
+    records: str | None = None
+    """a records.json (as this report writes it) to recompute the report from, instead of the run folders."""
+    report_dir: str | None = None
+    """where table.md, summary.json, records.json and the figure go (default: --out-dir)."""
+    seeds: list[int] | None = None
+    """the seeds reported (default: every seed not in sweep.json's tune seeds that finished every configuration)."""
+    replicates: int = 2000
+    """paired bootstrap resamples of the seeds."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Compact records: what the statistic and the diagnostics read of each run
+# ----------------------------------------------------------------------------------------------
+
+
+def compact(run: dict) -> dict:
+    """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
+    rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
+    buckets: dict[str, dict[str, list[float]]] = {}
+    for r in run["records"]:
+        for label, row in (r.get("offpolicy_by_staleness") or {}).items():
+            for key, value in row.items():
+                buckets.setdefault(label, {}).setdefault(key, []).append(value)
+    return {
+        "config": run["config"],
+        "lr": run["cfg"]["lr"],
+        "seed": run["seed"],
+        "evals": [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)],
+        "diagnostics": {
+            label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())
+        },
+    }
+
+
+def read_records(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --records {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise SystemExit(f"error: --records {path}: not this report's records.json (no list of runs)")
+    return data
+
+
+# ----------------------------------------------------------------------------------------------
+# The statistic
+# ----------------------------------------------------------------------------------------------
+
+
+def score(rec: dict) -> float:
+    return float(np.mean([acc for _, _, acc in rec["evals"][-LATE_EVALS:]]))
+
+
+def comparisons() -> list[tuple[str, str, str]]:
+    """(setting, correction, its configuration's name) for the 8 comparisons against none."""
+    return [(s, c, f"{s}-R16-k4-{c}") for s in SETTINGS for c in CORRECTIONS if c != "none"]
+
+
+def estimates(scores: dict, idx: np.ndarray) -> dict:
+    """scores: {config: [seed]} in one seed order; the effects on the seeds at positions idx (may repeat)."""
+    return {name: float(np.mean(scores[name][idx] - scores[f"{s}-R16-k4-none"][idx])) for s, _, name in comparisons()}
+
+
+def verdict(low: float | None, high: float | None) -> str:
+    if low is None:
+        return "not resolvable"
+    return "helps" if low > 0 else "hurts" if high < 0 else "no difference shown"
+
+
+def analyse(data: dict, args: Args) -> dict:
+    tune = set(data.get("tune_seeds", []))
+    runs = [r for r in data["runs"] if r["seed"] not in tune]
+    names = [f"{s}-R16-k4-{c}" for s in SETTINGS for c in CORRECTIONS]
+    by = {name: {r["seed"]: r for r in runs if r["config"] == name} for name in names}
+    seeds = sorted(set.intersection(*(set(b) for b in by.values())))
+    if args.seeds is not None:
+        missing = sorted(set(args.seeds) - set(seeds))
+        if missing:
+            raise SystemExit(f"error: --seeds: {missing} have not finished every configuration")
+        seeds = sorted(args.seeds)
+    if len(seeds) < 4:
+        raise SystemExit(f"error: {len(seeds)} seed(s) finished every configuration; the statistic needs at least 4")
+    scores = {name: np.array([score(by[name][s]) for s in seeds]) for name in names}
+    point = estimates(scores, np.arange(len(seeds)))
+    ci, _ = report.bootstrap(
+        lambda idx: estimates(scores, idx),
+        report.resample(len(seeds)),
+        args.replicates,
+        np.random.default_rng(0),
+        ps=PS,
+    )
+    rows = {}
+    for s, c, name in comparisons():
+        lo, lo90, hi90, hi = ci[name]
+        rows[name] = {"setting": s, "correction": c, "effect": point[name], "interval": [lo, hi]}
+        rows[name] |= {"interval_90": [lo90, hi90], "decision": verdict(lo, hi)}
+    configs = {}
+    for name in names:
+        recs = [by[name][s] for s in seeds]
+        diag: dict[str, dict[str, list[float]]] = {}
+        for rec in recs:
+            for label, row in rec["diagnostics"].items():
+                for key, value in row.items():
+                    diag.setdefault(label, {}).setdefault(key, []).append(value)
+        configs[name] = {
+            "lr": sorted({rec["lr"] for rec in recs}),
+            "score": list(report.quartiles(scores[name])),
+            "curve": {
+                str(step): float(np.median([rec["evals"][i][2] for rec in recs]))
+                for i, (step, _, _) in enumerate(recs[0]["evals"])
+            },
+            "diagnostics": {
+                label: {key: float(np.median(v)) for key, v in row.items()}
+                for label, row in sorted(diag.items(), key=lambda kv: bucket_order(kv[0]))
+            },
+        }
+    needs = {s: any(rows[name]["decision"] == "helps" for t, _, name in comparisons() if t == s) for s in SETTINGS}
+    return {
+        "seeds": seeds,
+        "tune_seeds": sorted(tune),
+        "replicates": args.replicates,
+        "late_evals": LATE_EVALS,
+        "family": FAMILY,
+        "comparisons": rows,
+        "configs": configs,
+        "needs_correction": needs,
+        "_data": data,
+    }
+
+
+def bucket_order(label: str) -> int:
+    return int(label.rstrip("+").split("-")[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
+
+
+def table_md(s: dict) -> str:
+    n = len(s["seeds"])
+    lines = [
+        f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({n}; the lrs were picked on tune seeds {s['tune_seeds']}). Score: "
+        f"held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. Effect: mean over seeds of "
+        f"score(correction) - score(none), paired; interval: Bonferroni over {s['family']} comparisons (two-sided "
+        f"90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
+        "",
+        "| setting | correction | effect | interval (Bonferroni) | 90% interval | decision |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in s["comparisons"].values():
+        lo, hi = row["interval"]
+        lo90, hi90 = row["interval_90"]
+        lines.append(
+            f"| {row['setting']} | {row['correction']} | {fmt.diff(row['effect'])} | [{fmt.diff(lo)}, {fmt.diff(hi)}]"
+            f" | [{fmt.diff(lo90)}, {fmt.diff(hi90)}] | {row['decision']} |"
+        )
+    lines += [
+        "",
+        "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
+    ]
+    lines += [
+        "",
+        "| configuration | lr | score median [IQR] | staleness buckets: corrected share / mean (log r)^2 / KL |",
+        "|---|---|---|---|",
+    ]
+    for name, cfg in s["configs"].items():
+        diag = "; ".join(
+            f"{label}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
+            for label, d in cfg["diagnostics"].items()
+        )
+        q25, med, q75 = cfg["score"]
+        lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
+        lines.append(f"| {name} | {lrs} | {fmt.acc(med)} [{fmt.acc(q25)}, {fmt.acc(q75)}] | {diag} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, dest: Path) -> list[Path]:
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, len(SETTINGS), figsize=(6 * len(SETTINGS), 4), sharey=True)
+    for ax, setting in zip(np.atleast_1d(axes), SETTINGS):
+        for c in CORRECTIONS:
+            curve = s["configs"][f"{setting}-R16-k4-{c}"]["curve"]
+            ax.plot([int(k) for k in curve], list(curve.values()), marker="o", label=c)
+        ax.set_title(f"{setting}-R16, publish every 4: median over seeds")
+        ax.set_xlabel("step")
+        ax.legend()
+    np.atleast_1d(axes)[0].set_ylabel("held-out greedy accuracy")
+    return [save_figure(fig, dest / "curves.png")]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = tyro.cli(Args, args=argv)
+    if args.records:
+        data = read_records(Path(args.records))
+    else:
+        out = Path(args.out_dir)
+        runs = runner.load_runs(out) if out.is_dir() else []
+        if not runs:
+            raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
+        sweep = out / "sweep.json"
+        tune = runner.read_sweep_json(sweep)["tune_seeds"] if sweep.exists() else []
+        data = {"tune_seeds": tune, "runs": [compact(r) for r in runs]}
+    s = analyse(data, args)
+    dest = Path(args.report_dir or args.out_dir)
+    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot)
+    (dest / "records.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    return s
+
+
+if __name__ == "__main__":
+    runner.cli(main)
