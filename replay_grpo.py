@@ -7,7 +7,7 @@ samples a batch of B (uniformly, without replacement inside the batch, removing 
 one optimizer step; every k steps the generator gets the trainer's weights. N = B = R with k = 1 is
 exactly on-policy GRPO: the baseline is this code with other numbers.
 
-    python replay_grpo.py --preset cpu                                          # offline, minutes on 2 cores
+    python replay_grpo.py --preset cpu                                          # offline, a minute on 2 cores
     python replay_grpo.py --preset cpu --buffer-size 512 --prompts-per-step 2   # replay: N=512, B=128, R=32
     python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 60       # the paper's planner
 
