@@ -17,7 +17,7 @@ MU = 5.28
 
 
 def args(**kw) -> cs.Args:
-    return cs.Args(h1="fast", h2="slow", replicates=kw.pop("replicates", 100), **kw)
+    return cs.Args(**{"h1": "fast", "h2": "slow", "replicates": 100} | kw)
 
 
 def test_iqm_cuts_a_quarter_from_each_end():
@@ -174,3 +174,27 @@ def test_the_grid_runs_every_configuration_to_on_policys_compute():
         final = B * (1 + MU) + (cfg.total_steps - 1) * (B + MU * R)  # the first step fills the buffer to B
         assert on_policy - cfg.eval_every * (B + MU * R) < final <= on_policy + 1e-6
         assert cfg.lr in cs.COMPUTE_LRS and cfg.seed == 20
+
+
+def test_h1_alone_when_there_is_no_h2(tmp_path):
+    """The replication's report: H1 without a second hypothesis (no N240 arm ran)."""
+    s = cs.analyse(runs_with({"fast": (25, 182, 1.0)}), args(h2=None))
+    assert s["decision"] == {"H1": "met"} and set(s["point"]["configs"]) == {"onpolicy", "fast"}
+    assert set(s["old_rule"]) == {"fast"}
+    report.write_report(tmp_path, s, private="_arms", table_md=cs.table_md, plot=cs.plot)
+    table = (tmp_path / "table.md").read_text()
+    assert "| H1 | fast |" in table and "H2" not in table
+
+
+def test_the_replication_grid_is_the_compute_grid_on_the_same_setting_with_a_lower_lr():
+    """Its runs are the compute study's on-policy and N512-R32 runs (the same flags, the old cpu preset pinned), each
+    also at 1e-6."""
+    plan = {r["name"]: r for r in sweep.plan_runs(sweep.RunArgs(grid="compute", out_dir="unused", seeds=[300]))}
+    rep = sweep.plan_runs(sweep.RunArgs(grid="compute-replication", out_dir="unused", seeds=[300]))
+    assert len(rep) == 8 and {r["planned"]["config"] for r in rep} == {"onpolicy", "N512-R32-grpo"}
+    for r in rep:
+        cfg = replay_grpo.parse_args(r["argv"])
+        assert (cfg.arith_max_operand, cfg.sft_warmup_steps, cfg.lr in cs.REPLICATION_LRS) == (99, 2000, True)
+        if cfg.lr != 1e-6:
+            assert r["argv"] == plan[r["name"]]["argv"]
+    assert min(cs.REPLICATION_LRS) < 3e-6

@@ -52,7 +52,7 @@ COMPUTE_LRS = [3e-6, 1e-5, 3e-5]
 COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on pilot seeds 0-5 (docs/study/compute)
 
 
-def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128) -> dict:
+def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128, lrs: list = COMPUTE_LRS) -> dict:
     R, B = prompts_per_step * 16, batch_size  # the cpu preset's G and B
     budget, first, step = COMPUTE_ROLLOUTS * (1 + PAPER_MU), B * (1 + PAPER_MU), B + PAPER_MU * R
     every = EVAL_ROLLOUTS // R
@@ -62,7 +62,7 @@ def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128
         prompts_per_step=prompts_per_step,
         total_steps=steps - steps % every,
         eval_every=every,
-        lr=COMPUTE_LRS,
+        lr=lrs,
     )
 
 
@@ -72,6 +72,16 @@ COMPUTE_GRID = (
         compute_entry(buffer_size=128, prompts_per_step=8),  # on-policy GRPO: N = B = R = 128
         compute_entry(buffer_size=512, prompts_per_step=2),  # H1: B/R = 4
         compute_entry(buffer_size=240, prompts_per_step=1),  # H2: the planner's N/R = 15, B/R = 8 at mu = 5.28
+    ],
+)
+# The replication (docs/study/compute/replication.md, its rule): H1 again on seeds 300-339, the same setting and
+# schedule, on-policy and N512-R32 only, with 1e-6 below the lowest lr, where both replay buffers did best.
+REPLICATION_LRS = [1e-6, 3e-6, 1e-5, 3e-5]
+REPLICATION_GRID = (
+    runner.CPU_AS_STUDIED,
+    [
+        compute_entry(buffer_size=128, prompts_per_step=8, lrs=REPLICATION_LRS),
+        compute_entry(buffer_size=512, prompts_per_step=2, lrs=REPLICATION_LRS),
     ],
 )
 
@@ -89,8 +99,9 @@ class Args:
     reference: str = "onpolicy"
     h1: str = "N512-R32-grpo"
     """the configuration of the first hypothesis."""
-    h2: str = "N240-R16-grpo"
-    """the configuration of the second, tested only when the first is met (the planner's for mu = 5.28)."""
+    h2: str | None = "N240-R16-grpo"
+    """the configuration of the second, tested only when the first is met (the planner's for mu = 5.28); None:
+    H1 alone (the replication)."""
     paper_mu: float = PAPER_MU
     saving_target: float = 30.0
     """the saving (percent) the decision asks for."""
@@ -160,14 +171,15 @@ def analyse(runs: list[dict], args: Args) -> dict:
     if args.seeds is not None:
         runs = [r for r in runs if r["seed"] in args.seeds]
     cells, seeds, _ = report.cells_of(runs, args.paper_mu)
-    for name in (args.reference, args.h1, args.h2):
+    hypotheses = [h for h in (args.h1, args.h2) if h]
+    for name in (args.reference, *hypotheses):
         if name not in cells:
             raise SystemExit(f"error: {name}: no finished runs in the seeds reported (have: {', '.join(cells)})")
     if args.seeds is not None and sorted(args.seeds) != seeds:
         raise SystemExit(f"error: --seeds: {sorted(set(args.seeds) - set(seeds))} have not finished every run")
     if len(seeds) < 4:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
-    cells = {c: cells[c] for c in (args.reference, args.h1, args.h2)}
+    cells = {c: cells[c] for c in (args.reference, *hypotheses)}
     arms = arms_of(cells)
     point, ci = bootstrap(arms, args.reference, args.replicates, np.random.default_rng(0))
 
@@ -181,12 +193,12 @@ def analyse(runs: list[dict], args: Args) -> dict:
 
     old = old_rule(runs, seeds, args)
     decisions = {}
-    for name in (args.h1, args.h2):
+    for name in hypotheses:
         low = ci["configs"][name]["saving"][0]
         decisions[name] = (
             "met" if report.meets(point["configs"][name]["saving"], low, args.saving_target) else "not met"
         )
-    if decisions[args.h1] != "met":
+    if args.h2 and decisions[args.h1] != "met":
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
         "seeds": seeds,
@@ -200,7 +212,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         "budgets": list(BUDGETS),
         "point": point,
         "interval_90": ci,
-        "decision": {"H1": decisions[args.h1], "H2": decisions[args.h2]},
+        "decision": {h: decisions[c] for h, c in zip(("H1", "H2"), hypotheses)},
         "aa": {
             "seeds": [seeds[:h], seeds[h : 2 * h]],
             "point": aa_point["configs"]["second half"]["saving"],
@@ -227,6 +239,7 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
     s = pareto.analyse(
         [r for r in runs if r["seed"] in seeds and r["config"] in (args.reference, args.h1, args.h2)], old
     )
+    hypotheses = [h for h in (args.h1, args.h2) if h]
     return {
         c: {
             axis: {
@@ -236,7 +249,7 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
             for axis in pareto.DECISION_AXES
         }
         | {"verdict": s["decision"][c]["verdict"]}
-        for c in (args.h1, args.h2)
+        for c in hypotheses
     }
 
 
@@ -279,12 +292,12 @@ def table_md(s: dict) -> str:
         "## Decision",
         "",
         f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
-        "above 0. H2 is tested only when H1 is met.",
+        "above 0." + (" H2 is tested only when H1 is met." if s["h2"] else ""),
         "",
         "| hypothesis | config | saving | decision |",
         "|---|---|---|---|",
     ]
-    for h, c in (("H1", s["h1"]), ("H2", s["h2"])):
+    for h, c in zip(s["decision"], (s["h1"], s["h2"])):
         saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
         lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
     lines += [

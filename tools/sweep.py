@@ -53,12 +53,14 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute", "corrections"] = "study"
+    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute", "compute-replication", "corrections"] = (
+        "study"
+    )
     """which grid of GRIDS, each defined in its study's module (study: the replay study on --preset cpu-study;
     cpu: the first study, on --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform
     sampling, on cpu-study; pareto: on-policy against replay on --preset cpu at three lrs, at equal generated
-    rollouts; compute: the compute study's, at equal compute at the paper's mu; corrections: the stale-data
-    corrections at high staleness)."""
+    rollouts; compute: the compute study's, at equal compute at the paper's mu; compute-replication: its H1 on
+    other seeds, with a lower lr; corrections: the stale-data corrections at high staleness)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -71,7 +73,7 @@ class RunArgs:
 
 @dataclass
 class RenderArgs:
-    """table.md rendered again from a study's summary.json (sweep.py report's, pareto.py's or compute_study.py's),
+    """table.md rendered again from a study's summary.json (any study report's),
     e.g. after a change to the table's layout: the table is a function of the summary alone."""
 
     summary: tyro.conf.Positional[str]
@@ -102,6 +104,7 @@ GRIDS = {
     "variants": replay_study.VARIANTS_GRID,
     "pareto": pareto.PARETO_GRID,
     "compute": compute_study.COMPUTE_GRID,
+    "compute-replication": compute_study.REPLICATION_GRID,
     "corrections": corrections_study.CORRECTIONS_GRID,
 }
 
@@ -253,13 +256,21 @@ def others_still_train(runs: list[dict], done: dict) -> list[str]:
 
 
 def render(summary_path: Path, table_path: Path) -> None:
-    """table.md rendered again from a study's summary.json (replay_study.py's, pareto.py's or compute_study.py's):
-    the same bytes its report wrote, as the table is a function of the summary alone."""
+    """table.md rendered again from a study's summary.json (replay_study.py's, pareto.py's, compute_study.py's or
+    corrections_study.py's): the same bytes its report wrote, as the table is a function of the summary alone."""
     try:
         summary = read_json(summary_path)
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
-    study = compute_study if "aa" in summary else pareto if "interval_90" in summary else replay_study
+    study = (
+        corrections_study
+        if "comparisons" in summary
+        else compute_study
+        if "aa" in summary
+        else pareto
+        if "interval_90" in summary
+        else replay_study
+    )
     try:
         table_path.write_text(study.table_md(summary))
     except OSError as e:
