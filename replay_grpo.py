@@ -149,29 +149,20 @@ MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
 
+TOY = dict(generator="hf", arith_demo_error=0.75)  # the CPU presets: HF generation, a demonstrator wrong 3 times in 4
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that
     # answers a+b+1 three times in four, for 650 steps with --sft-lr decaying to 0, so that every seed settles on
     # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then on-policy
     # GRPO (the defaults: N = B = R = 8 x 16, 200 steps) at lr 3e-6 (docs/cpu_seeds.md: how these were chosen).
-    "cpu": Args(
-        generator="hf",
-        arith_max_operand=49,
-        arith_demo_error=0.75,
-        sft_warmup_steps=650,
-        sft_lr_decay=True,
-        max_new_tokens=6,
-        lr=3e-6,
-    ),
+    "cpu": Args(arith_max_operand=49, sft_warmup_steps=650, sft_lr_decay=True, max_new_tokens=6, lr=3e-6, **TOY),
     # The replay study: sums of 5 one-digit numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26',
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
     # on-policy GRPO with the paper's batch (B = 64 rollouts: 4 prompts x 16), 200 steps.
     "cpu-study": Args(
-        generator="hf",
         arith_terms=5,
         arith_max_operand=9,
-        arith_demo_error=0.75,
         sft_warmup_steps=3000,
         sft_target=0.75,
         max_new_tokens=48,
@@ -180,6 +171,7 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         buffer_size=64,
         lr=3e-5,
         eval_every=20,
+        **TOY,
     ),
     # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole
     # groups of G = 16, so 64. Clip 0.2/0.2, no KL, constant-LR Adam, temperature 1. Learning rates: the
