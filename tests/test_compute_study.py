@@ -2,13 +2,14 @@
 and censored crossings, the level band that moves with each resample, the saving and decision, the A/A split, the
 grid's equal-compute schedule, and the report rendered again from its summary."""
 
+import json
 import math
 
 import compute_study as cs
 import numpy as np
 import pytest
 import sweep
-from studylib import report
+from studylib import report, runner
 from test_pareto import fake_run  # a finished run as sweep.load_runs returns it
 
 import replay_grpo
@@ -198,3 +199,28 @@ def test_the_replication_grid_is_the_compute_grid_on_the_same_setting_with_a_low
         if cfg.lr != 1e-6:
             assert r["argv"] == plan[r["name"]]["argv"]
     assert min(cs.REPLICATION_LRS) < 3e-6
+
+
+def test_the_report_recomputes_from_its_compact_records(tmp_path):
+    """records.json beside the report keeps what the statistic reads of every run: the report from it is the
+    report from the runs, byte for byte, and so is a report from the records it writes in turn."""
+    runs = runs_with({"fast": (25, 182, 0.9), "slow": (100, 100, 1.0)})
+    for r in runs:  # what a real record also holds, which records.json leaves out
+        r["records"][1] |= {"loss": 0.1, "by_staleness": {"0": {"rollouts": 8}}}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(runner.compact_runs(runs)))
+    assert "loss" not in runner.load_records(path)[0]["records"][1]
+    direct = tmp_path / "direct"
+    report.write_report(direct, cs.analyse(runs, args()), private="_arms", table_md=cs.table_md, plot=cs.plot)
+    first, again = tmp_path / "first", tmp_path / "again"
+    cs.main(["--records", str(path), "--report-dir", str(first), "--h1", "fast", "--h2", "slow", "--replicates", "100"])
+    cs.main(
+        ["--records", str(first / "records.json"), "--report-dir", str(again), "--h1", "fast", "--h2", "slow"]
+        + ["--replicates", "100"]
+    )
+    for name in ("summary.json", "table.md"):
+        assert (first / name).read_text() == (direct / name).read_text() == (again / name).read_text(), name
+    assert (first / "records.json").read_text() == (again / "records.json").read_text()
+    with pytest.raises(SystemExit, match="not a study's records.json"):
+        (tmp_path / "bad.json").write_text('{"runs": [1]}')
+        cs.main(["--records", str(tmp_path / "bad.json"), "--report-dir", str(tmp_path / "x")])

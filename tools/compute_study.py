@@ -107,6 +107,8 @@ class Args:
     """the saving (percent) the decision asks for."""
     replicates: int = 2000
     """paired bootstrap resamples of the seeds."""
+    records: str | None = None
+    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,6 +95,8 @@ class Args:
     """the saving (percent) to 90% of the target that the decision asks for."""
     replicates: int = 2000
     """bootstrap resamples of the seeds."""
+    records: str | None = None
+    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 # ----------------------------------------------------------------------------------------------

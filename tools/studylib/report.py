@@ -311,9 +311,15 @@ def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> d
     """A study report's main after its arguments: the finished runs in args.out_dir (made by `run --grid grid`),
     analysed, and the report written into args.report_dir (default: args.out_dir)."""
     out = Path(args.out_dir)
-    runs = runner.load_runs(out) if out.is_dir() else []
+    if getattr(args, "records", None):  # a study whose report reads its compact records.json instead of run folders
+        runs = runner.load_records(Path(args.records))
+    else:
+        runs = runner.load_runs(out) if out.is_dir() else []
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
     s = analyse(runs, args)
-    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot)
+    dest = Path(args.report_dir or out)
+    write_report(dest, s, private=private, table_md=table_md, plot=plot)
+    if hasattr(args, "records"):  # every run's compact record beside the report: enough to recompute it
+        (dest / "records.json").write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
     return s

@@ -264,6 +264,43 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     return runs
 
 
+# What the compute and Pareto reports read of a run's records: a study's records.json keeps these (and the settings of
+# CONFIG_KEYS), enough to recompute its report and to pool new seeds with it
+RECORD_KEYS = (
+    "step",
+    "eval/greedy_acc",
+    "generated_rollouts",
+    "trained_rollouts",
+    "total_generated_tokens",
+    "entropy",
+    "mu",
+)
+
+
+def compact_runs(runs: list[dict]) -> dict:
+    """Finished runs (load_runs's) as records.json keeps them: each run's names, seed, settings and records cut to
+    RECORD_KEYS."""
+    return {
+        "runs": [
+            {k: run[k] for k in ("name", "config", "variant", "seed")}
+            | {"cfg": {k: run["cfg"][k] for k in CONFIG_KEYS if k in run["cfg"]}}
+            | {"records": [{k: r[k] for k in RECORD_KEYS if k in r} for r in run["records"]]}
+            for run in runs
+        ]
+    }
+
+
+def load_records(path: Path) -> list[dict]:
+    """The runs of a records.json (compact_runs's), as load_runs returns runs; a damaged file stops with one line."""
+    try:
+        runs = read_json(path)["runs"]
+        if not isinstance(runs, list) or not all(isinstance(r, dict) and "records" in r and "cfg" in r for r in runs):
+            raise Damaged(f"{path}: not a study's records.json (a list of runs with settings and records)")
+    except (Damaged, KeyError) as e:
+        raise SystemExit(f"error: --records {path}: {e if isinstance(e, Damaged) else 'no list of runs'}") from None
+    return runs
+
+
 def read_sweep_json(path: Path) -> dict:
     """sweep.json's record, its seeds and tune_seeds lists of integers; a damaged one stops with one line."""
     keep = "it records which seeds only chose a learning rate: restore it, or delete it (report: give --tune-seeds)"
