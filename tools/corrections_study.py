@@ -1,7 +1,7 @@
 """corrections_study.py: the stale-data corrections study (its grid and report), its rule fixed before its runs.
 
-    python tools/sweep.py run --grid corrections --out-dir runs/corrections --tune-seeds 120 121 122 \
-        --seeds $(seq 400 415)                                                              # the runs (resumable)
+    python tools/sweep.py run --grid corrections --out-dir runs/corrections --tune-seeds 120 121 \
+        --seeds $(seq 400 411)                                                              # the runs (resumable)
     python tools/corrections_study.py --out-dir runs/corrections --report-dir docs/study/corrections
     python tools/corrections_study.py --records docs/study/corrections/records.json --report-dir docs/study/corrections
 
