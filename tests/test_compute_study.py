@@ -224,3 +224,16 @@ def test_the_report_recomputes_from_its_compact_records(tmp_path):
     with pytest.raises(SystemExit, match="not a study's records.json"):
         (tmp_path / "bad.json").write_text('{"runs": [1]}')
         cs.main(["--records", str(tmp_path / "bad.json"), "--report-dir", str(tmp_path / "x")])
+
+
+def test_an_arm_with_an_extra_learning_rate_reports_and_draws(tmp_path):
+    """The replication's bracketing rule may run one arm at a fifth rate: its table gets the column (the other arm
+    a '-') and its figure draws every rate."""
+    shapes = {lr: [0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 1.0] for lr in (1e-6, 3e-6, 1e-5, 3e-5)}
+    runs = runs_with({"fast": (25, 182, 1.0)}, shapes=shapes)
+    runs += [fake_run("fast", 1e-4, s, [0.0, 0.2, 0.4, 0.5, 0.6, 0.6, 0.6], R=25, B=182) for s in range(8)]
+    s = cs.analyse(runs, args(h2=None))
+    report.write_report(tmp_path, s, private="_arms", table_md=cs.table_md, plot=cs.plot)
+    table = (tmp_path / "table.md").read_text()
+    assert "| lr 1e-06 | lr 3e-06 | lr 1e-05 | lr 3e-05 | lr 0.0001 |" in table
+    assert [line for line in table.splitlines() if line.startswith("| onpolicy |")][-1].endswith("| - |")

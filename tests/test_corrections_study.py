@@ -117,3 +117,17 @@ def test_report_recomputes_from_its_records(tmp_path):
     for name in ("summary.json", "table.md", "records.json"):
         assert (first / name).read_text() == (again / name).read_text(), name
     assert "| N256 | tis | +0.100 |" in (first / "table.md").read_text()
+
+
+def test_two_runs_of_one_seed_are_refused_not_one_picked():
+    d = data({})
+    d["runs"].append(record("N256-R16-k4-tis", 400, 0.9, lr=1e-5))  # a second lr on a reported seed
+    with pytest.raises(SystemExit, match="N256-R16-k4-tis has several runs of one seed"):
+        analyse(d)
+
+
+def test_records_of_another_report_are_one_line(tmp_path):
+    path = tmp_path / "compute.json"
+    path.write_text(json.dumps({"runs": [{"name": "x", "config": "onpolicy", "records": []}]}))
+    with pytest.raises(SystemExit, match="a run lacks"):
+        cs.main(["--records", str(path), "--report-dir", str(tmp_path / "out")])

@@ -64,11 +64,13 @@ def main() -> None:
         raise SystemExit(2)
     out = Path(a.out_dir).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    flags = ["--preset", "cpu", "--mode", "async", "--num-generators", "2", "--seed", str(a.seed)]
+    # the task and the warm start's length pinned: two revisions on either side of a preset change run the same flags
+    preset = ["--preset", "cpu", "--arith-max-operand", "49", "--sft-warmup-steps", "650"]
+    flags = preset + ["--mode", "async", "--num-generators", "2", "--seed", str(a.seed)]
     flags += ["--total-steps", str(a.steps), "--out-dir", str(out)]
     # the warm start, cached under --out-dir for both sides (its key leaves out where generation runs)
     run(
-        [sys.executable, "replay_grpo.py", "--preset", "cpu", "--seed", str(a.seed), "--total-steps", "1"]
+        [sys.executable, "replay_grpo.py", *preset, "--seed", str(a.seed), "--total-steps", "1"]
         + ["--out-dir", str(out), "--run-name", f"warm-{stamp}"],
         ROOT,
     )

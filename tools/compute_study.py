@@ -355,11 +355,12 @@ def table_md(s: dict) -> str:
         "",
         "## Best IQM per learning rate",
         "",
-        "| config | " + " | ".join(f"lr {float(lr):g}" for lr in p["configs"][ref]["best_iqm"]) + " |",
-        "|---|" + "---|" * len(p["configs"][ref]["best_iqm"]),
     ]
+    lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
+    lines += ["| config | " + " | ".join(f"lr {float(lr):g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
     for c, row in p["configs"].items():
-        cells = [fmt.interval(v, ci["configs"][c]["best_iqm"][lr], fmt.acc) for lr, v in row["best_iqm"].items()]
+        best, band = row["best_iqm"], ci["configs"][c]["best_iqm"]
+        cells = [fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -381,10 +382,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
     for i, (c, arm) in enumerate(arms.items()):
         x, row, band = arm["x"], p["configs"][c], ci["configs"][c]["frontier"]
         report.frontier_band(axes[0], x, row["frontier"], band, color=f"C{i}", label=c, alpha=0.12)
-        for lr, acc in arm["acc"].items():
-            axes[1].plot(
-                x, iqm(acc), color=f"C{i}", alpha=0.4 + 0.2 * list(arm["acc"]).index(lr), label=f"{c} lr {lr:g}"
-            )
+        for k, (lr, acc) in enumerate(arm["acc"].items()):  # darker with each lr, however many the arm ran
+            alpha = 0.4 + 0.6 * k / max(1, len(arm["acc"]) - 1)
+            axes[1].plot(x, iqm(acc), color=f"C{i}", alpha=alpha, label=f"{c} lr {lr:g}")
     for ax in axes:
         ax.axhspan(s["levels"][0] * p["best"], s["levels"][-1] * p["best"], color="gray", alpha=0.12)
         ax.set_xlabel(f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)")

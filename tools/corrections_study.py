@@ -113,8 +113,11 @@ def read_records(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: --records {path}: {getattr(e, 'strerror', None) or e}") from None
+    keys = {"config", "lr", "seed", "evals", "diagnostics"}
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise SystemExit(f"error: --records {path}: not this report's records.json (no list of runs)")
+    if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
+        raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
     return data
 
 
@@ -148,6 +151,9 @@ def analyse(data: dict, args: Args) -> dict:
     runs = [r for r in data["runs"] if r["seed"] not in tune]
     names = [f"{s}-R16-k4-{c}" for s in SETTINGS for c in CORRECTIONS]
     by = {name: {r["seed"]: r for r in runs if r["config"] == name} for name in names}
+    for name in names:
+        if len(by[name]) < sum(r["config"] == name for r in runs):  # two lrs of one seed: the report would pick one
+            raise SystemExit(f"error: {name} has several runs of one seed outside the tune seeds: keep one lr per seed")
     seeds = sorted(set.intersection(*(set(b) for b in by.values())))
     if args.seeds is not None:
         missing = sorted(set(args.seeds) - set(seeds))
@@ -275,7 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not runs:
             raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
         sweep = out / "sweep.json"
-        tune = runner.read_sweep_json(sweep)["tune_seeds"] if sweep.exists() else []
+        if not sweep.exists():
+            raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
+        tune = runner.read_sweep_json(sweep)["tune_seeds"]
         data = {"tune_seeds": tune, "runs": [compact(r) for r in runs]}
     s = analyse(data, args)
     dest = Path(args.report_dir or args.out_dir)

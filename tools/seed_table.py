@@ -1,7 +1,7 @@
 """seed_table.py: run a preset on many seeds as a new user would, and tabulate what each seed gained.
 
     python tools/seed_table.py --seeds 0 1 2 3 4                        # --preset cpu, into runs/seeds
-    python tools/seed_table.py --preset cpu --seeds $(seq 0 19) --table docs/cpu_seeds.md
+    python tools/seed_table.py --preset cpu --seeds $(seq 200 219) --table docs/cpu_seeds.md
 
 Each seed is `python replay_grpo.py --preset P --seed S` in a subprocess, one after another, run by sweep.py's
 runner (the same claims, locks and failures as a sweep's runs), with its own warm-start cache (under --out-dir/S),

@@ -294,7 +294,8 @@ def load_records(path: Path) -> list[dict]:
     """The runs of a records.json (compact_runs's), as load_runs returns runs; a damaged file stops with one line."""
     try:
         runs = read_json(path)["runs"]
-        if not isinstance(runs, list) or not all(isinstance(r, dict) and "records" in r and "cfg" in r for r in runs):
+        keys = {"name", "config", "variant", "seed", "cfg", "records"}
+        if not isinstance(runs, list) or not all(isinstance(r, dict) and keys <= set(r) for r in runs):
             raise Damaged(f"{path}: not a study's records.json (a list of runs with settings and records)")
     except (Damaged, KeyError) as e:
         raise SystemExit(f"error: --records {path}: {e if isinstance(e, Damaged) else 'no list of runs'}") from None
