@@ -110,6 +110,10 @@ class Args:
     records: str | None = None
     """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
+    def hypotheses(self) -> list[str]:
+        """H1's configuration, and H2's unless it is None."""
+        return [h for h in (self.h1, self.h2) if h]
+
 
 # ----------------------------------------------------------------------------------------------
 # The statistic
@@ -173,7 +177,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
     if args.seeds is not None:
         runs = [r for r in runs if r["seed"] in args.seeds]
     cells, seeds, _ = report.cells_of(runs, args.paper_mu)
-    hypotheses = [h for h in (args.h1, args.h2) if h]
+    hypotheses = args.hypotheses()
     for name in (args.reference, *hypotheses):
         if name not in cells:
             raise SystemExit(f"error: {name}: no finished runs in the seeds reported (have: {', '.join(cells)})")
@@ -241,7 +245,6 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
     s = pareto.analyse(
         [r for r in runs if r["seed"] in seeds and r["config"] in (args.reference, args.h1, args.h2)], old
     )
-    hypotheses = [h for h in (args.h1, args.h2) if h]
     return {
         c: {
             axis: {
@@ -251,7 +254,7 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
             for axis in pareto.DECISION_AXES
         }
         | {"verdict": s["decision"][c]["verdict"]}
-        for c in hypotheses
+        for c in args.hypotheses()
     }
 
 

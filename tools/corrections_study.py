@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import tyro
+from replay_study import bucket_order
 from studylib import fmt, report, runner
 from studylib.report import save_figure
 
@@ -51,11 +52,17 @@ PINNED = (
     "--sft-lr 1e-3 --sft-lr-decay --max-new-tokens 6 --group-size 16 --batch-size 128 --total-steps 200 "
     "--eval-every 25"
 ).split()
+
+
+def config_name(setting: str, correction: str) -> str:
+    return f"{setting}-R16-k4-{correction}"
+
+
 CORRECTIONS_GRID = (
     PINNED,
     [
         dict(
-            name=f"{setting}-R16-k4-{c}",
+            name=config_name(setting, c),
             buffer_size=n,
             prompts_per_step=1,
             publish_every=4,
@@ -89,14 +96,21 @@ class Args:
 # ----------------------------------------------------------------------------------------------
 
 
+def gather(tables) -> dict[str, dict[str, list[float]]]:
+    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {diagnostic:
+    [values]}}."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for table in tables:
+        for label, row in table.items():
+            for key, value in row.items():
+                out.setdefault(label, {}).setdefault(key, []).append(value)
+    return out
+
+
 def compact(run: dict) -> dict:
     """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
     rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
-    buckets: dict[str, dict[str, list[float]]] = {}
-    for r in run["records"]:
-        for label, row in (r.get("offpolicy_by_staleness") or {}).items():
-            for key, value in row.items():
-                buckets.setdefault(label, {}).setdefault(key, []).append(value)
+    buckets = gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
     return {
         "config": run["config"],
         "lr": run["cfg"]["lr"],
@@ -110,11 +124,11 @@ def compact(run: dict) -> dict:
 
 def read_records(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: --records {path}: {getattr(e, 'strerror', None) or e}") from None
+        data = runner.read_json(path)
+    except runner.Damaged as e:
+        raise SystemExit(f"error: --records {e}") from None
     keys = {"config", "lr", "seed", "evals", "diagnostics"}
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+    if not isinstance(data.get("runs"), list):
         raise SystemExit(f"error: --records {path}: not this report's records.json (no list of runs)")
     if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
         raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
@@ -132,12 +146,14 @@ def score(rec: dict) -> float:
 
 def comparisons() -> list[tuple[str, str, str]]:
     """(setting, correction, its configuration's name) for the 8 comparisons against none."""
-    return [(s, c, f"{s}-R16-k4-{c}") for s in SETTINGS for c in CORRECTIONS if c != "none"]
+    return [(s, c, config_name(s, c)) for s in SETTINGS for c in CORRECTIONS if c != "none"]
 
 
 def estimates(scores: dict, idx: np.ndarray) -> dict:
     """scores: {config: [seed]} in one seed order; the effects on the seeds at positions idx (may repeat)."""
-    return {name: float(np.mean(scores[name][idx] - scores[f"{s}-R16-k4-none"][idx])) for s, _, name in comparisons()}
+    return {
+        name: float(np.mean(scores[name][idx] - scores[config_name(s, "none")][idx])) for s, _, name in comparisons()
+    }
 
 
 def verdict(low: float | None, high: float | None) -> str:
@@ -149,7 +165,7 @@ def verdict(low: float | None, high: float | None) -> str:
 def analyse(data: dict, args: Args) -> dict:
     tune = set(data.get("tune_seeds", []))
     runs = [r for r in data["runs"] if r["seed"] not in tune]
-    names = [f"{s}-R16-k4-{c}" for s in SETTINGS for c in CORRECTIONS]
+    names = [config_name(s, c) for s in SETTINGS for c in CORRECTIONS]
     by = {name: {r["seed"]: r for r in runs if r["config"] == name} for name in names}
     for name in names:
         if len(by[name]) < sum(r["config"] == name for r in runs):  # two lrs of one seed: the report would pick one
@@ -179,11 +195,7 @@ def analyse(data: dict, args: Args) -> dict:
     configs = {}
     for name in names:
         recs = [by[name][s] for s in seeds]
-        diag: dict[str, dict[str, list[float]]] = {}
-        for rec in recs:
-            for label, row in rec["diagnostics"].items():
-                for key, value in row.items():
-                    diag.setdefault(label, {}).setdefault(key, []).append(value)
+        diag = gather(rec["diagnostics"] for rec in recs)
         configs[name] = {
             "lr": sorted({rec["lr"] for rec in recs}),
             "score": list(report.quartiles(scores[name])),
@@ -208,10 +220,6 @@ def analyse(data: dict, args: Args) -> dict:
         "needs_correction": needs,
         "_data": data,
     }
-
-
-def bucket_order(label: str) -> int:
-    return int(label.rstrip("+").split("-")[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(SETTINGS), figsize=(6 * len(SETTINGS), 4), sharey=True)
     for ax, setting in zip(np.atleast_1d(axes), SETTINGS):
         for c in CORRECTIONS:
-            curve = s["configs"][f"{setting}-R16-k4-{c}"]["curve"]
+            curve = s["configs"][config_name(setting, c)]["curve"]
             ax.plot([int(k) for k in curve], list(curve.values()), marker="o", label=c)
         ax.set_title(f"{setting}-R16, publish every 4: median over seeds")
         ax.set_xlabel("step")
