@@ -6,11 +6,11 @@ request after request: prompts go as token ids with a seed drawn from the run's 
 sampled tokens' log-probs and the weight version of every token, and rewards, advantages and behaviour log-probs are
 frozen there. The trainers are torchrun ranks sharding the policy with FSDP2; rank 0 deals finished requests round-robin
 to the ranks, each keeps a ReplayBuffer shard of N/T, samples B/T per step, and FSDP averages the gradients. Every k
-steps the full fp32 weights are gathered to rank 0's host once (the checkpoint and the evaluation use them too), and a
-publisher thread hands them to every server in the compute dtype through vLLM's own API (pause keeping requests, load,
-label the version, resume): from a safetensors file on a shared filesystem (--weight-transfer disk), or by NCCL
-broadcast with vLLM's trainer-side weight-transfer engine (--weight-transfer nccl). A rollout's policy_version is its
-oldest token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
+steps the weights are gathered to rank 0 in the compute dtype, and a publisher thread hands them to every server
+through vLLM's own API (pause keeping requests, load, label the version, resume): from a safetensors file on a shared
+filesystem (--weight-transfer disk), or by one NCCL broadcast to all servers with vLLM's trainer-side weight-transfer
+engine (--weight-transfer nccl). The held-out evaluation runs on a server at the published version. A rollout's
+policy_version is its oldest token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
 
     python replay_grpo.py --preset cpu --mode async --num-generators 2                  # T = 1, two servers
     torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import kernels
 import replay_grpo as rg
@@ -187,15 +188,15 @@ class Server:
     log: Path | None = None
     reference: tuple[int, float] = (0, 0.0)
 
-    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None):
-        """POST JSON; the answer as JSON ({} when empty), through `parse` when given. Any failure is a ServerError in
-        one line naming the server and the endpoint: no connection, no answer within `timeout` (default: a control
-        request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that `parse`
-        cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its first
-        SHOWN_BYTES bytes."""
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None, method="POST"):
+        """POST JSON (GET: no body); the answer as JSON ({} when empty), through `parse` when given. Any failure is a
+        ServerError in one line naming the server and the endpoint: no connection, no answer within `timeout` (default:
+        a control request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that
+        `parse` cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its
+        first SHOWN_BYTES bytes."""
         timeout = self.control_bound() if timeout is None else timeout
-        data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method="POST")
+        data = json.dumps(body or {}).encode() if method == "POST" else None
+        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method=method)
         t0 = time.monotonic()
         try:
             with urllib.request.urlopen(req, timeout=timeout) as answer:
@@ -583,6 +584,29 @@ class ServerGenerator:
         return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
+class ServerEvaluator:
+    """rg.evaluate's generator for --mode async: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
+    server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
+    An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
+
+    def __init__(self, server: Server, eos_ids: list[int], policy_version: int, seed: int):
+        self.generator = ServerGenerator(server, eos_ids, random.Random(seed))
+        self.policy_version = policy_version
+
+    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p=1.0, logprobs=False):
+        groups = self.generator.generate(prompts, n, max_new_tokens, temperature, top_p)
+        versions = {v for group in groups for s in group for v in s.versions}
+        if versions != {self.policy_version}:
+            raise ServerError(
+                f"vLLM server {self.generator.server.url}: the evaluation of version {self.policy_version} came back "
+                f"from weights of version(s) {sorted(versions)}"
+            )
+        return groups
+
+    def close(self) -> None:
+        pass
+
+
 def exit_with_parent(parent: int) -> None:
     """In a helper process: end it once `parent` is gone (a trainer ended by torchrun's SIGTERM never closes it, and
     it would hold the run's output pipes open)."""
@@ -694,8 +718,8 @@ class RolloutLoop:
 
 
 class DictSource:
-    """vLLM's WeightSource over a state dict on the host: each tensor goes to the trainer's device in the compute
-    dtype only as it is broadcast (one at a time, not a second copy of the model)."""
+    """vLLM's WeightSource over the gathered weights (gather_weights: already in the compute dtype, on the device they
+    are broadcast from; a tensor elsewhere moves there only as it is sent)."""
 
     def __init__(self, weights: dict, dtype: torch.dtype, device: torch.device):
         from vllm.distributed.weight_transfer.base import ParamMeta
@@ -711,9 +735,55 @@ class DictSource:
             yield k, v.to(self.device, self.dtype, non_blocking=True)
 
 
+class ServersClient:
+    """vLLM's weight-sync client (its four-call VLLMWeightSyncClient protocol) for every server at once, so that one
+    NCCL group holds the trainer (rank 0) and each server's workers from that server's rank offset on: a publish is one
+    broadcast however many servers there are. Each call goes to every server together (their workers block in the
+    group's rendezvous and in the broadcast until all have joined); a failure is the first server's ServerError."""
+
+    def __init__(self, servers: list[Server], offsets: list[int], receive_bound: float):
+        self.servers, self.offsets, self.receive_bound = servers, offsets, receive_bound
+
+    def each(self, path: str, body=None, timeout=None) -> None:
+        on_daemons(
+            lambda i: self.servers[i].post(path, body(i) if callable(body) else body, timeout), len(self.servers)
+        )
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:  # vLLM's payload, with each server's own offset
+        self.each(
+            "/init_weight_transfer_engine", lambda i: {"init_info": {**init_info, "rank_offset": self.offsets[i]}}
+        )
+
+    def start_weight_update(self) -> None:
+        self.each("/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:  # returns once the broadcast is in every worker
+        self.each("/update_weights", {"update_info": update_info}, max(self.receive_bound, *self.bounds()))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.each("/finish_weight_update", {"weight_version": weight_version})
+
+    def bounds(self) -> list[float]:
+        return [s.control_bound() for s in self.servers]
+
+
+def nccl_world(servers: list[Server]) -> list[int]:
+    """Each server's rank offset in the one group (after the trainer's rank 0), from its own parallel sizes
+    (GET /get_world_size: tensor x pipeline x data parallel workers); one line for an answer that is not a size."""
+
+    def size(answer: dict) -> int:
+        n = answer["world_size"]
+        if type(n) is not int or n < 1:
+            raise ValueError(f"world_size {n!r} is not a number of workers")
+        return n
+
+    sizes = on_daemons(lambda i: servers[i].post("/get_world_size", parse=size, method="GET"), len(servers))
+    return [1 + sum(sizes[:i]) for i in range(len(servers))] + [1 + sum(sizes)]
+
+
 class Publisher:
     """Publishes the trainer's weights to every server on its own thread, so a step never waits for it (the queue
-    baseline waits: `wait=True`). Weights waiting to go are replaced by newer ones. Each server pauses (keeping its
+    baseline waits: `wait=True`). Weights waiting to go are replaced by newer ones. Every server pauses (keeping its
     requests), takes the weights, labels them with the version, and resumes; its in-flight requests come back with
     version spans.
 
@@ -721,8 +791,8 @@ class Publisher:
     head otherwise) under the run folder, a shared filesystem across nodes, and each server runs
     `reload_weights(weights_path=...)` through /collective_rpc. nccl: vLLM's trainer-side engine,
     `NCCLTrainerWeightTransferEngine.trainer_init` then `send_weights` (start_weight_update, update_weights during the
-    NCCL broadcast, finish_weight_update) with `HTTPVLLMWeightSyncClient`, one NCCL group per server (vLLM's trainer
-    engine puts one server's workers at rank_offset 1)."""
+    broadcast, finish_weight_update), over one NCCL group of this rank and every server's workers (ServersClient):
+    the weights go out once, from the device, in buckets (vLLM's packed broadcast), to all servers together."""
 
     def __init__(
         self, servers: list[Server], how: str, folder: Path, dtype: torch.dtype, tied: bool, address: str, device=None
@@ -733,21 +803,17 @@ class Publisher:
         self.sending = False  # weights handed over and not yet on every server
         self.seconds, self.count = 0.0, 0  # time spent publishing, publishes done
         self.probe_diff = None  # the last publish check's largest mean |served - trained| log-prob (check_served)
-        self.engines = []
+        self.engine, self.source = None, None
         if how == "nccl":
-            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
                 NCCLTrainerWeightTransferEngine,
             )
 
-            self.source = None
-            for s in servers:  # world: this rank and the server's one worker (tensor parallel 1)
-                info = NCCLTrainerInitInfo(address, free_port(address), world_size=2, rank=0)
-                engine = NCCLTrainerWeightTransferEngine.trainer_init(
-                    info, client=HTTPVLLMWeightSyncClient(s.url), source=self
-                )
-                self.engines.append(engine)
+            *offsets, world = nccl_world(servers)
+            info = NCCLTrainerInitInfo(address, free_port(address), world_size=world, rank=0)
+            client = ServersClient(servers, offsets, receive_bound=0.0)
+            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.thread = threading.Thread(target=self.run, name="publisher", daemon=True)
         self.thread.start()
@@ -764,6 +830,13 @@ class Publisher:
                 if not self.cond.wait(1.0) and (failure() or any(s.died() for s in self.servers)):
                     return
 
+    def idle(self, failure=lambda: None) -> None:
+        """Until the publish under way is on every server (or fails, or `failure()` says why the run stops)."""
+        with self.cond:
+            while self.sending and not self.error:
+                if not self.cond.wait(1.0) and (failure() or any(s.died() for s in self.servers)):
+                    return
+
     def run(self) -> None:
         while True:
             with self.cond:
@@ -772,6 +845,7 @@ class Publisher:
             t0 = time.perf_counter()
             try:
                 self.send(weights, version)
+                del weights  # the copy sent is freed before the next is gathered (one at a time on the device)
                 if check is not None:
                     diffs = on_daemons(lambda i: check_served(self.servers[i], *check, version), len(self.servers))
                     self.probe_diff = max(diffs)
@@ -786,51 +860,53 @@ class Publisher:
                 self.cond.notify_all()
 
     def send(self, weights: dict, version: int) -> None:
+        # keep: requests in flight stay, with their KV cache (clear_cache would recompute them, and with a per-request
+        # seed the CPU runner then fails: "CPU Generator does not use offset"); their later tokens get the new weights
+        self.each(lambda s: s.post("/pause?mode=keep&clear_cache=false"))
         if self.how == "disk":
             from safetensors.torch import save_file
 
             tensors, seen = {}, set()
             for k, v in weights.items():  # safetensors refuses two names on one storage (a tied head)
-                v = v.to(self.dtype).contiguous()
+                v = v.to("cpu", self.dtype).contiguous()
                 tensors[k] = v.clone() if v.data_ptr() in seen else v
                 seen.add(v.data_ptr())
             if self.tied and "lm_head.weight" not in tensors:
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
             save_file(tensors, self.folder / "model.safetensors.tmp")
             os.replace(self.folder / "model.safetensors.tmp", self.folder / "model.safetensors")
-            on_daemons(lambda i: self.send_one(i, weights, version), len(self.servers))
-        else:  # nccl: one broadcast at a time
-            for i in range(len(self.servers)):
-                self.send_one(i, weights, version)
-
-    def send_one(self, i: int, weights: dict, version: int) -> None:
-        s = self.servers[i]
-        # keep: requests in flight stay, with their KV cache (clear_cache would recompute them, and with a per-request
-        # seed the CPU runner then fails: "CPU Generator does not use offset"); their later tokens get the new weights
-        s.post("/pause?mode=keep&clear_cache=false")
-        if self.how == "disk":  # the reload reads the file: its bound grows with its size
             size = (self.folder / "model.safetensors").stat().st_size
-            bound = max(s.control_bound(), size / LOAD_BYTES_PER_SECOND)
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.folder)}}
-            s.post("/collective_rpc", rpc, timeout=bound)
-        else:
+            # the reload reads the file: its bound grows with its size
+            self.each(lambda s: s.post("/collective_rpc", rpc, max(s.control_bound(), size / LOAD_BYTES_PER_SECOND)))
+        else:  # one broadcast to every server
             self.source = DictSource(weights, self.dtype, self.device)
-            self.engines[i].send_weights()
-        s.post("/update_weight_version", {"new_version": str(version)})
-        s.post("/resume")
+            self.engine.client.receive_bound = weights_bytes(weights, self.dtype) / LOAD_BYTES_PER_SECOND
+            try:
+                self.engine.send_weights()
+            finally:
+                self.source = None
+        self.each(lambda s: (s.post("/update_weight_version", {"new_version": str(version)}), s.post("/resume")))
 
-    def metadata(self):  # the nccl engines' WeightSource: the weights being sent
+    def each(self, fn) -> None:
+        on_daemons(lambda i: fn(self.servers[i]), len(self.servers))
+
+    def metadata(self):  # the nccl engine's WeightSource: the weights being sent
         return self.source.metadata()
 
     def __iter__(self):
         return iter(self.source)
 
     def close(self, timeout: float = 60.0) -> None:
-        """The nccl groups, after the publish under way (a group shut down mid-broadcast leaves its peer waiting)."""
+        """The nccl group, after the publish under way (a group shut down mid-broadcast leaves its peers waiting)."""
         with self.cond:
-            self.cond.wait_for(lambda: not self.engines or not self.sending or self.error, timeout=timeout)
-        for engine in self.engines:
-            engine.shutdown()
+            self.cond.wait_for(lambda: self.engine is None or not self.sending or self.error, timeout=timeout)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
+    return sum(v.numel() for v in weights.values()) * dtype.itemsize
 
 
 # ===== The trainers ==============================================================================
@@ -895,9 +971,26 @@ def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
 
 
 def full_weights(policy) -> dict:
-    """The full state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere. Collective."""
+    """The full fp32 state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere, for a checkpoint. Collective."""
     sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k.removeprefix("policy."): v for k, v in sd.items()}
+
+
+def gather_weights(policy, dtype: torch.dtype, device: torch.device) -> dict:
+    """What a publish sends: on rank 0 the full weights in `dtype` (the compute dtype) on `device` (the GPU for the
+    nccl broadcast, the host for the disk), Hugging Face key names; {} elsewhere. Collective: each shard is cast
+    before its all-gather, a tensor at a time, so a publish moves and holds bf16 on GPUs, not fp32. A tied head is
+    gathered once (two names, one tensor)."""
+    out, gathered, rank0 = {}, {}, dist.get_rank() == 0
+    with torch.no_grad():
+        for k, v in policy.state_dict(keep_vars=True).items():  # keep_vars: a tied head is one object under two names
+            if id(v) not in gathered:
+                mine = v.to(dtype, copy=True)  # never the live parameter: the publisher reads it while training goes on
+                full = mine.full_tensor() if isinstance(mine, DTensor) else mine
+                gathered[id(v)] = full.to(device) if rank0 else None  # the others' gathered copies go at once
+            if rank0:
+                out[k.removeprefix("policy.")] = gathered[id(v)]
+    return out
 
 
 def merge_stats(per_rank: list[dict]) -> dict:
@@ -1233,32 +1326,30 @@ def train_async(cfg: rg.Args) -> dict:
         dealer = Dealer(cfg, T, dealing)
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         ready = False  # every shard could draw a batch at the last look
-        weights = full_weights(policy)
+        how, dtype = weight_transfer(cfg, device, T), kernels.compute_dtype(device)
+        publish_from = device if how == "nccl" else torch.device("cpu")  # the disk route writes from the host
+        first = gather_weights(policy, dtype, publish_from)  # collective
         probes = probe_pairs(task, tok)
         if rank == 0:
             signal.signal(signal.SIGTERM, _interrupt)
-            how = weight_transfer(cfg, device, T)
             servers = start_generators(
                 cfg, run_dir, host_copy, tok, T=T, device=device, probed=probed, longest_prompt=task.longest_prompt
             )
             seconds = wait_ready(servers) if cfg.generator_urls else None  # up already: before any record is written
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}")
-            if step == 0:  # while launched servers start
-                evaluator = rg.HFGenerator(host_copy, tok, device)
-                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
-                evaluator.close()
             if seconds is None:
                 seconds = wait_ready(servers)
             tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
-            dtype = kernels.compute_dtype(device)
             publisher = Publisher(
                 servers, how, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg), device=device
             )
-            publisher.publish(weights, step, wait=True)  # every server holds this policy before its first request
-            loop = RolloutLoop(
-                cfg, servers, task, tok, rg.stop_token_ids(host_copy, tok), first_group_id=dealer.next_group_id
-            )
+            publisher.publish(first, step, wait=True)  # every server holds this policy before its first request
+            eos_ids = rg.stop_token_ids(host_copy, tok)
+            if step == 0:  # on a server, before the rollouts' requests
+                evaluator = ServerEvaluator(servers[0], eos_ids, policy_version=step, seed=cfg.seed)
+                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
+            loop = RolloutLoop(cfg, servers, task, tok, eos_ids, first_group_id=dealer.next_group_id)
             print(
                 f"async: W = {W} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} s), "
                 f"T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} "
@@ -1267,6 +1358,7 @@ def train_async(cfg: rg.Args) -> dict:
             )
             bar = rg.Progress(step, cfg.total_steps)
 
+        del first
         while step < cfg.total_steps:
             # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
             #    trainers idle) only while a shard lacks a batch of B/T
@@ -1317,21 +1409,28 @@ def train_async(cfg: rg.Args) -> dict:
             if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
                 raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
 
-            # 3. publish weights every k steps; rank 0's copy gets them to evaluate
-            evaluating = rg.is_eval_step(cfg, step)
+            # 3. publish the weights every k steps and at an evaluation (a server evaluates them: it waits for them,
+            #    as the queue baseline's next requests do); on GPUs one gathered copy at a time: while the last is
+            #    still going out, this step's is not gathered (the next publish sends newer weights)
+            evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
             t0 = time.perf_counter()
-            if step % cfg.publish_every == 0 or evaluating:
-                weights = full_weights(policy)  # collective
+            publishing = step % cfg.publish_every == 0 or evaluating
+            if publishing and how == "nccl" and waits and rank == 0:
+                publisher.idle(failure=loop.failure)
+            elif publishing and how == "nccl":
+                publishing = rg.all_ranks(torch.tensor(rank != 0 or not publisher.sending, device=device))
             check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
-            if cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
+            if publishing and cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
                 check = (probes, trainer_logprobs(policy, probes, tok))
-            if rank == 0 and step % cfg.publish_every == 0:  # the queue baseline's next requests use these weights
-                publisher.publish(weights, step, wait=cfg.sampling == "queue", failure=loop.failure, check=check)
+            if publishing:
+                gathered = gather_weights(policy, dtype, publish_from)  # collective
+                if rank == 0:
+                    publisher.publish(gathered, step, wait=waits, failure=loop.failure, check=check)
+                del gathered
+            weights = full_weights(policy) if evaluating else None  # the checkpoint's fp32 (collective)
             evaluator = None
-            if rank == 0 and evaluating:  # on the GPU for this evaluation only
-                host_copy.load_state_dict(weights)
-                evaluator = rg.HFGenerator(host_copy, tok, device)
-                evaluator.policy_version = step
+            if rank == 0 and evaluating and publisher.done_version == step:  # else the failure stops the next step
+                evaluator = ServerEvaluator(servers[0], eos_ids, policy_version=step, seed=cfg.seed + step)
             sync_seconds = time.perf_counter() - t0
 
             # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint

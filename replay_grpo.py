@@ -1627,6 +1627,7 @@ def evaluate(
                 row = dict(prompt=ex.prompt, gold=ex.answer, reward=rewards[0], completion=completion)
                 samples.append({"source": "eval (greedy)", **row, "truncated": group[0].truncated})
             _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
+            out["eval_policy_version"] = generator.policy_version  # the weights evaluated (a server's: published)
             out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
             out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
         _, passk = generate_and_score(n=cfg.pass_k, temperature=1.0, top_p=0.95, count=pass_k_prompts)

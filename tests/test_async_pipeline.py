@@ -329,12 +329,16 @@ def prompts_of(tok, texts=("12+7=", "3+45=", "99+1=")) -> list[list[int]]:
     return [rg.render_prompt(tok, t) for t in texts]
 
 
-def served_and_trained(publisher, server, model, tok, version: int) -> tuple[list, torch.Tensor, torch.Tensor]:
-    """Publish `model` to `server` as `version`, sample from it, and return the samples, their served behaviour
-    log-probs and the trainer's log-probs of the same completions."""
-    count = publisher.count
-    publisher.publish(model.state_dict(), version, wait=True)
-    assert publisher.error is None and publisher.count == count + 1
+def served_and_trained(
+    publisher, server, model, tok, version: int, publish=True
+) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Publish `model` to the publisher's servers as `version` (unless `publish` is False: it is there already),
+    sample from `server`, and return the samples, their served behaviour log-probs and the trainer's log-probs of the
+    same completions."""
+    if publish:
+        count = publisher.count
+        publisher.publish(model.state_dict(), version, wait=True)
+        assert publisher.error is None and publisher.count == count + 1
     generator = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0))
     prompts = prompts_of(tok)
     groups = generator.generate(prompts, 4, 8, temperature=1.0)
@@ -376,6 +380,42 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
     assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
 
 
+def test_one_broadcast_reaches_every_server(vllm_servers, tmp_path, monkeypatch):
+    """nccl with two servers: one group of world size 3 (the trainer's rank 0, each server's worker at its own rank
+    offset, from GET /get_world_size) and one broadcast per publish reach both; after each of two publishes every
+    server serves the trainer's log-probs of the published weights (a tied model's: the untied server takes its
+    head as lm_head.weight)."""
+    from conftest import cpu_data_plane
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    plane, groups, broadcasts = cpu_data_plane(), [], []
+    for name, function in plane.items():
+        monkeypatch.setattr(nccl_engine, name, function)
+
+    def endpoint(init_info, *args, **kwargs):
+        groups.append(init_info.world_size)
+        return plane["open_trainer_endpoint"](init_info, *args, **kwargs)
+
+    def producer(*args, **kwargs):
+        broadcasts.append(1)
+        return plane["packed_nccl_broadcast_producer"](*args, **kwargs)
+
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", endpoint)
+    monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", producer)
+    servers, cpu = [vllm_servers["tied"], vllm_servers["untied"]], torch.device("cpu")
+    publisher = ap.Publisher(servers, "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
+    try:
+        for version, seed in ((41, 41), (42, 42)):
+            model, tok = warm_start.build_tiny_model(seed)
+            for i, server in enumerate(servers):  # one publish, then each server sampled
+                samples, served, trained = served_and_trained(publisher, server, model, tok, version, publish=i == 0)
+                assert torch.allclose(served, trained, atol=1e-4), (server.url, (served - trained).abs().max())
+                assert {s.versions for s in samples} == {(version, version)}, server.url
+    finally:
+        publisher.close()
+    assert groups == [3] and len(broadcasts) == 2, (groups, broadcasts)
+
+
 def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version(vllm_servers, tmp_path, monkeypatch):
     """The publish check: after a publish the server's log-probs of the probe (held-out prompts and gold solutions)
     match the trainer's at that version; a reload made to load other weights (another model's; the old weights
@@ -410,6 +450,31 @@ def build_shifted(model, seed: int):
         for p in moved.parameters():
             p.add_(torch.randn_like(p) * p.std())
     return moved
+
+
+def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path):
+    """--mode async evaluates on a server holding the published weights: its greedy completions of the held-out
+    prompts are HF generate's token for token, the greedy accuracy is the same, and the record names the version;
+    an answer from other weights than the version evaluated is one line naming the server."""
+    model, tok = warm_start.build_tiny_model(51)
+    server = vllm_servers["tied"]
+    cfg = rg.parse_args(TINY + ["--max-new-tokens", "12", "--eval-size", "16"])
+    task = rg.make_task(cfg)
+    publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="127.0.0.1")
+    publisher.publish(model.state_dict(), 51, wait=True)
+    publisher.close()
+    assert publisher.error is None
+    eos = rg.stop_token_ids(model, tok)
+    on_server, hf = ap.ServerEvaluator(server, eos, policy_version=51, seed=0), rg.HFGenerator(model, tok)
+    hf.policy_version = 51
+    prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
+    greedy = [[s.completion_ids for s in g] for g in (hf.generate(prompts, 1, 12, 0.0, logprobs=False))]
+    assert [[s.completion_ids for s in g] for g in on_server.generate(prompts, 1, 12, 0.0)] == greedy
+    metrics, _ = rg.evaluate(on_server, tok, task, cfg)
+    reference, _ = rg.evaluate(hf, tok, task, cfg)
+    assert metrics["eval_policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
+    with pytest.raises(ap.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
+        ap.ServerEvaluator(server, eos, policy_version=52, seed=0).generate(prompts[:2], 1, 4, 0.0)
 
 
 def test_closing_the_nccl_publisher_waits_for_the_broadcast_under_way(vllm_servers, tmp_path, monkeypatch):
@@ -655,6 +720,14 @@ def fsdp_check(agg: str) -> None:
     losses = [None, None]
     dist.all_gather_object(losses, stats["loss"])
     weights = ap.full_weights(policy)
+    published = ap.gather_weights(policy, torch.bfloat16, torch.device("cpu"))  # what a publish sends, in bf16
+    if rank == 0:
+        assert published.keys() == weights.keys() and all(v.dtype == torch.bfloat16 for v in published.values())
+        assert all(torch.equal(published[k], v.to(torch.bfloat16)) for k, v in weights.items())
+        assert published["lm_head.weight"] is published["model.embed_tokens.weight"]  # the tied head gathered once
+        live = {p.to_local().data_ptr() for p in policy.parameters()}
+        assert not live & {v.data_ptr() for v in published.values()}  # copies: training goes on while they go out
+    assert rank == 0 or published == {}
     if rank == 0:
         worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
         assert worst < 1e-6, worst

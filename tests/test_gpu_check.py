@@ -40,10 +40,10 @@ def test_smoke_runs_every_check_and_prints_one_table():
     out = res.stdout
     assert res.returncode == 0, (out + res.stderr)[-4000:]
     rows = {line.split("  ")[0]: line.split() for line in out[out.index("\ncheck ") :].strip().splitlines()[1:-1]}
-    for check in ("kernels", "precision", "learns", "eval-rng", "qwen-0.5b", "async", "vllm"):
+    for check in ("kernels", "precision", "learns", "eval-rng", "qwen-0.5b", "async:", "async nccl", "vllm"):
         assert any(name.startswith(check) for name in rows), rows
     for name, words in rows.items():  # toy sizes measure nothing, but every check that can pass must
-        must_pass = name.startswith(("precision", "eval-rng", "qwen", "async"))
+        must_pass = name.startswith(("precision", "eval-rng", "qwen", "async:"))  # async nccl: with 2 GPUs
         assert "FAIL" not in words and ("PASS" in words or not must_pass), rows
     assert out.rstrip().endswith("0 failed"), out[-2000:]
     # every training with a vLLM engine and the vllm-* checks ran in a process of their own: the guard that

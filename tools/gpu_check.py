@@ -294,18 +294,21 @@ def check_precision(dev: str, smoke: bool) -> None:
         )
 
 
-def check_async(out: Path, smoke: bool) -> None:
+def async_run(out: Path, name: str, extra: tuple = ()) -> tuple[int, list[dict], list[str], str]:
+    """A 12-step --mode async run of the cpu preset's task with one server: its exit code, its step records, the
+    processes left in its session, its log."""
     cmd = [
         sys.executable,
         str(ROOT / "replay_grpo.py"),
         *(
             "--preset cpu --mode async --num-generators 1 --sft-warmup-steps 0 --total-steps 12 "
-            "--eval-size 8 --eval-every 0 --loss asymre --prompts-per-step 2 --batch-size 32 "
+            "--eval-size 8 --eval-every 6 --loss asymre --prompts-per-step 2 --batch-size 32 "
             "--buffer-size 64 --sampling queue --out-dir"
         ).split(),
         str(out),
         "--run-name",
-        "async",
+        name,
+        *extra,
     ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -330,18 +333,41 @@ def check_async(out: Path, smoke: bool) -> None:
     deadline = time.time() + 15
     while in_session() and time.time() < deadline:
         time.sleep(0.5)
-    left = in_session()
-    recs = []
-    if (out / "async" / "metrics.jsonl").exists():
-        records = map(json.loads, (out / "async" / "metrics.jsonl").read_text().splitlines())
-        recs = [r for r in records if r["step"] > 0]
+    path = out / name / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc.returncode, records, in_session(), log
+
+
+def check_async(out: Path, smoke: bool) -> None:
+    """One GPU: the trainer and its server share it (disk publishes), the evaluations on the server; two or more:
+    the server on a GPU of its own, publishes by NCCL broadcast, each checked against the trainer's log-probs."""
+    code, records, left, log = async_run(out, "async")
+    recs = [r for r in records if r["step"] > 0]
     newest = [max(r["fresh_versions"]) for r in recs if r.get("fresh_versions")]
-    ok = proc.returncode == 0 and len(recs) == 12 and newest == sorted(newest) and newest[-1] > 0 and not left
+    evaluated = [(r["step"], r.get("eval_policy_version")) for r in records if "eval/greedy_acc" in r]
+    ok = code == 0 and len(recs) == 12 and newest == sorted(newest) and newest[-1] > 0 and not left
+    ok = ok and [s for s, _ in evaluated] == [0, 6, 12] and all(s == v for s, v in evaluated)
     row(
         "async: T=1, W=1, one GPU",
-        f"exit {proc.returncode}, {len(recs)} steps, newest versions "
-        f"{newest[:3]}..{newest[-1:]}, {len(left)} processes left",
-        "exit 0, 12 steps, versions rise, none left",
+        f"exit {code}, {len(recs)} steps, newest versions {newest[:3]}..{newest[-1:]}, evaluated (step, version) "
+        f"{evaluated}, {len(left)} processes left",
+        "exit 0, 12 steps, versions rise, evaluations on the server at their steps, none left",
+        ok,
+    )
+    if not ok:
+        print(log[-3000:])
+    if torch.cuda.device_count() < 2:
+        row("async nccl: T=1, W=1, two GPUs", f"skipped: {torch.cuda.device_count()} GPU(s)", "", None)
+        return
+    code, records, left, log = async_run(out, "async-nccl", extra=("--weight-transfer", "nccl", "--publish-check", "1"))
+    diffs = [r["publish_probe_diff"] for r in records if r.get("publish_probe_diff") is not None]
+    ok = code == 0 and sum(r["step"] > 0 for r in records) == 12 and "weights by nccl" in log and not left
+    ok = ok and bool(diffs) and max(diffs) < 0.05
+    row(
+        "async nccl: T=1, W=1, two GPUs",
+        f"exit {code}, {len(records) - 1} steps, served vs trained log-probs after publishes: max mean |d| "
+        f"{max(diffs, default=float('nan')):.3g}, {len(left)} processes left",
+        "exit 0, 12 steps, < 0.05, none left",
         ok,
     )
     if not ok:
