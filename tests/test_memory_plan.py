@@ -131,6 +131,28 @@ def test_the_readmes_7b_async_command_fits_80_gb_ranks(monkeypatch):
         memory_plan.plan(argv + ["--no-activation-checkpointing"], memory_plan.H100_GIB, trainers=3)
 
 
+def test_prompts_longer_than_max_prompt_tokens_are_skipped_counted_and_bound_the_plan(capsys):
+    tok = warm_start.byte_tokenizer()
+    model, _ = warm_start.build_tiny_model(0)
+    train = [rg.Example("1+" * n + "1=", str(n + 1)) for n in (2, 5, 20, 30)]
+    held_out = [rg.Example("2+" * n + "2=", str(2 * n + 2)) for n in (3, 25)]
+    lengths = {ex.prompt: len(rg.render_prompt(tok, ex.prompt)) for ex in train + held_out}
+    bound = lengths[train[1].prompt] + 1  # between the second prompt and the third
+    assert bound < lengths[held_out[1].prompt] and lengths[held_out[0].prompt] <= bound
+    cfg = rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", str(bound)])
+    task = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    rg.fit_to_context(cfg, task, tok, model)
+    assert task.train == train[:2] and task.eval == held_out[:1]
+    assert (task.longest_prompt, task.longest_eval_prompt) == (lengths[train[1].prompt], lengths[held_out[0].prompt])
+    out = capsys.readouterr().out
+    assert f"prompts longer than --max-prompt-tokens {bound} are skipped: 1 eval, 2 train" in out, out
+    unbounded = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    rg.fit_to_context(rg.parse_args(["--preset", "cpu"]), unbounded, tok, model)  # the context alone keeps all
+    assert unbounded.train == train and unbounded.longest_eval_prompt == lengths[held_out[1].prompt]
+    with pytest.raises(rg.UserError, match="^--max-prompt-tokens 0: must be >= 1$"):
+        rg.validate(rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", "0"]))
+
+
 def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(tmp_path, capsys, monkeypatch):
     """Through main(): the plan is printed, and a device too small for the activations (simulated) refuses the run
     in one line naming --activation-checkpointing, before any step; with it, the same device runs."""
