@@ -1308,7 +1308,8 @@ def train_async(cfg: rg.Args) -> dict:
         barrier()
         if rank != 0:
             task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
-        kernels.check_memory_plan(cfg, model, task.longest_prompt, device, trainers=T, rank=rank)  # before sharding
+        prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
+        kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, route=route)  # before sharding
         kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
         # rank 0's full copy on the host in the compute dtype, made before sharding: each evaluation builds its
         # evaluator on the GPU from it (none stays there between evaluations); save_pretrained writes through it

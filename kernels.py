@@ -563,7 +563,7 @@ def token_logprobs(
 #   copies       the compute-dtype weights the forward and backward use: autocast's casts of every weight (sync);
 #                FSDP2's all-gathered root (embeddings, head, final norm) and two decoder layers, and fp32 gradients
 #                of the root and two layers before their reduce-scatter (async)
-#   activations  tokens of the longest micro-batch (micro-batch x (longest prompt + max new tokens)) x
+#   activations  tokens of the longest micro-batch (micro-batch x (longest training prompt + max new tokens)) x
 #                (layers x act_layer + act_outside); with activation checkpointing, layers x 4h (each layer's fp32
 #                input) + one layer's act_layer for its recompute. Per token, c the compute dtype's bytes:
 #                act_layer   = 16h + 8 (two RMSNorms in fp32) + 5hc (the inputs of q, k, v, gate and up, each
@@ -572,14 +572,28 @@ def token_logprobs(
 #                act_outside = 14h (the embedding's output, the final norm, the head's input, its gradient)
 #                (h hidden, i intermediate, q heads x head_dim, k key-value heads x head_dim)
 #   workspace    the log-prob tiles (kernels.token_logprobs), 256 MiB
-#   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter)
-#   evaluation   after a step: a separate evaluator's copy (c a parameter) and its KV cache (pass@k prompts x k
-#                sequences x layers x 2k c per token), beside the masters and Adam (gradients are freed by then)
+#   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter); async: the
+#                --vllm-gpu-memory-utilization share of each launched server on this rank's GPU (server_gpus)
+#   publisher    async rank 0 with --weight-transfer nccl: the full model gathered in c for a publish, and vLLM's
+#                packed broadcast buffers; held while the publisher thread sends, beside the next steps
+#   evaluation   sync, after a step: a separate evaluator's copy (c a parameter) and its KV cache (pass@k prompts x k
+#                sequences x (longest evaluation prompt + max new tokens) x layers x 2k c), beside the masters and
+#                Adam (gradients are freed by then); async evaluates on a server: nothing on the trainers
+#   reserve      what no tensor of the run holds: the CUDA context, NCCL's buffers, the allocator's fragmentation
 # The peak is the larger of the step and the evaluation. Checked on CPU against measurement (tests/test_memory_plan.py);
 # not yet against a GPU's allocator.
 DEVICE_GIB_ENV = "REPLAY_GRPO_DEVICE_GIB"  # a test hook: plan for a device of this many GiB (e.g. on a CPU)
 WORKSPACE_BYTES = 2**28
 GIB = 2**30
+# Estimates, not measured here: the CUDA context with cuBLAS's workspaces (~0.5 GiB with lazy module loading) and the
+# caching allocator's fragmentation (~0.5 GiB), and each NCCL communicator's buffers (NCCL_BUFFSIZE's default 4 MiB
+# per peer and channel: 2 ring peers x up to 32 channels)
+CONTEXT_RESERVE_BYTES = 2**30
+NCCL_COMMUNICATOR_BYTES = 2**28
+# vllm.distributed.weight_transfer.packed_tensor (vLLM 0.32): DEFAULT_PACKED_BUFFER_SIZE_BYTES (1 GiB) x
+# DEFAULT_PACKED_NUM_BUFFERS (2), the nccl route's broadcast buffers; written out, as vLLM is optional
+PACKED_BROADCAST_BYTES = 2 * 2**30
+PUBLISHER_ROW, RESERVE_ROW = "publisher (nccl: gathered copy, buffers)", "reserve (CUDA context, NCCL, fragmentation)"
 
 
 def device_bytes(device: torch.device) -> int | None:
@@ -607,15 +621,28 @@ def activation_bytes(config, tokens: int, compute_bytes: int, checkpointing: boo
     return tokens * (per_token + 14 * h)
 
 
-def plan_memory(model, cfg, longest_prompt: int, device_total: int, compute_bytes: int, trainers=1, rank=0) -> dict:
-    """This rank's bytes by row (see above) for `model` (meta tensors will do) under the run's settings `cfg`."""
+def servers_on_gpu(cfg, trainers: int, n_gpus: int | None, gpu: int) -> int:
+    """The launched vLLM servers on GPU `gpu` of this node: async_pipeline.server_gpus's round-robin after the
+    trainers' GPUs (rank r on GPU r). None or 0 GPUs: every server has a GPU of its own, or runs on the CPU."""
+    if cfg.mode != "async" or cfg.generator_urls or not n_gpus:
+        return 0
+    return sum((trainers + i) % n_gpus == gpu for i in range(cfg.num_generators))
+
+
+def plan_memory(
+    model, cfg, prompt_tokens, device_total: int, compute_bytes: int, trainers=1, rank=0, n_gpus=None, route="disk"
+) -> dict:
+    """This rank's bytes by row (see above) for `model` (meta tensors will do) under the run's settings `cfg`.
+    prompt_tokens: the longest (training, evaluation) prompt, or one length for both; n_gpus: this node's GPUs
+    (servers_on_gpu); route: --mode async's weight transfer (async_pipeline.weight_transfer), nccl or disk."""
+    train_prompt, eval_prompt = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else prompt_tokens
     c = compute_bytes
     params = list(model.parameters())
     P = sum(p.numel() for p in params)
     layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
     layer_P = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
     mine = P if trainers == 1 else shard_elements(params, trainers)
-    tokens = cfg.micro_batch_size * (longest_prompt + cfg.max_new_tokens)
+    tokens = cfg.micro_batch_size * (train_prompt + cfg.max_new_tokens)
     config = model.config
     kv = config.num_key_value_heads * (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -628,88 +655,149 @@ def plan_memory(model, cfg, longest_prompt: int, device_total: int, compute_byte
         rows["compute copies"] = c * (root + 2 * layer_P) + 4 * (root + 2 * layer_P)
     rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
     rows["log-prob workspace"] = WORKSPACE_BYTES
-    generator = 0
+    vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
     if cfg.mode == "sync":
-        vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
+    else:  # a server sharing this GPU takes its --vllm-gpu-memory-utilization of it (async_pipeline.start_generators)
+        generator = servers_on_gpu(cfg, trainers, n_gpus, rank) * int(cfg.vllm_gpu_memory_utilization * device_total)
     rows["generator (resident)"] = generator
-    evaluator = 0
-    if (cfg.mode == "async" and rank == 0) or (cfg.mode == "sync" and cfg.publish_every > 1):
-        evaluator = c * P  # an HF copy, built for the evaluation
-    evaluates_here = evaluator or (cfg.mode == "sync" and cfg.generator == "hf")  # else: in the engine's share
+    nccl_publisher = cfg.mode == "async" and rank == 0 and route == "nccl"
+    if nccl_publisher:
+        rows[PUBLISHER_ROW] = c * P + PACKED_BROADCAST_BYTES
+    evaluator = c * P if cfg.mode == "sync" and cfg.publish_every > 1 else 0  # an HF copy, built for the evaluation
+    evaluates_here = evaluator or (cfg.mode == "sync" and not vllm)  # else: in the engine, or on a server (async)
     kv_cache = (
         50
         * cfg.pass_k
         * bool(evaluates_here)
-        * (longest_prompt + cfg.max_new_tokens)
+        * (eval_prompt + cfg.max_new_tokens)
         * config.num_hidden_layers
         * 2
         * kv
         * c
     )
     rows["evaluation (copy + KV cache)"] = evaluator + kv_cache
+    communicators = (trainers > 1) + (cfg.num_generators if nccl_publisher else 0)  # FSDP's group, one per server
+    rows[RESERVE_ROW] = CONTEXT_RESERVE_BYTES + NCCL_COMMUNICATOR_BYTES * communicators
+    after = ("fp32 masters", "Adam moments (fp32)", "generator (resident)", "evaluation (copy + KV cache)")
+    after += (PUBLISHER_ROW, RESERVE_ROW)
     train = sum(rows.values()) - rows["evaluation (copy + KV cache)"]
-    evaluation = rows["fp32 masters"] + rows["Adam moments (fp32)"] + generator + evaluator + kv_cache
-    return {"rows": rows, "train": train, "evaluation": evaluation, "peak": max(train, evaluation)}
+    evaluation = sum(rows.get(key, 0) for key in after)
+    return {
+        "rows": rows,
+        "train": train,
+        "evaluation": evaluation,
+        "peak": max(train, evaluation),
+        "prompt_tokens": (train_prompt, eval_prompt),
+        "route": route if cfg.mode == "async" else ("a vLLM engine" if vllm else "an HF copy") + " in this process",
+    }
 
 
-def check_memory_plan(cfg, model, longest_prompt: int, device: torch.device, trainers: int = 1, rank: int = 0):
+def check_memory_plan(
+    cfg, model, prompt_tokens, device: torch.device, trainers: int = 1, rank: int = 0, n_gpus=None, route="disk"
+):
     """Before the first step, on a GPU (or a device simulated by REPLAY_GRPO_DEVICE_GIB): rank 0 prints the plan, a
-    column per kind of rank, and every rank refuses a run that cannot fit in one line naming flags that would."""
+    column per kind of rank, and every rank refuses a run that cannot fit in one line naming flags that would.
+    prompt_tokens: the longest (training, evaluation) prompt kept; n_gpus: this node's (default: those torch sees)."""
     from run_folder import UserError
 
     total = device_bytes(device)
     if total is None:
         return None
     c = compute_dtype(device).itemsize
+    if n_gpus is None:
+        n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
 
-    def plans(cfg, T):  # rank 0 (it evaluates), and the other ranks
-        kw = dict(longest_prompt=longest_prompt, device_total=total, compute_bytes=c, trainers=T)
-        return [plan_memory(model, cfg, rank=r, **kw) for r in ([0] if T == 1 else [0, 1])]
+    def plans(cfg, T, n_gpus=n_gpus, route=route):  # every trainer rank's
+        kw = dict(prompt_tokens=prompt_tokens, device_total=total, compute_bytes=c, trainers=T)
+        return [plan_memory(model, cfg, rank=r, n_gpus=n_gpus, route=route, **kw) for r in range(T)]
 
     mine = plans(cfg, trainers)
     if rank == 0:
-        names = ["rank 0"] + ([f"ranks 1-{trainers - 1}"] if trainers > 1 else [])
-        print(f"memory plan per trainer rank (GiB, estimated before the first step; device {total / GIB:.1f} GiB):")
-        print(f"  {'':34}" + "".join(f"{n:>12}" for n in names))
-        for key in mine[0]["rows"]:
-            print(f"  {key:34}" + "".join(f"{p['rows'][key] / GIB:12.1f}" for p in mine))
-        for key in ("train", "evaluation", "peak"):
-            print(f"  {key + (' step' if key == 'train' else ''):34}" + "".join(f"{p[key] / GIB:12.1f}" for p in mine))
+        print_plan(cfg, mine, total)
     peak = max(p["peak"] for p in mine)
     if peak <= total:
         return mine
     raise UserError(
         f"the memory plan needs {peak / GIB:.1f} GiB on a trainer's device, more than its {total / GIB:.1f} GiB "
-        f"(the table above): {fitting_flags(cfg, trainers, plans, total)}"
+        f"(the table above): {fitting_flags(cfg, trainers, plans, total, n_gpus)}"
     )
 
 
-def fitting_flags(cfg, trainers: int, plans, total: int) -> str:
-    """The fewest changes that fit: activation checkpointing, then smaller micro-batches, then more trainer ranks."""
+def print_plan(cfg, plans: list[dict], total: int) -> None:
+    """The table: a column for rank 0 and one for each run of ranks with the same plan; a row absent is 0."""
+    columns = [("rank 0", plans[0])]
+    start = 1
+    for r in range(1, len(plans)):
+        if r + 1 == len(plans) or plans[r + 1]["rows"] != plans[start]["rows"]:
+            columns.append((f"rank {start}" if r == start else f"ranks {start}-{r}", plans[start]))
+            start = r + 1
+    train, evaluation = plans[0]["prompt_tokens"]
+    how = f"weights to the servers by {plans[0]['route']}" if cfg.mode == "async" else plans[0]["route"]
+    print(f"memory plan per trainer rank (GiB, estimated before the first step; device {total / GIB:.1f} GiB):")
+    print(f"  longest prompt {train} tokens in training, {evaluation} in evaluation; {how}")
+    print(f"  {'':44}" + "".join(f"{name:>12}" for name, _ in columns))
+    for key in dict.fromkeys(k for p in plans for k in p["rows"]):
+        print(f"  {key:44}" + "".join(f"{p['rows'].get(key, 0) / GIB:12.1f}" for _, p in columns))
+    for key in ("train", "evaluation", "peak"):
+        print(
+            f"  {key + (' step' if key == 'train' else ''):44}" + "".join(f"{p[key] / GIB:12.1f}" for _, p in columns)
+        )
+
+
+def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0) -> str:
+    """The fewest changes that fit: activation checkpointing, then smaller micro-batches, then more trainer ranks. No
+    layout it proposes puts a launched server on rank 0's GPU: where the run's does (server_gpus shares rank 0's
+    first), or with more trainer ranks, the servers are as many as have a GPU of their own (W + T <= the node's);
+    a layout beyond this node's GPUs is named with the GPUs it needs."""
     import dataclasses
 
     sizes = [cfg.micro_batch_size >> k for k in range(cfg.micro_batch_size.bit_length())]
     acs = dict.fromkeys([cfg.activation_checkpointing, True])
-    tries = [(T, ac, m) for T in range(trainers, 9) for ac in acs for m in sizes]
+    W = cfg.num_generators if cfg.mode == "async" else 1
+    local = not (cfg.mode == "async" and cfg.generator_urls)  # servers that rank 0 launches on this node's GPUs
+    route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if n_gpus else "disk")
 
-    def changes(t):  # fewer ranks, then fewer flags changed, then the micro-batch kept
-        return t[0], (t[1] != cfg.activation_checkpointing) + (t[2] != sizes[0]), -t[2]
+    def layouts(T):  # (servers, the node's GPUs planned: None for each server on a GPU of its own, or beyond this node)
+        if not local or not n_gpus:
+            yield W, (n_gpus if T == trainers else None)
+        elif T == trainers and not servers_on_gpu(cfg, T, n_gpus, 0):  # the user's layout: none on rank 0's GPU
+            yield W, n_gpus
+        elif T < n_gpus:
+            yield min(W, n_gpus - T), n_gpus  # every server on a GPU of its own
+        else:
+            yield W, None  # more GPUs than this node's
 
-    for T, ac, m in sorted(tries, key=changes):
+    tries = [(T, w, n, ac, m) for T in range(trainers, 9) for w, n in layouts(T) for ac in acs for m in sizes]
+
+    def changes(t):  # on this node first, fewer ranks, servers kept, fewer flags changed, the micro-batch kept
+        T, w, n, ac, m = t
+        return n is None and bool(n_gpus), T, w != W, (ac != cfg.activation_checkpointing) + (m != sizes[0]), -m
+
+    for T, w, n, ac, m in sorted(tries, key=changes):
+        mode = "async" if T > 1 else cfg.mode
         changed = dataclasses.replace(
-            cfg, activation_checkpointing=ac, micro_batch_size=m, mode="async" if T > 1 else cfg.mode
+            cfg,
+            activation_checkpointing=ac,
+            micro_batch_size=m,
+            mode=mode,
+            num_generators=w if T > 1 else cfg.num_generators,
         )
-        if max(p["peak"] for p in plans(changed, T)) > total:
+        same = T == trainers and w == W and n == n_gpus
+        if max(p["peak"] for p in plans(changed, T, n, *(() if same else (route,)))) > total:
             continue
         flags = ["--activation-checkpointing"] * (ac and not cfg.activation_checkpointing)
         flags += [f"--micro-batch-size {m}"] * (m != cfg.micro_batch_size)
-        if T == trainers:
+        servers = [f"--num-generators {w}"] * (w != W and T > 1)
+        node = f" on a node of {w + T} GPUs (this one has {n_gpus})" if n is None and n_gpus and local else ""
+        if same:
             return "it fits with " + " ".join(flags)
+        if T == trainers:  # async: the servers off the trainers' GPUs
+            return f"it fits{node} with every server on a GPU of its own: {' '.join(servers + flags)}".rstrip(": ")
         if cfg.mode == "async":
-            return f"it fits on {T} trainer ranks: torchrun --nproc_per_node {T} ... " + " ".join(flags)
+            return f"it fits on {T} trainer ranks{node}: torchrun --nproc_per_node {T} ... " + " ".join(flags + servers)
         return (
-            f"it fits with --mode async on {T} trainer ranks: torchrun --standalone --nproc_per_node {T} "
+            f"it fits with --mode async on {T} trainer ranks{node}: torchrun --standalone --nproc_per_node {T} "
             f"replay_grpo.py --preset {cfg.preset} --mode async --num-generators 1 {' '.join(flags)} (and your other "
             "flags; more generators on the GPUs left)"
         ).replace("  (", " (")

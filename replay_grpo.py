@@ -11,13 +11,12 @@ exactly on-policy GRPO: the baseline is this code with other numbers.
     python replay_grpo.py --preset cpu --buffer-size 512 --prompts-per-step 2   # replay: N=512, B=128, R=32
     python replay_grpo.py plan --mu 5.28 --alpha 0.1 --rho 0.1 --batch 60       # the paper's planner
 
-Where the paper is silent or this code departs from it: rewards are {0, 1} (the paper's +-1), so
-AsymRE's delta_V = -0.1 becomes -0.05; GRPO's ratio and clipping are per token, the loss a token
-mean (--loss-agg), the z-score uses the population std + 1e-6; zero-variance groups are kept and
-counted (--zero-variance-groups drop refills them); training samples untruncated (top-p 1, no top-k)
-so behaviour and trainer log-probs agree; a supervised warm start gives the tiny model its skill;
-the synchronous loop alternates generation and training, the paper's W/T split is --mode async
-(async_pipeline.py).
+Where the paper is silent or this code departs from it: rewards are {0, 1} (the paper's +-1), so AsymRE's delta_V =
+-0.1 becomes -0.05; GRPO's ratio and clipping are per token, the loss a token mean (--loss-agg), the z-score uses
+the population std + 1e-6; zero-variance groups are kept and counted (--zero-variance-groups drop refills them);
+training samples untruncated (top-p 1, no top-k) so behaviour and trainer log-probs agree; a supervised warm start
+gives the tiny model its skill; the synchronous loop alternates generation and training, the paper's W/T split is
+--mode async (async_pipeline.py).
 
 Two parts, each in the order a rollout flows. The method: the config and presets, Rollout and the advantages, the
 ReplayBuffer and its rules, the losses and train_step, the rollout maker, the synchronous loop `train`. Then, after
@@ -102,6 +101,7 @@ class Args:
     data_path: str | None = None  # jsonl: the {"prompt", "answer"} file (<= 10% held out); gsm8k / math: a local copy
     eval_size: int = 200  # held-out prompts for greedy accuracy and pass@1 (pass@k uses the first 50)
     max_new_tokens: int = 8  # maximum completion length; longer completions are cut and flagged truncated
+    max_prompt_tokens: int | None = None  # longer prompts are skipped, counted and logged; the memory plan assumes this
     arith_terms: int = 2  # arith: numbers per sum; from 3 on, solutions are worked ('12+30=42, 42+7=49')
     arith_max_operand: int = 99  # arith: numbers are drawn from 0..arith_max_operand
     arith_demo_error: float = 0.0  # arith: share of warm-start demonstrations whose answer is off by one
@@ -151,6 +151,7 @@ MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dr
 
 TOY = dict(generator="hf", arith_demo_error=0.75)  # the CPU presets: HF generation, a demonstrator wrong 3 times in 4
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
+GPU |= dict(max_prompt_tokens=1024)  # the memory plan's bound on a MATH or GSM8K prompt (longer ones are skipped)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that
     # answers a+b+1 three times in four, for 650 steps with --sft-lr decaying to 0, so that every seed settles on
@@ -173,10 +174,9 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         eval_every=20,
         **TOY,
     ),
-    # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole
-    # groups of G = 16, so 64. Clip 0.2/0.2, no KL, constant-LR Adam, temperature 1. Learning rates: the
-    # paper's for Qwen3-0.6B and Qwen2.5-7B (whose best buffer ran async on (W, T) = (5, 3) GPUs with
-    # B = 60, N = 84: see the README), ours (untuned) for the others.
+    # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole groups of
+    # G = 16, so 64. Clip 0.2/0.2, no KL, temperature 1. Learning rates: the paper's for Qwen3-0.6B and Qwen2.5-7B
+    # (whose best buffer ran async on (W, T) = (5, 3) GPUs, B = 60, N = 84: the README), ours (untuned) for the others.
     "gsm8k-qwen2.5-0.5b": Args(
         model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU
     ),
@@ -651,7 +651,7 @@ def train(cfg: Args) -> dict:
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     run_name, run_dir, ckpt = run_folder.open_run(cfg)
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
-    kernels.check_memory_plan(cfg, model, task.longest_prompt, device)  # refuses a run that cannot fit
+    kernels.check_memory_plan(cfg, model, (task.longest_prompt, task.longest_eval_prompt), device)  # or refuses it
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
@@ -815,7 +815,8 @@ class Task:
     verifier: str  # a key of VERIFIERS
     train: list[Example] | None = None  # the training rows `draw` picks from (None: drawn by a generator, arith)
     repeats: int = 0  # rows left out of `train` because their prompt is held out
-    longest_prompt: int = 0  # tokens of the longest prompt kept (fit_to_context), for the memory plan
+    longest_prompt: int = 0  # tokens of the longest training prompt kept (fit_to_context), for the memory plan
+    longest_eval_prompt: int = 0  # and of the longest held-out one
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -1141,15 +1142,18 @@ def context_length(model) -> int:
 
 
 def fit_to_context(cfg: Args, task: Task, tok, model, rank: int = 0) -> None:
-    """Drop the prompts that cannot take --max-new-tokens more within the model's context (the held-out ones and,
-    for a task of rows, the training ones) and say how many (rank 0); refuse when none is left, or when the task
-    draws its prompts (arith) and a held-out one does not fit."""
+    """Drop the prompts that cannot take --max-new-tokens more within the model's context, or that are longer than
+    --max-prompt-tokens (the held-out ones and, for a task of rows, the training ones), and say how many (rank 0);
+    refuse when none is left, or when the task draws its prompts (arith) and a held-out one does not fit. Records the
+    longest kept on each side for the memory plan (a drawn task's training prompts: as long as its held-out ones)."""
     context = context_length(model)
     room = context - cfg.max_new_tokens
     why = f"the model's context is {context} positions and --max-new-tokens {cfg.max_new_tokens}"
     if room < 1:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why} leaves no room for a prompt")
-    skipped = {}
+    bound = cfg.max_prompt_tokens is not None and cfg.max_prompt_tokens < room  # the flag, not the context, binds
+    room, flag = (cfg.max_prompt_tokens, f"--max-prompt-tokens {cfg.max_prompt_tokens}") if bound else (room, "")
+    skipped, longest = {}, {}
     for part, rows in (("eval", task.eval), ("train", task.train)):
         if rows is None:
             continue
@@ -1160,17 +1164,24 @@ def fit_to_context(cfg: Args, task: Task, tok, model, rank: int = 0) -> None:
         if not kept and min(lengths) >= context:  # no --max-new-tokens would help: the data is too long
             data = cfg.data_path or {"arith": f"--arith-terms {cfg.arith_terms}"}.get(cfg.task, f"--task {cfg.task}")
             raise UserError(f"{data}: every {part} prompt is longer than the model's context ({context} positions)")
+        if not kept and bound:
+            raise UserError(f"{flag}: no {part} prompt is that short (the shortest: {min(lengths)} tokens)")
         if not kept:
             raise UserError(
                 f"--max-new-tokens {cfg.max_new_tokens}: no {part} prompt fits ({why}): use at most "
                 f"{context - min(lengths)}"
             )
-        task.longest_prompt = max([task.longest_prompt] + [n for n in lengths if n <= room])
+        longest[part] = max(n for n in lengths if n <= room)
+    task.longest_eval_prompt = max(task.longest_eval_prompt, longest["eval"])
+    task.longest_prompt = max(task.longest_prompt, longest.get("train", longest["eval"]))
     if task.train is None and skipped["skipped_eval_prompts"]:
+        if bound:
+            raise UserError(f"{flag}: this task's prompts are longer: raise it")
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: {why}, too little for this task's prompts: lower it")
     if any(skipped.values()) and rank == 0:
         counts = ", ".join(f"{n} {k.split('_')[1]}" for k, n in skipped.items() if n)
-        print(f"prompts longer than the model's context less --max-new-tokens are skipped: {counts}")
+        longer = f"than {flag}" if bound else "than the model's context less --max-new-tokens"
+        print(f"prompts longer {longer} are skipped: {counts}")
 
 
 def load_base_policy(cfg: Args, device: torch.device, dtype: torch.dtype = torch.float32):
@@ -1956,7 +1967,7 @@ def validate(cfg: Args) -> None:
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
-        (("max_uses",), lambda v: v is None or v >= 1, ">= 1"),
+        (("max_uses", "max_prompt_tokens"), lambda v: v is None or v >= 1, ">= 1"),
         (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),
         (("asymre_delta_v",), lambda v: -1 <= v <= 1, "in [-1, 1] (rewards are 0 or 1)"),
     ):

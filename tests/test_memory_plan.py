@@ -1,9 +1,13 @@
 """The memory plan (kernels.plan_memory, printed and checked before the first step) against measurement on this CPU,
 --activation-checkpointing, and the GPU presets' plans on simulated devices (REPLAY_GRPO_DEVICE_GIB, a test hook)."""
 
+import ast
 import copy
+import importlib.util
 import os
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import memory_plan
 
+import async_pipeline as ap
 import kernels
 import replay_grpo as rg
 import warm_start
@@ -119,16 +124,153 @@ def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeyp
     assert "--preset math-qwen2.5-7b --mode async" in message, message
 
 
-def test_the_readmes_7b_async_command_fits_80_gb_ranks(monkeypatch):
-    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5
-    --batch-size 60 --buffer-size 84 --prompts-per-step 1: W + T = 8 GPUs of 80 GB."""
+README_7B = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5"]
+README_7B += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
+EVALUATION = "evaluation (copy + KV cache)"
+
+
+def test_the_readmes_7b_async_command_fits_80_gb_ranks_at_the_presets_prompt_bound(capsys, monkeypatch):
+    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5 ...: W + T = 8 GPUs
+    of 80 GB, every MATH prompt the run keeps at most --max-prompt-tokens 1024 (training and evaluation alike), the
+    weights to the servers by NCCL (each server has a GPU of its own)."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5"]
-    argv += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
-    plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3)
+    assert rg.parse_args(README_7B).max_prompt_tokens == 1024
+    plans = memory_plan.plan(README_7B, memory_plan.H100_GIB, trainers=3, gpus=8)
     assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30
-    with pytest.raises(rg.UserError, match="it fits with --activation-checkpointing"):  # the preset's setting
-        memory_plan.plan(argv + ["--no-activation-checkpointing"], memory_plan.H100_GIB, trainers=3)
+    assert [p["prompt_tokens"] for p in plans] == [(1024, 1024)] * 3 and plans[0]["route"] == "nccl"
+    assert kernels.PUBLISHER_ROW in plans[0]["rows"] and "activations (8192 tokens)" in plans[0]["rows"]
+    out = capsys.readouterr().out
+    assert "longest prompt 1024 tokens in training, 1024 in evaluation; weights to the servers by nccl" in out, out
+    with pytest.raises(rg.UserError, match="it fits with --activation-checkpointing$"):  # the preset's setting
+        memory_plan.plan(README_7B + ["--no-activation-checkpointing"], memory_plan.H100_GIB, trainers=3, gpus=8)
+
+
+def kv_bytes_per_token(model, cfg, c: int) -> int:
+    """The evaluation's KV cache per token of a sequence: pass@k's 50 prompts x k sequences x layers x 2 (k and v)."""
+    config = model.config
+    kv = config.num_key_value_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    return 50 * cfg.pass_k * config.num_hidden_layers * 2 * kv * c
+
+
+def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
+    """A lagging generator (--publish-every 2) evaluates on an HF copy: its KV cache is sized from the held-out
+    prompts, the step's activations from the training ones."""
+    cfg = rg.parse_args(["--preset", "gsm8k-qwen2.5-0.5b", "--publish-every", "2"])
+    model = memory_plan.meta_model(cfg.model)
+
+    def plan(train, evaluation):
+        return kernels.plan_memory(model, cfg, (train, evaluation), device_total=80 * 2**30, compute_bytes=2)
+
+    short, long_eval, long_train = plan(100, 100), plan(100, 1100), plan(1100, 100)
+    assert long_eval["rows"][EVALUATION] - short["rows"][EVALUATION] == 1000 * kv_bytes_per_token(model, cfg, 2)
+    assert long_eval["train"] == short["train"] and long_eval["prompt_tokens"] == (100, 1100)
+    assert long_train["rows"][EVALUATION] == short["rows"][EVALUATION] and long_train["train"] > short["train"]
+
+
+def test_async_rank_0_holds_no_evaluator_since_a_server_evaluates():
+    cfg = rg.parse_args(README_7B)
+    model = memory_plan.meta_model(cfg.model)
+    plans = [kernels.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r) for r in range(3)]
+    assert all(p["rows"][EVALUATION] == 0 for p in plans)
+    rows = plans[0]["rows"]
+    after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[kernels.RESERVE_ROW]
+    assert plans[0]["evaluation"] == after < plans[0]["train"]
+
+
+def test_the_nccl_publisher_is_planned_on_rank_0_only_and_only_for_nccl():
+    cfg = rg.parse_args(README_7B)
+    model = memory_plan.meta_model(cfg.model)
+    P = sum(p.numel() for p in model.parameters())
+
+    def plans(route):
+        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, route=route)
+        return [kernels.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
+
+    nccl, disk = plans("nccl"), plans("disk")
+    assert nccl[0]["rows"][kernels.PUBLISHER_ROW] == 2 * P + kernels.PACKED_BROADCAST_BYTES  # bf16 gather + buffers
+    assert all(kernels.PUBLISHER_ROW not in p["rows"] for p in nccl[1:] + disk)
+    extra = nccl[0]["rows"][kernels.RESERVE_ROW] - disk[0]["rows"][kernels.RESERVE_ROW]
+    assert extra == 5 * kernels.NCCL_COMMUNICATOR_BYTES  # a communicator per server
+    assert nccl[1]["rows"] == disk[1]["rows"]
+
+
+def test_the_packed_broadcast_buffers_are_vllms_own():
+    """kernels.PACKED_BROADCAST_BYTES against the installed vLLM's defaults, read from its source (not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        pytest.skip("vLLM is not installed")
+    path = Path(spec.origin).parent / "distributed" / "weight_transfer" / "packed_tensor.py"
+    names = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").startswith("DEFAULT_PACKED_"):
+            names[node.targets[0].id] = eval(compile(ast.Expression(node.value), str(path), "eval"))
+    packed = names["DEFAULT_PACKED_BUFFER_SIZE_BYTES"] * names["DEFAULT_PACKED_NUM_BUFFERS"]
+    assert kernels.PACKED_BROADCAST_BYTES == packed
+
+
+def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys, monkeypatch):
+    """(W, T) = (3, 3) on 4 GPUs: async_pipeline.server_gpus puts the servers on GPUs 3, 0 and 1, each with its
+    --vllm-gpu-memory-utilization of the device; ranks 0 and 1 hold one, rank 2 none."""
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "3"]
+    plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3, gpus=4)
+    gpus = ap.server_gpus(3, 3, 4)
+    share = int(0.3 * memory_plan.H100_GIB * 2**30)
+    assert [p["rows"]["generator (resident)"] for p in plans] == [gpus.count(str(r)) * share for r in range(3)]
+    assert gpus.count("0") == gpus.count("1") == 1 and plans[2]["rows"]["generator (resident)"] == 0
+    assert plans[0]["route"] == "disk"  # a shared GPU: NCCL refuses two ranks on one device
+    header = next(line for line in capsys.readouterr().out.splitlines() if "rank 0" in line)
+    assert header.split() == ["rank", "0", "rank", "1", "rank", "2"], header
+
+
+def advised_layout(message: str, W: int, T: int) -> tuple[int, int]:
+    """(servers, trainer ranks) of a refusal's advice; those not named are the run's."""
+    t = re.search(r"--nproc_per_node (\d+)", message)
+    w = re.search(r"--num-generators (\d+)", message)
+    return (int(w[1]) if w else W), (int(t[1]) if t else T)
+
+
+@pytest.mark.parametrize("W,T,gib", [(5, 3, 65.0), (4, 3, 60.0), (5, 4, 60.0)])
+def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch):
+    """On 8 GPUs: a layout too big for its devices (5 + 3 and 4 + 3 on smaller ones), and one whose fifth server
+    shares rank 0's GPU (5 + 4); the layout advised keeps every server on a GPU of its own."""
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(W)]
+    with pytest.raises(rg.UserError) as refused:
+        memory_plan.plan(argv, gib, trainers=T, gpus=8)
+    message = str(refused.value)
+    w, t = advised_layout(message, W, T)
+    assert "fits" in message and not set(ap.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
+    advised = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(w)]
+    for flag in ("--micro-batch-size", "--activation-checkpointing"):
+        advised += re.findall(rf"{flag}(?: \d+)?", message)
+    memory_plan.plan([a for f in advised for a in f.split()], gib, trainers=t, gpus=8)  # and it fits
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_skipped_counted_and_bound_the_plan(capsys):
+    tok = warm_start.byte_tokenizer()
+    model, _ = warm_start.build_tiny_model(0)
+    train = [rg.Example("1+" * n + "1=", str(n + 1)) for n in (2, 5, 20, 30)]
+    held_out = [rg.Example("2+" * n + "2=", str(2 * n + 2)) for n in (3, 25)]
+    lengths = {ex.prompt: len(rg.render_prompt(tok, ex.prompt)) for ex in train + held_out}
+    bound = lengths[train[1].prompt] + 1  # between the second prompt and the third
+    assert bound < lengths[held_out[1].prompt] and lengths[held_out[0].prompt] <= bound
+    cfg = rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", str(bound)])
+    task = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    rg.fit_to_context(cfg, task, tok, model)
+    assert task.train == train[:2] and task.eval == held_out[:1]
+    assert (task.longest_prompt, task.longest_eval_prompt) == (lengths[train[1].prompt], lengths[held_out[0].prompt])
+    out = capsys.readouterr().out
+    assert f"prompts longer than --max-prompt-tokens {bound} are skipped: 1 eval, 2 train" in out, out
+    unbounded = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    rg.fit_to_context(rg.parse_args(["--preset", "cpu"]), unbounded, tok, model)  # the context alone keeps all
+    assert unbounded.train == train and unbounded.longest_eval_prompt == lengths[held_out[1].prompt]
+    with pytest.raises(rg.UserError, match="^--max-prompt-tokens 0: must be >= 1$"):
+        rg.validate(rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", "0"]))
 
 
 def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(tmp_path, capsys, monkeypatch):

@@ -1,10 +1,12 @@
 """memory_plan.py: the memory plan of replay_grpo.py for every GPU preset, offline (the models built on the meta
 device from their shapes), for a device of a given size: the table each run prints before its first step.
 
-    python tools/memory_plan.py                               # every GPU preset, one 139.8 GiB H200
-    python tools/memory_plan.py --device-gib 79.2 --trainers 3 -- --preset math-qwen2.5-7b --mode async
+    python tools/memory_plan.py    # every GPU preset: sync on one 139.8 GiB H200, async (W, T) = (5, 3) on 8 x 80 GB
+    python tools/memory_plan.py --device-gib 79.2 --trainers 3 --gpus 8 -- --preset math-qwen2.5-7b --mode async \
+        --num-generators 5
 
-The longest prompt is taken as PROMPT_TOKENS (a run uses its task's longest); the compute dtype is bf16.
+The longest training and evaluation prompt are taken as the preset's --max-prompt-tokens (a run uses the longest it
+keeps, at most that; PROMPT_TOKENS without the flag); the compute dtype is bf16.
 """
 
 import argparse
@@ -19,7 +21,8 @@ import torch
 import kernels
 import replay_grpo as rg
 
-PROMPT_TOKENS = 512  # the longest prompt assumed for every preset (MATH and GSM8K prompts are mostly shorter)
+PROMPT_TOKENS = 512  # the longest prompt assumed where --max-prompt-tokens is not set
+ASYNC = (5, 3, 8)  # the paper's headline (W, T) on one node of 8 GPUs
 H200_GIB, H100_GIB = 139.8, 79.2  # what torch reports as total memory of an H200 and of an 80 GB H100
 PRESET_MODELS = {  # the presets' models as their hub config.json describes them (not downloadable here)
     "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -46,25 +49,39 @@ def meta_model(name: str):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **shape))
 
 
-def plan(argv: list[str], device_gib: float, trainers: int = 1) -> dict:
-    """Print the plan of `argv` (replay_grpo.py flags) and return it; raises rg.UserError when it does not fit."""
+def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None = None) -> list[dict]:
+    """Print the plan of `argv` (replay_grpo.py flags) on a node of `gpus` GPUs (default: one each for the trainers
+    and the servers) and return it; raises rg.UserError when it does not fit."""
     cfg = rg.parse_args(argv)
+    W = cfg.num_generators if cfg.mode == "async" else 0
+    gpus = gpus or W + trainers
+    # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
+    own = bool(cfg.generator_urls) or W + trainers <= gpus
+    route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
+    prompt = cfg.max_prompt_tokens or PROMPT_TOKENS
     os.environ[kernels.DEVICE_GIB_ENV] = str(device_gib)
     os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's
-    return kernels.check_memory_plan(cfg, meta_model(cfg.model), PROMPT_TOKENS, torch.device("cpu"), trainers)
+    model, cpu = meta_model(cfg.model), torch.device("cpu")
+    return kernels.check_memory_plan(cfg, model, (prompt, prompt), cpu, trainers, n_gpus=gpus, route=route)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device-gib", type=float, default=H200_GIB)
     ap.add_argument("--trainers", type=int, default=1, help="T, with --mode async among the flags")
+    ap.add_argument("--gpus", type=int, default=None, help="the node's GPUs (default: W + T, each its own)")
     ap.add_argument("flags", nargs="*", help="replay_grpo.py flags after --; none: every GPU preset")
     args = ap.parse_args()
-    runs = [args.flags] if args.flags else [["--preset", p] for p in rg.PRESETS if rg.PRESETS[p].model != "tiny"]
-    for argv in runs:
-        print(f"\n{' '.join(argv)}, {args.trainers} trainer rank(s), {args.device_gib} GiB:")
+    runs = [(args.flags, args.device_gib, args.trainers, args.gpus)]
+    if not args.flags:
+        W, T, gpus = ASYNC
+        presets = [["--preset", p] for p in rg.PRESETS if rg.PRESETS[p].model != "tiny"]
+        runs = [(argv, H200_GIB, 1, 1) for argv in presets]
+        runs += [(argv + ["--mode", "async", "--num-generators", str(W)], H100_GIB, T, gpus) for argv in presets]
+    for argv, device_gib, trainers, gpus in runs:
+        print(f"\n{' '.join(argv)}, {trainers} trainer rank(s), {device_gib} GiB, {gpus or 'W + T'} GPU(s):")
         try:
-            plan(argv, args.device_gib, args.trainers)
+            plan(argv, device_gib, trainers, gpus)
         except rg.UserError as e:
             print(f"refused: {e}")
     return 0
