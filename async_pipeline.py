@@ -1311,8 +1311,8 @@ def train_async(cfg: rg.Args) -> dict:
         prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
         kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, route=route)  # before sharding
         kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
-        # rank 0's full copy on the host in the compute dtype, made before sharding: each evaluation builds its
-        # evaluator on the GPU from it (none stays there between evaluations); save_pretrained writes through it
+        # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
+        # and save_pretrained writes a checkpoint through it
         host_copy = kernels.cast_copy(model, kernels.compute_dtype(device), torch.device("cpu")) if rank == 0 else None
         policy = shard_policy(model, device)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -1327,7 +1327,7 @@ def train_async(cfg: rg.Args) -> dict:
         dealer = Dealer(cfg, T, dealing)
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         ready = False  # every shard could draw a batch at the last look
-        how, dtype = weight_transfer(cfg, device, T), kernels.compute_dtype(device)
+        how, dtype = route, kernels.compute_dtype(device)
         publish_from = device if how == "nccl" else torch.device("cpu")  # the disk route writes from the host
         first = gather_weights(policy, dtype, publish_from)  # collective
         probes = probe_pairs(task, tok)
