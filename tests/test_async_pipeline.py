@@ -416,6 +416,25 @@ def test_one_broadcast_reaches_every_server(vllm_servers, tmp_path, monkeypatch)
     assert groups == [3] and len(broadcasts) == 2, (groups, broadcasts)
 
 
+def test_the_publish_benchmark_counts_one_bf16_broadcast_and_no_host_copy(vllm_servers, tmp_path):
+    """tools/bench_publish.py's counts of one publish to two servers, through this checkout's code: the gathered
+    copy in bf16 on the broadcasting device, one group of world size 3, one broadcast, no cast inside the publish."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_publish
+
+    owns = not torch.distributed.is_initialized()  # FSDP2 needs a process group: one rank here
+    if owns:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        counted = bench_publish.count_publish(ap, [vllm_servers["tied"], vllm_servers["untied"]], tmp_path)
+    finally:
+        if owns:
+            torch.distributed.destroy_process_group()
+    assert counted["gathered_dtype"] == "bfloat16" and counted["gathered_to"] == "the broadcasting device"
+    assert counted["groups"] == [3] and counted["broadcasts"] == 1 and counted["broadcast_dtypes"] == ["bfloat16"]
+    assert counted["casts"] == 0, counted
+
+
 def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version(vllm_servers, tmp_path, monkeypatch):
     """The publish check: after a publish the server's log-probs of the probe (held-out prompts and gold solutions)
     match the trainer's at that version; a reload made to load other weights (another model's; the old weights
