@@ -44,6 +44,7 @@ class StandIn:
         self.kind, self.encode, self.fault, self.fault_when, self.hang = kind, encode, fault, fault_when, hang
         self.missing, self.version, self.max_model_len, self.tokens = missing, version, max_model_len, tokens
         self.completion, self.weight_version, self.delay = completion, "0", delay
+        self.world_size = 1  # its workers, as GET /get_world_size says (tensor x pipeline x data parallel)
         self.stop, self.requests, self.faulted_at = threading.Event(), 0, None
         self.generated = 0  # generate requests answered with samples
         if kind == "static":  # the plain http.server of the standard library, on a folder of one file
@@ -99,6 +100,8 @@ class StandIn:
             ).encode()
         if route == "/health":
             return 200, b""
+        if route == "/get_world_size":
+            return 200, json.dumps({"world_size": self.world_size}).encode()
         if route == "/is_paused":
             return 200, b'{"is_paused": false}'
         if route == "/tokenize":

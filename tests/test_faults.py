@@ -1193,3 +1193,19 @@ def test_launched_servers_still_starting_are_named_every_minute(tmp_path, monkey
     ages = [int(re.match(r"vLLM servers still starting after (\d+) s", line)[1]) for line in said]
     assert ages == sorted(ages) and ages[-1] >= 2 and seconds >= 4, said
     assert all(s.proc.poll() is not None for s in servers)
+
+
+def test_each_servers_rank_offset_follows_the_world_sizes_of_the_servers_before_it():
+    """The one NCCL group of a publish: rank 0, then each server's workers at its offset, from each server's own GET
+    /get_world_size (a server with tensor parallel 2 takes two ranks); an answer that is not a size is one line
+    naming the server and the route."""
+    with StandIn() as a, StandIn() as b, StandIn() as c:
+        a.world_size, b.world_size, c.world_size = 2, 1, 4
+        assert ap.nccl_world([ap.Server(s.url) for s in (a, b, c)]) == [1, 3, 4, 8]  # offsets, then the world size
+        b.world_size = "two"
+        with pytest.raises(ap.ServerError) as e:
+            ap.nccl_world([ap.Server(s.url) for s in (a, b)])
+    assert str(e.value) == (
+        f"vLLM server {b.url}: /get_world_size answered without what the run reads (ValueError: world_size 'two' is "
+        f'not a number of workers): b\'{{"world_size": "two"}}\''
+    ), e.value
