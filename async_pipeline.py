@@ -126,7 +126,22 @@ def set_cpu_threads(role: str, processes: int) -> int:
 # request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
 # (probe), so its first requests have the bound of any other.
 REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
-REQUEST_FLOOR = 60.0  # a busy 2-core machine's requests take seconds
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (a positive number), else `default`; one line for another value."""
+    text = os.environ.get(name)
+    try:
+        seconds = default if text is None else float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(f"{name}={text!r}: not a positive number of seconds")
+    return seconds
+
+
+# a busy 2-core machine's requests take seconds; a fast cluster may name a hung server sooner with a lower floor
+REQUEST_FLOOR = env_seconds("REPLAY_GRPO_REQUEST_FLOOR", 60.0)
 START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
 PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
 # The publish check stops a run whose server serves other log-probs than the trainer's at the published version by

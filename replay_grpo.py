@@ -754,7 +754,7 @@ def train(cfg: Args) -> dict:
         evaluating = is_eval_step(cfg, step)
         evaluator = None
         if evaluating:  # the trained weights: the generator's when it has them
-            evaluator = generator if generator.policy_version == step else HFGenerator(model, tok)
+            evaluator = generator if generator.policy_version == step else HFGenerator(model, tok, policy_version=step)
         last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
         if evaluating:
             lagging = generator.policy_version != step
@@ -1327,12 +1327,12 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok, device: torch.device | None = None):
+    def __init__(self, model, tok, device: torch.device | None = None, policy_version: int = 0):
         from transformers import GenerationConfig
 
         device = device or next(model.parameters()).device  # default: the model's
         self.model = kernels.cast_copy(model, kernels.compute_dtype(device), device)  # bf16 on GPUs, cast directly
-        self.policy_version = 0
+        self.policy_version = policy_version  # the optimizer steps in `model`'s weights
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
         # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
@@ -1638,7 +1638,7 @@ def evaluate(
                 row = dict(prompt=ex.prompt, gold=ex.answer, reward=rewards[0], completion=completion)
                 samples.append({"source": "eval (greedy)", **row, "truncated": group[0].truncated})
             _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
-            out["eval_policy_version"] = generator.policy_version  # the weights evaluated (a server's: published)
+            out["eval/policy_version"] = generator.policy_version  # the weights evaluated (a server's: published)
             out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
             out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
         _, passk = generate_and_score(n=cfg.pass_k, temperature=1.0, top_p=0.95, count=pass_k_prompts)
@@ -1832,7 +1832,10 @@ def sample_rows(tok, rollouts: list) -> list[dict]:
 
 
 def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> None:
-    write(f"step {step} eval: " + " ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+    write(
+        f"step {step} eval: "
+        + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    )
     for x in samples[:1]:  # one example, shortened
         write(
             f"  e.g. {x['prompt'][-60:]!r} -> {x['completion'][:100]!r} (gold {x['gold'][:20]!r}, "

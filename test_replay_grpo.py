@@ -450,6 +450,9 @@ def test_resume_before_the_first_publish_keeps_the_generator_weights(tmp_path):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     state = torch.load(tmp_path / "cut" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["generator_version"] == 3
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [(r["step"], r["eval/policy_version"]) for r in records if "eval/greedy_acc" in r]
+    assert evaluated == [(0, 0), (2, 2), (4, 4)]  # the trainer's weights, not the generator's older ones
 
 
 def test_resume_from_a_publish_step_keeps_the_generator_weights_at_the_next_checkpoint(tmp_path):

@@ -491,7 +491,7 @@ def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path)
     assert [[s.completion_ids for s in g] for g in on_server.generate(prompts, 1, 12, 0.0)] == greedy
     metrics, _ = rg.evaluate(on_server, tok, task, cfg)
     reference, _ = rg.evaluate(hf, tok, task, cfg)
-    assert metrics["eval_policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
+    assert metrics["eval/policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
     with pytest.raises(ap.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
         ap.ServerEvaluator(server, eos, policy_version=52, seed=0).generate(prompts[:2], 1, 4, 0.0)
 

@@ -33,7 +33,8 @@ import replay_grpo as rg
 import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+FLOOR = 20.0  # the runs' REPLAY_GRPO_REQUEST_FLOOR: a hung server is named after 20 s here, not the default 60
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", REPLAY_GRPO_REQUEST_FLOOR=str(FLOOR))
 
 
 def small_args(out_dir, *extra):
@@ -803,10 +804,10 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
 def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, vllm_servers):
     """SIGSTOP, not a kill: the server the run launched lives on and answers nothing. On-policy (N = B = R), where
     the trainer would otherwise train the last batch over and over: the run stops once a request outlasts its bound
-    (10 x the longest so far, at least 60 s; a busy machine's requests take seconds), names the server, keeps the
+    (10 x the longest so far, at least the floor: FLOOR here), names the server, keeps the
     checkpoint and stops the server; --resume continues from it on another (the session's)."""
     args = small_args(tmp_path, "--mode", "async", "--run-name", "r", "--eval-every", "5")
-    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"])
+    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"], env=ENV)
     try:
         started = run.poll_until(
             lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 400
@@ -825,7 +826,7 @@ def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path
     assert errors[0].startswith("error: vLLM server http://127.0.0.1:"), errors
     assert "/inference/v1/generate failed (timed out)" in errors[0], errors
     assert f"the last checkpoint in {tmp_path / 'r'} is kept: continue with --resume" in errors[0]
-    assert "Traceback" not in log and ap.REQUEST_FLOOR <= took < 300, (took, log[-3000:])
+    assert "Traceback" not in log and FLOOR <= took < 300, (took, log[-3000:])
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5
     resumed = subprocess.run(
@@ -1064,12 +1065,12 @@ MID_RUN_FAULTS = {  # the stand-in's fault, the endpoint named, what the line sa
         0.0,
     ),
     "{}": ({"fault": "{}"}, GENERATE, "answered without what the run reads (no 'choices'): b'{}'", 0.0),
-    "never": ({"fault": "never"}, GENERATE, "failed (timed out): no answer in ", ap.REQUEST_FLOOR),
+    "never": ({"fault": "never"}, GENERATE, "failed (timed out): no answer in ", FLOOR),
     "a publish never answered": (
         {"hang": ("/pause",)},
         "/pause?mode=keep&clear_cache=false",
         "failed (timed out): no answer in ",
-        ap.CONTROL_FACTOR * ap.REQUEST_FLOOR,
+        ap.CONTROL_FACTOR * FLOOR,
     ),
 }
 
@@ -1085,7 +1086,8 @@ def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_nam
     extra = ["--eval-every", "2", "--sampling", "without-replacement"]
     checkpointed = (run_dir / "checkpoint").exists
     with StandIn(encode=encode, fault_when=checkpointed, delay=0.2, **kind) as server:  # a step at most every 0.2 s
-        rc, log = Run(async_args(tmp_path, server.url, *extra, "--total-steps", "100000")).finish(timeout=bound + 150)
+        run = Run(async_args(tmp_path, server.url, *extra, "--total-steps", "100000"), env=ENV)
+        rc, log = run.finish(timeout=bound + 150)
         took = time.time() - server.faulted_at
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert rc == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
@@ -1107,8 +1109,9 @@ def test_a_server_elsewhere_that_answers_wrong_or_stops_answering_mid_run_is_nam
 
 def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tmp_path):
     """A resumed run on a server that answers its probes (its model is loaded) and never its first generate request:
-    named after REQUEST_FLOOR (a launched server's first requests have START_SECONDS: 30 minutes), with the checkpoint
-    kept and the records untouched (the warm-up comes before any); then the run resumes on a server that answers."""
+    named after the request floor (a launched server's first requests have START_SECONDS: 30 minutes), with the
+    checkpoint kept and the records untouched (the warm-up comes before any); then the run resumes on a server that
+    answers."""
     run_dir = tmp_path / "r"
     with StandIn(encode=encode) as server:
         first = async_args(tmp_path, server.url, "--total-steps", "2", "--eval-every", "2")
@@ -1116,14 +1119,14 @@ def test_the_first_request_of_a_server_elsewhere_has_the_bound_of_any_request(tm
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     records = lines(run_dir / "metrics.jsonl")
     with StandIn(encode=encode, fault="never") as server:
-        run = Run(async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume"))
-        rc, log = run.finish(timeout=ap.REQUEST_FLOOR + 90)
+        run = Run(async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume"), env=ENV)
+        rc, log = run.finish(timeout=FLOOR + 90)
         took, generated = time.time() - server.faulted_at, server.generated
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
     assert rc == 1 and len(errors) == 1 and "Traceback" not in log and generated == 0, log[-3000:]
-    assert errors[0].startswith(f"error: vLLM server {server.url}: {GENERATE} failed (timed out): no answer in 6")
+    assert errors[0].startswith(f"error: vLLM server {server.url}: {GENERATE} failed (timed out): no answer in 2")
     assert f"the last checkpoint in {run_dir} is kept: continue with --resume" in errors[0], errors
-    assert ap.REQUEST_FLOOR <= took < ap.REQUEST_FLOOR + 30 and lines(run_dir / "metrics.jsonl") == records
+    assert FLOOR <= took < FLOOR + 30 and lines(run_dir / "metrics.jsonl") == records
     print(f"[first request: one line {took:.1f} s after it was sent] {errors[0]}")
     with StandIn(encode=encode) as server:
         again = async_args(tmp_path, server.url, "--total-steps", "4", "--eval-every", "2", "--resume")
@@ -1209,3 +1212,12 @@ def test_each_servers_rank_offset_follows_the_world_sizes_of_the_servers_before_
         f"vLLM server {b.url}: /get_world_size answered without what the run reads (ValueError: world_size 'two' is "
         f'not a number of workers): b\'{{"world_size": "two"}}\''
     ), e.value
+
+
+def test_a_request_floor_that_is_not_seconds_is_one_line():
+    env = dict(ENV, REPLAY_GRPO_REQUEST_FLOOR="soon")
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--mode", "async", "--total-steps", "1"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: REPLAY_GRPO_REQUEST_FLOOR='soon': not a positive number of seconds"
+    ], res.stderr[-2000:]

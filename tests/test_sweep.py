@@ -117,6 +117,15 @@ def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(stu
     assert (run["config"], run["variant"], run["seed"]) == ("N16-R4-grpo", "-lr0.003", 1)
 
 
+def test_records_write_the_finished_runs_of_the_seeds_asked_for_as_the_reports_read_them(study, tmp_path):
+    to = tmp_path / "records.json"
+    seeds = sorted({r["seed"] for r in sweep.load_runs(study["out"])})
+    sweep.main(["records", str(study["out"]), "--to", str(to), "--seeds", str(seeds[0])])
+    runs = runner.load_records(to)
+    expected = runner.compact_runs([r for r in sweep.load_runs(study["out"]) if r["seed"] == seeds[0]])["runs"]
+    assert runs == expected and runs and {r["seed"] for r in runs} == {seeds[0]}
+
+
 def test_interrupted_run_is_resumed_not_restarted(study):
     lines = (study["out"] / "onpolicy-s0" / "metrics.jsonl").read_text().splitlines()
     assert lines[:3] == study["interrupted"]  # steps 0-2 kept byte for byte (timings would differ)

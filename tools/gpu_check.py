@@ -345,7 +345,7 @@ def check_async(out: Path, smoke: bool) -> None:
     code, records, left, log = async_run(out, "async")
     recs = [r for r in records if r["step"] > 0]
     newest = [max(r["fresh_versions"]) for r in recs if r.get("fresh_versions")]
-    evaluated = [(r["step"], r.get("eval_policy_version")) for r in records if "eval/greedy_acc" in r]
+    evaluated = [(r["step"], r.get("eval/policy_version")) for r in records if "eval/greedy_acc" in r]
     ok = code == 0 and len(recs) == 12 and newest == sorted(newest) and newest[-1] > 0 and not left
     ok = ok and [s for s, _ in evaluated] == [0, 6, 12] and all(s == v for s, v in evaluated)
     row(

@@ -91,6 +91,19 @@ class PlotArgs:
     """the run folder (runs/NAME)."""
 
 
+@dataclass
+class RecordsArgs:
+    """The finished runs of a folder in compact form (runner.compact_runs: each run's names, seed, settings and the
+    records the reports read), e.g. to commit a study's runs so far and pool them with later seeds."""
+
+    out_dir: tyro.conf.Positional[str]
+    """the sweep's folder."""
+    to: str
+    """the records.json to write."""
+    seeds: list[int] | None = None
+    """only these seeds (default: every finished run's)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Grids: a list of configurations, each a dict of replay_grpo flags (replay_grpo Args field names). "lr" may
 # be a list: each lr is run and the report keeps the best per configuration. "name" overrides
@@ -387,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1 :]
     commands = {"run": RunArgs, "report": replay_study.Args, "render": RenderArgs, "plot": PlotArgs}
+    commands["records"] = RecordsArgs
     args = tyro.extras.subcommand_cli_from_dict(
         commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
     )
@@ -394,6 +408,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit("error: --extra is for sweep.py run (trainer flags)")
     if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
+    if isinstance(args, RecordsArgs):
+        runs = [r for r in load_runs(Path(args.out_dir), quiet=True) if args.seeds is None or r["seed"] in args.seeds]
+        Path(args.to).write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
+        print(f"wrote {args.to}: {len(runs)} finished run(s), seeds {sorted({r['seed'] for r in runs})}")
+        return {"runs": len(runs)}
     if isinstance(args, RenderArgs):
         summary = Path(args.summary)
         return render(summary, Path(args.table) if args.table else summary.with_name("table.md"))
