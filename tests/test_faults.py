@@ -576,11 +576,10 @@ def test_a_tools_bad_revision_or_folder_is_one_line(tmp_path, tool, args, needle
     (tmp_path / "file").write_text("x")
     (tmp_path / "full" / "earlier").mkdir(parents=True)
     args = [a.format(tmp=tmp_path) for a in args]
-    t0 = time.time()
     cmd = [sys.executable, str(ROOT / "tools" / tool), *args]
     res = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.startswith(f"error: {needle.format(tmp=tmp_path)}"), res.stderr
-    assert res.stderr.count("\n") == 1 and time.time() - t0 < 30
+    assert res.stderr.count("\n") == 1 and res.stdout == "", res.stdout  # no warm start or run said anything
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full"]  # nothing run, nothing made
 
 

@@ -7,7 +7,7 @@ Both sides run `--preset cpu --mode async --num-generators 2` with the same seed
 processes, started inside its timing as it starts them); this tree runs on two vLLM servers started beforehand and
 passed by --generator-urls (their start-up and warm-up time printed apart). Prints each side's wall time, the
 trainer's seconds blocked by publishing per step (sync_seconds), this tree's publisher-thread seconds per publish,
-held-out greedy accuracy at the end, and the ratio of the wall times.
+the trained rollouts' mean and largest staleness, held-out greedy accuracy at the end, and the ratio of the wall times.
 """
 
 import argparse
@@ -43,6 +43,8 @@ def summary(run_dir: Path) -> dict:
     last = steps[-1]
     out = {"steps": len(steps), "greedy_acc": [r for r in recs if "eval/greedy_acc" in r][-1]["eval/greedy_acc"]}
     out["sync_seconds_per_step"] = sum(r["sync_seconds"] for r in steps) / len(steps)
+    out["staleness_mean"] = sum(r["staleness_mean"] for r in steps) / len(steps)  # of the rollouts trained on
+    out["staleness_max"] = max(r["staleness_max"] for r in steps)
     if last.get("publishes"):
         out["publisher_seconds_per_publish"] = last["publish_seconds"] / last["publishes"]
         out["publishes"] = last["publishes"]
