@@ -94,7 +94,7 @@ def main() -> None:
         ap.stop_servers(servers)
 
     old, new = summary(out / f"old-{stamp}"), summary(out / f"new-{stamp}")
-    print(f"{a.rev} (mailbox, generator processes): {old_seconds:.1f} s wall, {old}")
+    print(f"{a.rev} (its run, starting its own generators): {old_seconds:.1f} s wall, {old}")
     print(
         f"this tree (2 vLLM servers, up and warm in {start_seconds:.1f} s beforehand): {new_seconds:.1f} s wall, {new}"
     )
