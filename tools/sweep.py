@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         return plot_run(Path(args.run_folder))
     if isinstance(args, RecordsArgs):
         runs = [r for r in load_runs(Path(args.out_dir), quiet=True) if args.seeds is None or r["seed"] in args.seeds]
+        Path(args.to).parent.mkdir(parents=True, exist_ok=True)
         Path(args.to).write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
         print(f"wrote {args.to}: {len(runs)} finished run(s), seeds {sorted({r['seed'] for r in runs})}")
         return {"runs": len(runs)}
