@@ -556,6 +556,11 @@ def on_daemons(fn, n: int) -> list:
     return results
 
 
+def on_servers(servers: list[Server], fn) -> list:
+    """[fn(server, i) for each server], all together (on_daemons)."""
+    return on_daemons(lambda i: fn(servers[i], i), len(servers))
+
+
 class ServerGenerator:
     """rg.make_rollouts' generator on one server: `POST /inference/v1/generate` per prompt (token ids in and out, n
     samples, the sampled tokens' processed log-probs, a seed drawn from `rng`), the prompts in flight together so the
@@ -760,9 +765,7 @@ class ServersClient:
         self.servers, self.offsets, self.receive_bound = servers, offsets, receive_bound
 
     def each(self, path: str, body=None, timeout=None) -> None:
-        on_daemons(
-            lambda i: self.servers[i].post(path, body(i) if callable(body) else body, timeout), len(self.servers)
-        )
+        on_servers(self.servers, lambda s, i: s.post(path, body(i) if callable(body) else body, timeout))
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:  # vLLM's payload, with each server's own offset
         self.each(
@@ -773,13 +776,11 @@ class ServersClient:
         self.each("/start_weight_update")
 
     def update_weights(self, update_info: dict) -> None:  # returns once the broadcast is in every worker
-        self.each("/update_weights", {"update_info": update_info}, max(self.receive_bound, *self.bounds()))
+        bound = max(self.receive_bound, *(s.control_bound() for s in self.servers))
+        self.each("/update_weights", {"update_info": update_info}, bound)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.each("/finish_weight_update", {"weight_version": weight_version})
-
-    def bounds(self) -> list[float]:
-        return [s.control_bound() for s in self.servers]
 
 
 def nccl_world(servers: list[Server]) -> list[int]:
@@ -792,7 +793,7 @@ def nccl_world(servers: list[Server]) -> list[int]:
             raise ValueError(f"world_size {n!r} is not a number of workers")
         return n
 
-    sizes = on_daemons(lambda i: servers[i].post("/get_world_size", parse=size, method="GET"), len(servers))
+    sizes = on_servers(servers, lambda s, i: s.post("/get_world_size", parse=size, method="GET"))
     return [1 + sum(sizes[:i]) for i in range(len(servers))] + [1 + sum(sizes)]
 
 
@@ -904,7 +905,7 @@ class Publisher:
         self.each(lambda s: (s.post("/update_weight_version", {"new_version": str(version)}), s.post("/resume")))
 
     def each(self, fn) -> None:
-        on_daemons(lambda i: fn(self.servers[i]), len(self.servers))
+        on_servers(self.servers, lambda s, i: fn(s))
 
     def metadata(self):  # the nccl engine's WeightSource: the weights being sent
         return self.source.metadata()
@@ -1342,8 +1343,8 @@ def train_async(cfg: rg.Args) -> dict:
         dealer = Dealer(cfg, T, dealing)
         nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
         ready = False  # every shard could draw a batch at the last look
-        how, dtype = route, kernels.compute_dtype(device)
-        publish_from = device if how == "nccl" else torch.device("cpu")  # the disk route writes from the host
+        dtype = kernels.compute_dtype(device)
+        publish_from = device if route == "nccl" else torch.device("cpu")  # the disk route writes from the host
         first = gather_weights(policy, dtype, publish_from)  # collective
         probes = probe_pairs(task, tok)
         if rank == 0:
@@ -1358,7 +1359,7 @@ def train_async(cfg: rg.Args) -> dict:
                 seconds = wait_ready(servers)
             tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
             publisher = Publisher(
-                servers, how, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg), device=device
+                servers, route, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg), device=device
             )
             publisher.publish(first, step, wait=True)  # every server holds this policy before its first request
             eos_ids = rg.stop_token_ids(host_copy, tok)
@@ -1370,7 +1371,7 @@ def train_async(cfg: rg.Args) -> dict:
                 f"async: W = {W} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} s), "
                 f"T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} "
                 f"({B // T}/rank), buffer N = {N} ({N // T}/rank), {loop.capacity} requests in flight or waiting, "
-                f"weights by {how} every {cfg.publish_every} step(s)"
+                f"weights by {route} every {cfg.publish_every} step(s)"
             )
             bar = rg.Progress(step, cfg.total_steps)
 
@@ -1431,9 +1432,9 @@ def train_async(cfg: rg.Args) -> dict:
             evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
             t0 = time.perf_counter()
             publishing = step % cfg.publish_every == 0 or evaluating
-            if publishing and how == "nccl" and waits and rank == 0:
+            if publishing and route == "nccl" and waits and rank == 0:
                 publisher.idle(failure=loop.failure)
-            elif publishing and how == "nccl":
+            elif publishing and route == "nccl":
                 publishing = rg.all_ranks(torch.tensor(rank != 0 or not publisher.sending, device=device))
             check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
             if publishing and cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
