@@ -237,3 +237,28 @@ def test_an_arm_with_an_extra_learning_rate_reports_and_draws(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| lr 1e-06 | lr 3e-06 | lr 1e-05 | lr 3e-05 | lr 0.0001 |" in table
     assert [line for line in table.splitlines() if line.startswith("| onpolicy |")][-1].endswith("| - |")
+
+
+def test_records_committed_so_far_pool_with_the_seeds_run_later(tmp_path, monkeypatch):
+    """A study run over two sessions: the first session's records.json pooled with the later run folders gives the
+    report of all the runs, byte for byte; a run in both, or a configuration run with other settings, is one line."""
+    runs = runs_with({"fast": (25, 182, 0.9), "slow": (100, 100, 1.0)})
+    every, so_far, out = tmp_path / "every.json", tmp_path / "so_far.json", tmp_path / "runs"
+    every.write_text(json.dumps(runner.compact_runs(sorted(runs, key=lambda r: r["name"]))))
+    so_far.write_text(json.dumps(runner.compact_runs([r for r in runs if r["seed"] < 4])))
+    out.mkdir()
+    later = [r for r in runs if r["seed"] >= 4]
+    monkeypatch.setattr(runner, "load_runs", lambda out_dir, quiet=False: later if out_dir == out else [])
+    common = ["--h1", "fast", "--h2", "slow", "--replicates", "100"]
+    cs.main(["--records", str(every), "--report-dir", str(tmp_path / "all"), *common])
+    cs.main(["--out-dir", str(out), "--pool-records", str(so_far), "--report-dir", str(tmp_path / "pooled"), *common])
+    for name in ("summary.json", "table.md", "records.json"):
+        assert (tmp_path / "pooled" / name).read_text() == (tmp_path / "all" / name).read_text(), name
+    later.append(next(r for r in runs if r["seed"] == 3))
+    with pytest.raises(
+        SystemExit, match=r"--pool-records .*so_far.json: onpolicy-lr1e-05-s3 also finished in .*runs: keep one$"
+    ):
+        cs.main(["--out-dir", str(out), "--pool-records", str(so_far), "--report-dir", str(tmp_path / "x"), *common])
+    later[-1] = dict(later[0], cfg=dict(later[0]["cfg"], total_steps=99), name="changed")
+    with pytest.raises(SystemExit, match=r"changed in .*runs and .* differ in total_steps: one configuration, two"):
+        cs.main(["--out-dir", str(out), "--pool-records", str(so_far), "--report-dir", str(tmp_path / "x"), *common])

@@ -124,6 +124,11 @@ def test_records_write_the_finished_runs_of_the_seeds_asked_for_as_the_reports_r
     runs = runner.load_records(to)
     expected = runner.compact_runs([r for r in sweep.load_runs(study["out"]) if r["seed"] == seeds[0]])["runs"]
     assert runs == expected and runs and {r["seed"] for r in runs} == {seeds[0]}
+    sweep.main(["records", str(study["out"]), "--to", str(to), "--seeds", str(seeds[1]), "--pool-records", str(to)])
+    every = sorted(sweep.load_runs(study["out"]), key=lambda r: r["name"])  # the first seed's and the second's
+    assert runner.load_records(to) == runner.compact_runs([r for r in every if r["seed"] in seeds[:2]])["runs"]
+    with pytest.raises(SystemExit, match="also finished in"):
+        sweep.main(["records", str(study["out"]), "--to", str(to), "--seeds", str(seeds[1]), "--pool-records", str(to)])
 
 
 def test_interrupted_run_is_resumed_not_restarted(study):

@@ -109,6 +109,9 @@ class Args:
     """paired bootstrap resamples of the seeds."""
     records: str | None = None
     """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
+    pool_records: str | None = None
+    """a records.json whose runs are pooled with the finished runs in --out-dir (seeds run in two sessions): a run in
+    both, or a configuration whose settings differ between them, stops with one line."""
 
     def hypotheses(self) -> list[str]:
         """H1's configuration, and H2's unless it is None."""

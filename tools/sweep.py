@@ -102,6 +102,8 @@ class RecordsArgs:
     """the records.json to write."""
     seeds: list[int] | None = None
     """only these seeds (default: every finished run's)."""
+    pool_records: str | None = None
+    """an earlier records.json whose runs are written with these (it may be --to itself); a run in both stops."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +412,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         return plot_run(Path(args.run_folder))
     if isinstance(args, RecordsArgs):
         runs = [r for r in load_runs(Path(args.out_dir), quiet=True) if args.seeds is None or r["seed"] in args.seeds]
+        if args.pool_records:
+            runs = runner.pool(runner.load_records(Path(args.pool_records)), runs, args.pool_records, args.out_dir)
         Path(args.to).parent.mkdir(parents=True, exist_ok=True)
         Path(args.to).write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
         print(f"wrote {args.to}: {len(runs)} finished run(s), seeds {sorted({r['seed'] for r in runs})}")

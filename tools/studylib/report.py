@@ -315,6 +315,8 @@ def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> d
         runs = runner.load_records(Path(args.records))
     else:
         runs = runner.load_runs(out) if out.is_dir() else []
+    if getattr(args, "pool_records", None):
+        runs = runner.pool(runner.load_records(Path(args.pool_records)), runs, args.pool_records, out)
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
     s = analyse(runs, args)

@@ -302,6 +302,27 @@ def load_records(path: Path) -> list[dict]:
     return runs
 
 
+def pool(kept: list[dict], runs: list[dict], path, out_dir) -> list[dict]:
+    """The runs of a records.json (kept) with finished run folders (runs), in load_runs's order (by name), so that a
+    report from the pooled records.json is the report from all the folders. A run in both, or a configuration whose
+    settings (CONFIG_KEYS but the seed) differ between the two, stops with one line."""
+    settings = {}
+    for source, rs in ((path, kept), (out_dir, runs)):
+        for r in rs:
+            cfg = {k: v for k, v in r["cfg"].items() if k in CONFIG_KEYS and k != "seed"}
+            first = settings.setdefault((r["config"], r["variant"]), (source, r["name"], cfg))
+            if first[2] != cfg:
+                differ = sorted(k for k in first[2].keys() | cfg.keys() if first[2].get(k) != cfg.get(k))
+                raise SystemExit(
+                    f"error: --pool-records {path}: {r['name']} in {source} and {first[1]} in {first[0]} differ in "
+                    f"{', '.join(differ)}: one configuration, two settings"
+                )
+    both = sorted({r["name"] for r in kept} & {r["name"] for r in runs})
+    if both:
+        raise SystemExit(f"error: --pool-records {path}: {', '.join(both)} also finished in {out_dir}: keep one")
+    return sorted(kept + runs, key=lambda r: r["name"])
+
+
 def read_sweep_json(path: Path) -> dict:
     """sweep.json's record, its seeds and tune_seeds lists of integers; a damaged one stops with one line."""
     keep = "it records which seeds only chose a learning rate: restore it, or delete it (report: give --tune-seeds)"
