@@ -651,8 +651,8 @@ class Scorer:
     def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
         return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def close(self) -> None:  # waits: an executor thread left running races the interpreter's exit for its pipe
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class RolloutLoop:

@@ -919,6 +919,16 @@ def test_the_rollout_threads_score_with_the_verifiers_time_limit():
         scorer.close()
 
 
+def test_closing_the_scorer_ends_its_process_before_the_run_exits():
+    """A run's end closes the scorer: its process and the executor's thread are gone when close returns, so the
+    interpreter's exit has nothing left to wake (left running, the thread can close its pipe while the exit writes to
+    it: "OSError: Bad file descriptor" after a run's last line)."""
+    scorer = ap.Scorer()
+    pid = scorer.pool.submit(os.getpid).result(timeout=300)
+    scorer.close()
+    assert not os.path.exists(f"/proc/{pid}") and not scorer.pool._executor_manager_thread, pid
+
+
 def test_a_request_blocked_on_a_hung_server_does_not_hold_the_process_at_exit():
     """A rollout thread waits on a server that answers nothing; the process ends at once when its main thread does
     (Ctrl-C on a run whose servers were started elsewhere), not when the request's time is up."""
