@@ -21,6 +21,14 @@ PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
 NCCL_CONFIG = ["--weight-transfer-config", '{"backend": "nccl"}']
 
 
+def pytest_collection_modifyitems(items):
+    """pytest-xdist (`-n`, pyproject.toml) runs each group in one worker: every test of the session's vLLM servers
+    (launched once), and otherwise each file's tests (its module fixtures built once, its tests in their order)."""
+    for item in items:
+        group = "vllm-servers" if "vllm_servers" in getattr(item, "fixturenames", ()) else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def untied_tiny(seed: int):
     """The tiny Qwen2 with its own LM head (tie_word_embeddings False), initialised apart from the embedding."""
     import torch
