@@ -278,7 +278,7 @@ def table_md(s: dict) -> str:
         f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
         "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
         f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
-        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt.acc(ci['best'][0])}, {fmt.acc(ci['best'][1])}]; the "
+        f"On-policy's best IQM: **{p['best']:.3f}** {fmt.bracket(ci['best'], fmt.acc)}; the "
         f"levels: {', '.join(names)} of it, computed again in each resample.",
         "",
         "## Configurations",
@@ -286,28 +286,19 @@ def table_md(s: dict) -> str:
         "Final compute: at the paper's mu. Measured mu: this machine's generation/training cost ratio (median over "
         "the configuration's runs), which the decision does not use.",
         "",
-        "| config | N | B | R | B/R | steps | evaluated every | final compute | lrs | measured mu |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c, k in s["configs"].items():
-        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
-        lines.append(
-            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
-            f"| {fmt.amount(k['x'][-1])} | {lrs} | {fmt.mu(k['mu'])} |"
-        )
-    lines += [
+        *fmt.config_table(s["configs"], ("final compute", lambda k: fmt.amount(k["x"][-1]))),
         "",
         "## Decision",
         "",
         f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
         "above 0." + (" H2 is tested only when H1 is met." if s["h2"] else ""),
         "",
-        "| hypothesis | config | saving | decision |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for h, c in zip(s["decision"], (s["h1"], s["h2"])):
         saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
-        lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
+        rows.append([h, c, saving, f"**{s['decision'][h]}**"])
+    lines += fmt.table(["hypothesis", "config", "saving", "decision"], rows)
     lines += [
         "",
         "## Cost to each level (compute at the first crossing, interpolated) and its ratio to on-policy's",
@@ -315,17 +306,16 @@ def table_md(s: dict) -> str:
         "A level a frontier never reaches costs its run's final compute. Reached: whether the frontier on all seeds "
         "reaches it, and in what share of the resamples.",
         "",
-        "| config | level | cost | ratio to on-policy | reached: all seeds; resamples |",
-        "|---|---|---|---|---|",
     ]
+    rows = []
     for c, row in p["configs"].items():
         for n in names:
             rci = ci["configs"][c]
             ratio = "—" if c == ref else fmt.interval(row["ratio"][n], rci["ratio"][n], fmt.amount)
-            lines.append(
-                f"| {c} | {n} | {fmt.interval(row['cost'][n], rci['cost'][n], fmt.cost)} | {ratio} | "
-                f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%} |"
-            )
+            reached = f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%}"
+            rows.append([c, n, fmt.interval(row["cost"][n], rci["cost"][n], fmt.cost), ratio, reached])
+    lines += fmt.table(["config", "level", "cost", "ratio to on-policy", "reached: all seeds; resamples"], rows)
+    gaps = p["configs"][ref]["gap"]
     lines += [
         "",
         "## Reported without deciding",
@@ -333,25 +323,28 @@ def table_md(s: dict) -> str:
         "**The frontier gap at equal compute** (the paper's Fig. 4 reading): replay's frontier minus on-policy's, "
         "at fractions of on-policy's final compute.",
         "",
-        "| config | " + " | ".join(f"at {b} of the compute" for b in p["configs"][ref]["gap"]) + " |",
-        "|---|" + "---|" * len(p["configs"][ref]["gap"]),
-    ]
-    for c, row in p["configs"].items():
-        if c != ref:
-            cells = [fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items()]
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    lines += [
+        *fmt.table(
+            ["config", *(f"at {b} of the compute" for b in gaps)],
+            [
+                [c, *(fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items())]
+                for c, row in p["configs"].items()
+                if c != ref
+            ],
+        ),
         "",
         "**The earlier study's rule on these seeds** (pareto.py: the saving to 90% of on-policy's best median, read "
         "at the first evaluation past it; met when at least the target with the interval's lower end above 0 on "
         "both axes):",
         "",
-        "| config | generated rollouts | compute at the paper's mu | verdict |",
-        "|---|---|---|---|",
+        *fmt.table(
+            ["config", "generated rollouts", "compute at the paper's mu", "verdict"],
+            [
+                [c, *(fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES)]
+                + [o["verdict"]]
+                for c, o in s["old_rule"].items()
+            ],
+        ),
     ]
-    for c, o in s["old_rule"].items():
-        axes = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
-        lines.append(f"| {c} | {axes[0]} | {axes[1]} | {o['verdict']} |")
     aa = s["aa"]
     lines += [
         "",
@@ -363,21 +356,19 @@ def table_md(s: dict) -> str:
         "",
     ]
     lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
-    lines += ["| config | " + " | ".join(f"lr {float(lr):g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+    rows = []
     for c, row in p["configs"].items():
         best, band = row["best_iqm"], ci["configs"][c]["best_iqm"]
-        cells = [fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        rows.append([c, *(fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs)])
+    lines += fmt.table(["config", *(f"lr {float(lr):g}" for lr in lrs)], rows)
     lines += [
         "",
         "## Seeds",
         "",
         "Held-out greedy accuracy after the warm start (step 0, shared by every configuration of a seed):",
         "",
-        "| seed | step 0 |",
-        "|---|---|",
+        *fmt.table(["seed", "step 0"], [[k, f"{s['start_greedy_acc'][str(k)]:.3f}"] for k in seeds]),
     ]
-    lines += [f"| {k} | {s['start_greedy_acc'][str(k)]:.3f} |" for k in seeds]
     return "\n".join(lines) + "\n"
 
 

@@ -228,40 +228,35 @@ def analyse(data: dict, args: Args) -> dict:
 
 
 def table_md(s: dict) -> str:
-    n = len(s["seeds"])
-    lines = [
-        f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({n}; the lrs were picked on tune seeds {s['tune_seeds']}). Score: "
-        f"held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. Effect: mean over seeds of "
-        f"score(correction) - score(none), paired; interval: Bonferroni over {s['family']} comparisons (two-sided "
-        f"90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
-        "",
-        "| setting | correction | effect | interval (Bonferroni) | 90% interval | decision |",
-        "|---|---|---|---|---|---|",
+    rows = [
+        [r["setting"], r["correction"], fmt.diff(r["effect"]), fmt.bracket(r["interval"], fmt.diff)]
+        + [fmt.bracket(r["interval_90"], fmt.diff), r["decision"]]
+        for r in s["comparisons"].values()
     ]
-    for row in s["comparisons"].values():
-        lo, hi = row["interval"]
-        lo90, hi90 = row["interval_90"]
-        lines.append(
-            f"| {row['setting']} | {row['correction']} | {fmt.diff(row['effect'])} | [{fmt.diff(lo)}, {fmt.diff(hi)}]"
-            f" | [{fmt.diff(lo90)}, {fmt.diff(hi90)}] | {row['decision']} |"
-        )
-    lines += [
-        "",
-        "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
-    ]
-    lines += [
-        "",
-        "| configuration | lr | score median [IQR] | staleness buckets: corrected share / mean (log r)^2 / KL |",
-        "|---|---|---|---|",
-    ]
+    configs = []
     for name, cfg in s["configs"].items():
         diag = "; ".join(
             f"{label}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
             for label, d in cfg["diagnostics"].items()
         )
-        q25, med, q75 = cfg["score"]
-        lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
-        lines.append(f"| {name} | {lrs} | {fmt.acc(med)} [{fmt.acc(q25)}, {fmt.acc(q75)}] | {diag} |")
+        configs.append(
+            [name, ", ".join(f"{lr:g}" for lr in cfg["lr"]), fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), diag]
+        )
+    lines = [
+        f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "
+        f"{s['tune_seeds']}). Score: held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. "
+        "Effect: mean over seeds of score(correction) - score(none), paired; interval: Bonferroni over "
+        f"{s['family']} comparisons (two-sided 90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
+        "",
+        *fmt.table(["setting", "correction", "effect", "interval (Bonferroni)", "90% interval", "decision"], rows),
+        "",
+        "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
+        "",
+        *fmt.table(
+            ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"],
+            configs,
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -217,23 +217,26 @@ def analyse(runs: list[dict], args: Args) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+def eval_rollouts(k: dict) -> str:
+    """A configuration's generated rollouts at its evaluations, the middle ones left out when there are more than 3."""
+    xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
+    return ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
+
+
 def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
     """The rows of costs and savings (keys `cost`, `saving` of each configuration) per level and axis."""
-    lines = [
-        "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
-        "|---|---|" + "---|---|" * len(AXES),
-    ]
+    rows = []
     for c, row in p["configs"].items():
         if not row[cost]:  # the same-lr table: a configuration that did not run at that lr
             continue
         for level in LEVELS:
-            parts = []
+            cells = [c, level]
             for axis in AXES:
                 rci = ci["configs"][c]
-                parts.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
-                parts.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
-            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
-    return lines
+                cells.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
+                cells.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
+            rows.append(cells)
+    return fmt.table(["config", "level", *(h for label in AXES.values() for h in (f"{label}: cost", "saving"))], rows)
 
 
 def table_md(s: dict) -> str:
@@ -246,8 +249,8 @@ def table_md(s: dict) -> str:
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
-        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt.acc(ci['target'][0])}, "
-        f"{fmt.acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** {fmt.bracket(ci['target'], fmt.acc)}; "
+        f"its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
         f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
@@ -257,19 +260,7 @@ def table_md(s: dict) -> str:
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.",
         "",
-        "| config | N | B | R | B/R | N/R | steps | evaluated every | generated rollouts at the evaluations | "
-        "lrs | measured mu |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c, k in s["configs"].items():
-        xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
-        shown = ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
-        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
-        lines.append(
-            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt.mu(k['mu'])} |"
-        )
-    lines += [
+        *fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
         "",
         "## Decision",
         "",
@@ -278,14 +269,14 @@ def table_md(s: dict) -> str:
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
         f"**{s['claim']}**.",
         "",
-        "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in ("rollouts", "compute_paper_mu")]
-        name = f"**{c}**" if c == s["primary"] else c
-        lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
+        rows.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
+    head = ["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"]
+    lines += fmt.table(head, rows)
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
     lines += cost_table(p, ci, "cost", "saving")
     lines += [
@@ -306,9 +297,8 @@ def table_md(s: dict) -> str:
         "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
         "maximum is: a resample cannot exceed the best value it draws from.",
         "",
-        "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
-        "|---|---|---|---|---|---|",
     ]
+    rows = []
     for c, row in p["configs"].items():
         for lr, at in row["lrs"].items():
             aci = ci["configs"][c]["lrs"][lr]
@@ -317,18 +307,19 @@ def table_md(s: dict) -> str:
                 if c == ref or "final_minus_reference" not in at
                 else fmt.interval(at["final_minus_reference"], aci["final_minus_reference"], fmt.diff)
             )
-            lines.append(
-                f"| {c} | {float(lr):g} | {fmt.interval(at['final'], aci['final'], fmt.acc)} | {delta} | "
-                f"{fmt.interval(at['best'], aci['best'], fmt.acc)} | {at['entropy_start']:.3f} → "
-                f"{at['entropy_end']:.3f} |"
+            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
+            rows.append(
+                [c, f"{float(lr):g}", final, delta, best, f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"]
             )
-    lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
+    lines += fmt.table(
+        ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"], rows
+    )
+    rows = []
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
-        lines.append(
-            f"| {c} | {fmt.interval(row['best'], rci['best'], fmt.acc)} | "
-            f"{fmt.interval(row['best_minus_reference'], rci['best_minus_reference'], fmt.diff)} |"
-        )
+        best = [fmt.interval(row[k], rci[k], one) for k, one in (("best", fmt.acc), ("best_minus_reference", fmt.diff))]
+        rows.append([c, *best])
+    lines += ["", *fmt.table(["config", "best over lrs", "− on-policy's best"], rows)]
     lines += [
         "",
         "## Seeds",
@@ -336,9 +327,7 @@ def table_md(s: dict) -> str:
         "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
         "seed starts from the same warm start):",
         "",
-        "| seed | " + " | ".join(map(str, s["seeds"])) + " |",
-        "|---|" + "---|" * len(s["seeds"]),
-        "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"]) + " |",
+        *fmt.table(["seed", *s["seeds"]], [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]),
     ]
     return "\n".join(lines) + "\n"
 

@@ -388,6 +388,25 @@ def table_md(s: dict) -> str:
 
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
     target = fmt.acc(s["target_greedy_acc"])
+    rows = []
+    for c, r in s["configs"].items():
+        cells = [c, f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""), len(r["seeds"]), r["steps"]]
+        cells += [
+            fmt.quartiles(r["greedy_acc"]),
+            fmt.quartiles(r["pass@1"]),
+            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
+        ]
+        cells += [
+            fmt.amount(r["generated_tokens"]),
+            fmt.mu(r["mu"]),
+            f"{r['replay_ratio']:.2f}",
+            f"{r['staleness']:.2f}",
+        ]
+        for axis in AXES:
+            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
+        rows.append(cells)
+    head = ["config", "lr", "seeds", "steps", "greedy acc", "pass@1", "pass@k", "gen. tokens", "mu (meas.)"]
+    head += ["replay ratio", "staleness", "tokens to target", "saving", "compute (meas.) to target", "saving"]
     lines = [
         "# Replay-GRPO study",
         "",
@@ -401,28 +420,8 @@ def table_md(s: dict) -> str:
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
         "optimizer steps between a rollout's generation and its use, averaged over every use.",
         "",
-        "| config | lr | seeds | steps | greedy acc | pass@1 | pass@k | gen. tokens | mu (meas.) | replay ratio "
-        "| staleness | tokens to target | saving | compute (meas.) to target | saving "
-        "| compute (paper) to target | saving |",
-        "|" + "---|" * 17,
+        *fmt.table(head + ["compute (paper) to target", "saving"], rows),
     ]
-    for c, r in s["configs"].items():
-        cells = [
-            c,
-            f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
-            len(r["seeds"]),
-            r["steps"],
-            fmt.quartiles(r["greedy_acc"]),
-            fmt.quartiles(r["pass@1"]),
-            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
-            fmt.amount(r["generated_tokens"]),
-            fmt.mu(r["mu"]),
-            f"{r['replay_ratio']:.2f}",
-            f"{r['staleness']:.2f}",
-        ]
-        for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
             "",
@@ -431,6 +430,19 @@ def table_md(s: dict) -> str:
         ]
     if "bootstrap" in s:
         iv = s["bootstrap"]["intervals"]
+        rows = []
+        for c in s["configs"]:
+            for f in ("target", "90% of target"):
+                cells = [c, f]
+                for axis in AXES:
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
+                rows.append(cells)
+        equal = [
+            [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
+            for c in s["configs"]
+        ]
+        target_pct = f"{s['saving_target']:g}%"
         lines += [
             "",
             f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
@@ -439,34 +451,20 @@ def table_md(s: dict) -> str:
             "configuration; the target recomputed from each resample of the reference). 'never': not reached "
             "within the run. Saving = 1 − ours / reference's.",
             "",
-            "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
-            "|" + "---|" * 8,
-        ]
-        for c in s["configs"]:
-            for f in ("target", "90% of target"):
-                cells = [c, f]
-                for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
-                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
-                lines.append("| " + " | ".join(cells) + " |")
-        lines += [
+            *fmt.table(
+                ["config", "reaches", "gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)"]
+                + ["saving"],
+                rows,
+            ),
             "",
             f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
             "",
             "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
             "",
-            "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
-            "|" + "---|" * 5,
-        ]
-        for c in s["configs"]:
-            cells = [
-                bootstrap(iv[c]["at_equal"][a][w], fmt.acc)
-                for a in ("compute_measured_mu", "compute_paper_mu")
-                for w in ("acc", "pass@k")
-            ]
-            lines.append("| " + " | ".join([c] + cells) + " |")
-        target_pct = f"{s['saving_target']:g}%"
-        lines += [
+            *fmt.table(
+                ["config", "greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"],
+                equal,
+            ),
             "",
             f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
             f"compute at the paper's mu, to {ref}'s final median accuracy",
@@ -478,6 +476,11 @@ def table_md(s: dict) -> str:
         for c, d in s["decision"].items():
             lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
+        rows = [
+            [c, label, f"{b['share']:.3f}", *(f"{b[k]:.4f}" for k in ("clip_frac", "abs_log_ratio", "ess_per_token"))]
+            for c, r in s["configs"].items()
+            for label, b in (r.get("by_staleness") or {}).items()
+        ]
         lines += [
             "",
             "## What a step trains on, by staleness",
@@ -487,29 +490,20 @@ def table_md(s: dict) -> str:
             "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
             "w^2 over the tokens: 1 when all ratios are equal).",
             "",
-            "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
-            "|" + "---|" * 6,
+            *fmt.table(
+                ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"],
+                rows,
+            ),
         ]
-        for c, r in s["configs"].items():
-            for label, b in (r.get("by_staleness") or {}).items():
-                lines.append(
-                    f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
-                    f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |"
-                )
     if s.get("per_seed"):
-        lines += [
-            "",
-            "## Seeds",
-            "",
-            "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
-            "|" + "---|" * 6,
+        rows = [
+            [c, r["seed"], r["warmstart_reached"]]
+            + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
+            for c, runs in s["per_seed"].items()
+            for r in runs
         ]
-        for c, rows in s["per_seed"].items():
-            for r in rows:
-                lines.append(
-                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt.acc(r['warmstart_pass@k'])} | "
-                    f"{fmt.acc(r['greedy_acc_start'])} | {fmt.acc(r['greedy_acc_final'])} |"
-                )
+        head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
+        lines += ["", "## Seeds", "", *fmt.table(head, rows)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
         lines += [
