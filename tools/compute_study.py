@@ -149,7 +149,7 @@ def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     return out
 
 
-def bootstrap(arms: dict, reference: str, replicates: int, rng: np.random.Generator) -> tuple[dict, dict]:
+def bootstrap(arms: dict, reference: str, replicates: int, seed: int) -> tuple[dict, dict]:
     """The point estimates on all seeds and the 5th/95th percentiles of every number over paired resamples; the
     intervals' "reached" is the share of resamples where the frontier reaches each level."""
     n = len(next(iter(next(iter(arms.values()))["acc"].values())))
@@ -157,11 +157,10 @@ def bootstrap(arms: dict, reference: str, replicates: int, rng: np.random.Genera
     def estimate(idx):
         return estimates(arms, reference, idx)
 
-    point = estimate(np.arange(n))
-    ci, reps = report.bootstrap(estimate, report.resample(n), replicates, rng)
+    ci, reps = report.bootstrap(estimate, n, replicates, seed=seed)
     for c, row in reps["configs"].items():
         ci["configs"][c]["reached"] = {level: float(np.mean(v)) for level, v in row["reached"].items()}
-    return point, ci
+    return estimate(np.arange(n)), ci
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,7 +189,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
     cells = {c: cells[c] for c in (args.reference, *hypotheses)}
     arms = arms_of(cells)
-    point, ci = bootstrap(arms, args.reference, args.replicates, np.random.default_rng(0))
+    point, ci = bootstrap(arms, args.reference, args.replicates, seed=0)
 
     h = len(seeds) // 2  # A/A: on-policy's first half of the seeds against its second, paired by position
     ref = arms[args.reference]
@@ -198,7 +197,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         half: {"x": ref["x"], "acc": {lr: a[part] for lr, a in ref["acc"].items()}}
         for half, part in (("first half", slice(0, h)), ("second half", slice(h, 2 * h)))
     }
-    aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, np.random.default_rng(1))
+    aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, seed=1)
 
     old = old_rule(runs, seeds, args)
     decisions = {}

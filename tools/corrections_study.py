@@ -30,7 +30,6 @@ the report; --records recomputes the whole report from that file alone.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +121,17 @@ def compact(run: dict) -> dict:
     }
 
 
+def records_of(out: Path) -> dict:
+    """records.json's content from the finished runs in out and the tune seeds its sweep.json records."""
+    runs = runner.load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
+    sweep = out / "sweep.json"
+    if not sweep.exists():
+        raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
+    return {"tune_seeds": runner.read_sweep_json(sweep)["tune_seeds"], "runs": [compact(r) for r in runs]}
+
+
 def read_records(path: Path) -> dict:
     try:
         data = runner.read_json(path)
@@ -180,13 +190,7 @@ def analyse(data: dict, args: Args) -> dict:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every configuration; the statistic needs at least 4")
     scores = {name: np.array([score(by[name][s]) for s in seeds]) for name in names}
     point = estimates(scores, np.arange(len(seeds)))
-    ci, _ = report.bootstrap(
-        lambda idx: estimates(scores, idx),
-        report.resample(len(seeds)),
-        args.replicates,
-        np.random.default_rng(0),
-        ps=PS,
-    )
+    ci, _ = report.bootstrap(lambda idx: estimates(scores, idx), len(seeds), args.replicates, ps=PS)
     rows = {}
     for s, c, name in comparisons():
         lo, lo90, hi90, hi = ci[name]
@@ -276,22 +280,10 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    if args.records:
-        data = read_records(Path(args.records))
-    else:
-        out = Path(args.out_dir)
-        runs = runner.load_runs(out) if out.is_dir() else []
-        if not runs:
-            raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
-        sweep = out / "sweep.json"
-        if not sweep.exists():
-            raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
-        tune = runner.read_sweep_json(sweep)["tune_seeds"]
-        data = {"tune_seeds": tune, "runs": [compact(r) for r in runs]}
+    data = read_records(Path(args.records)) if args.records else records_of(Path(args.out_dir))
     s = analyse(data, args)
     dest = Path(args.report_dir or args.out_dir)
-    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot)
-    (dest / "records.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot, records=data)
     return s
 
 

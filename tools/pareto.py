@@ -189,7 +189,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         return estimates(cells, args.reference, idx, args.same_lr)
 
     point = estimate(np.arange(len(seeds)))
-    ci, _ = report.bootstrap(estimate, report.resample(len(seeds)), args.replicates, np.random.default_rng(0))
+    ci, _ = report.bootstrap(estimate, len(seeds), args.replicates)
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {
         "seeds": seeds,

@@ -261,7 +261,7 @@ def summarize(
             return {c: rng.integers(0, len(rs), len(rs)) for c, rs in configs.items()}
 
         n = 2000
-        intervals, _ = report.bootstrap(estimate, draw, n, np.random.default_rng(0), ps=(5, 50, 95))
+        intervals, _ = report.bootstrap(estimate, draw, n, ps=(5, 50, 95))
         out["bootstrap"] = {"replicates": n, "intervals": intervals}
         out["decision"] = decide(intervals, reference, saving_target)
         out["saving_target"] = saving_target
