@@ -219,10 +219,7 @@ def summarize(
     rows = {}
     for config, rs in configs.items():
         cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
-        stale = Counter()
-        for r in rs:
-            for rec in r["records"]:
-                stale.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
+        stale = sum((staleness_counts(r) for r in rs), Counter())
         row = rows[config] = {
             "lr": cfg["lr"],
             "seeds": [r["seed"] for r in rs],
@@ -361,6 +358,14 @@ def staleness_buckets(rs: list[dict]) -> dict | None:
             "ess_per_token": ess / tokens,
         }
     return out
+
+
+def staleness_counts(run: dict) -> Counter:
+    """How many rollouts a run trained on at each staleness, over its steps."""
+    counts = Counter()
+    for rec in run["records"]:
+        counts.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
+    return counts
 
 
 def per_seed(run: dict, target: float, axes: dict) -> dict:
@@ -538,82 +543,56 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     palette = iter(plt.get_cmap("tab10").colors)
     color = {c: "black" if c == ref else next(palette) for c in runs}
     label = {c: c + (f" (lr {s['configs'][c]['lr']:g})" if c in s["lr_choice"] else "") for c in runs}
-    written = []
+    style = {c: {"color": color[c], "lw": 2.2 if c == ref else 1.4, "label": label[c]} for c in runs}
+    greedy, acc, written = "eval/greedy_acc", "held-out greedy accuracy", []
 
-    def save(fig, name):
+    def save(fig, name, legend=None):
+        if legend is not None:
+            legend.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
         written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
-    def lines(ax, y, x, xlabel, ylabel, eval_only=True, show_target=True):
+    def lines(ax, y, x, xlabel, ylabel):
+        """Median and IQR over seeds of y (a record's key, or the key as a function of the configuration) against
+        x, at the evaluations for an evaluation's key; the target on the greedy accuracy."""
         for c, rs in runs.items():
             key = y(c) if callable(y) else y
-            cv = curve(rs, key, x, eval_only)
-            ax.plot(cv["x"], cv["median"], color=color[c], lw=2.2 if c == ref else 1.4, label=label[c])
+            cv = curve(rs, key, x, eval_only=key.startswith("eval/"))
+            ax.plot(cv["x"], cv["median"], **style[c])
             ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
-        if show_target and target is not None:
+        if y == greedy and target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
 
-    def legend(ax):
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
-
     def step_of(r):
         return r["step"]
 
+    def pass_k(c):
+        return f"eval/pass@{s['configs'][c]['k']}"
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    lines(a, "eval/greedy_acc", step_of, "gradient steps", "held-out greedy accuracy")
-    lines(
-        b,
-        lambda c: f"eval/pass@{s['configs'][c]['k']}",
-        step_of,
-        "gradient steps",
-        "held-out pass@k (k samples, temperature 1)",
-        show_target=False,
-    )
+    lines(a, greedy, step_of, "gradient steps", acc)
+    lines(b, pass_k, step_of, "gradient steps", "held-out pass@k (k samples, temperature 1)")
     fig.suptitle("Held-out accuracy vs gradient steps (median, IQR over seeds)")
-    legend(b)
-    save(fig, "accuracy_vs_steps.png")
+    save(fig, "accuracy_vs_steps.png", legend=b)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(
-        ax,
-        "eval/greedy_acc",
-        lambda r: r.get("total_generated_tokens", 0),
-        "generated tokens",
-        "held-out greedy accuracy",
-    )
+    lines(ax, greedy, lambda r: r.get("total_generated_tokens", 0), "generated tokens", acc)
     ax.set_title("Held-out accuracy vs generated tokens")
-    legend(ax)
-    save(fig, "accuracy_vs_tokens.png")
+    save(fig, "accuracy_vs_tokens.png", legend=ax)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (mu, what) in zip(axes, [(s["mu_measured"], "measured on this machine"), (s["paper_mu"], "the paper's")]):
-        lines(
-            ax,
-            "eval/greedy_acc",
-            lambda r, mu=mu: compute(r, mu),
-            "compute = trained + mu x generated rollouts",
-            "held-out greedy accuracy",
-        )
+        lines(ax, greedy, lambda r, mu=mu: compute(r, mu), "compute = trained + mu x generated rollouts", acc)
         ax.set_title(f"mu = {mu:.2f} ({what})")
     fig.suptitle("Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)")
-    legend(axes[1])
-    save(fig, "accuracy_vs_compute.png")
+    save(fig, "accuracy_vs_compute.png", legend=axes[1])
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(
-        ax,
-        "entropy",
-        step_of,
-        "gradient steps",
-        "policy entropy on the batch (nats/token)",
-        eval_only=False,
-        show_target=False,
-    )
+    lines(ax, "entropy", step_of, "gradient steps", "policy entropy on the batch (nats/token)")
     ax.set_title("Training entropy")
-    legend(ax)
-    save(fig, "entropy.png")
+    save(fig, "entropy.png", legend=ax)
 
     def hists(name, title, xlabel, counts_of):
         n = len(runs)
@@ -642,9 +621,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         "staleness_hist.png",
         "Staleness of each use (steps since generation), all steps and seeds",
         "staleness (optimizer steps)",
-        lambda r: Counter(
-            [int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items() for _ in range(v)]
-        ),
+        staleness_counts,
     )
     hists(
         "replay_ratio_hist.png",
@@ -660,21 +637,13 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         for ax, (key, ylabel) in zip(axes, BUCKET_PANELS):
             for c, d in by_config.items():
                 xs = [i for i, b in enumerate(buckets) if b in d]
-                ax.plot(
-                    xs,
-                    [d[buckets[i]][key] for i in xs],
-                    marker="o",
-                    color=color[c],
-                    lw=2.2 if c == ref else 1.4,
-                    label=label[c],
-                )
+                ax.plot(xs, [d[buckets[i]][key] for i in xs], marker="o", **style[c])
             ax.set_xticks(range(len(buckets)), buckets)
             ax.set_xlabel("staleness (optimizer steps)")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-        legend(axes[-1])
         fig.suptitle("What a step trains on, by staleness (all steps and seeds)")
-        save(fig, "staleness_metrics.png")
+        save(fig, "staleness_metrics.png", legend=axes[-1])
     return written
 
 

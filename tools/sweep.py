@@ -277,15 +277,8 @@ def render(summary_path: Path, table_path: Path) -> None:
         summary = read_json(summary_path)
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
-    study = (
-        corrections_study
-        if "comparisons" in summary
-        else compute_study
-        if "aa" in summary
-        else pareto
-        if "interval_90" in summary
-        else replay_study
-    )
+    by_key = {"comparisons": corrections_study, "aa": compute_study, "interval_90": pareto}  # a key of its own
+    study = next((module for key, module in by_key.items() if key in summary), replay_study)
     try:
         table_path.write_text(study.table_md(summary))
     except OSError as e:
@@ -353,17 +346,14 @@ def plot_run(run_dir: Path) -> list[Path]:
         for ax, (ylabel, series) in zip(axes.flat, panels):
             for key, label in series:
                 pts = [(r.get(xkey, 0), r[key]) for r in recs if r.get(key) is not None]
-                target = ax.twinx() if key == "truncated_frac" else ax
+                fraction = key == "truncated_frac"  # on its own axis, at the right
+                target = ax.twinx() if fraction else ax
                 if pts:
+                    marker = "o" if key.startswith("eval/") else None
                     target.plot(
-                        *zip(*pts),
-                        marker="o" if key.startswith("eval/") else None,
-                        ms=3,
-                        label=label,
-                        color="grey" if key == "truncated_frac" else None,
-                        lw=1.4,
+                        *zip(*pts), marker=marker, ms=3, label=label, color="grey" if fraction else None, lw=1.4
                     )
-                if key == "truncated_frac":
+                if fraction:
                     target.set_ylim(0, 1)
                     target.legend(loc="upper right", fontsize=8, frameon=False)
             ax.set_xlabel(xlabel)
@@ -375,16 +365,10 @@ def plot_run(run_dir: Path) -> list[Path]:
     if with_buckets:  # the metrics by staleness: one line per bucket
         buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
-        for ax, (key, ylabel) in zip(
-            axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:3], ("ess_per_token", "ESS per token")]
-        ):
+        for ax, (key, ylabel) in zip(axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:]]):
             for b in buckets:
-                pts = []
-                for r in with_buckets:
-                    m = r["by_staleness"].get(b)
-                    if m is not None:
-                        value = m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]
-                        pts.append((r["step"], value))
+                at = [(r["step"], r["by_staleness"][b]) for r in with_buckets if r["by_staleness"].get(b) is not None]
+                pts = [(step, m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]) for step, m in at]
                 ax.plot(*zip(*pts), lw=1.2, label=f"staleness {b}")
             ax.set_xlabel("gradient steps")
             ax.set_ylabel(ylabel)
@@ -401,8 +385,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1 :]
-    commands = {"run": RunArgs, "report": replay_study.Args, "render": RenderArgs, "plot": PlotArgs}
-    commands["records"] = RecordsArgs
+    commands = dict(run=RunArgs, report=replay_study.Args, render=RenderArgs, plot=PlotArgs, records=RecordsArgs)
     args = tyro.extras.subcommand_cli_from_dict(
         commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
     )
