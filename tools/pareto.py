@@ -112,14 +112,8 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
     for c, cell in cells.items():
         best = frontier(list(med[c].values()))  # the best median accuracy over lrs at cost <= each evaluation's
-        row = out["configs"][c] = {
-            "cost": {},
-            "saving": {},
-            "same_lr_cost": {},
-            "same_lr_saving": {},
-            "best": float(best[-1]),
-            "lrs": {},
-        }
+        row = out["configs"][c] = {k: {} for k in ("cost", "saving", "same_lr_cost", "same_lr_saving")}
+        row |= {"best": float(best[-1]), "lrs": {}}
         row["best_minus_reference"] = row["best"] - target
         row["frontier"] = {axis: {f"{x:g}": float(y) for x, y in zip(cell["x"][axis], best)} for axis in AXES}
         for axis in AXES:
@@ -137,12 +131,9 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
             }
     ref = out["configs"][reference]
     for row in out["configs"].values():
-        for axis in AXES:
-            row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
-            if axis in row["same_lr_cost"]:
-                row["same_lr_saving"][axis] = {
-                    n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
-                }
+        for cost, sv in (("cost", "saving"), ("same_lr_cost", "same_lr_saving")):
+            for axis, at in row[cost].items():
+                row[sv][axis] = {n: saving(at[n], ref[cost][axis][n]) for n in LEVELS}
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
                 at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]
@@ -160,10 +151,8 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
         if n_seeds < 2:
             out[c] = {"axes": {a: "undecided" for a in DECISION_AXES}, "verdict": "undecided"}
             continue
-        checks = {
-            a: meets(row["saving"][a]["90%"], ci["configs"][c]["saving"][a]["90%"][0], saving_target)
-            for a in DECISION_AXES
-        }
+        sv, low = row["saving"], ci["configs"][c]["saving"]
+        checks = {a: meets(sv[a]["90%"], low[a]["90%"][0], saving_target) for a in DECISION_AXES}
         out[c] = {
             "axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
             "verdict": "met" if all(checks.values()) else "not met",
@@ -173,10 +162,9 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
 
 def analyse(runs: list[dict], args: Args) -> dict:
     cells, seeds, mu = report.cells_of(runs, args.paper_mu, axes=tuple(AXES))
-    if args.reference not in cells:
-        raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
-    if args.primary not in cells:
-        raise SystemExit(f"error: --primary {args.primary}: no finished runs (have: {', '.join(cells)})")
+    for flag, name in (("--reference", args.reference), ("--primary", args.primary)):
+        if name not in cells:
+            raise SystemExit(f"error: {flag} {name}: no finished runs (have: {', '.join(cells)})")
     cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
     for c, cell in cells.items():
         if sorted(cell["lrs"]) != sorted(cells[args.reference]["lrs"]):
@@ -185,11 +173,10 @@ def analyse(runs: list[dict], args: Args) -> dict:
                 f"{sorted(cells[args.reference]['lrs'])}: their frontiers are over different sweeps"
             )
 
-    def estimate(idx):
-        return estimates(cells, args.reference, idx, args.same_lr)
-
-    point = estimate(np.arange(len(seeds)))
-    ci, _ = report.bootstrap(estimate, len(seeds), args.replicates)
+    point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
+    ci, _ = report.bootstrap(
+        lambda idx: estimates(cells, args.reference, idx, args.same_lr), len(seeds), args.replicates
+    )
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {
         "seeds": seeds,
@@ -338,10 +325,6 @@ def plot(s: dict, dest: Path) -> list[Path]:
     plt = report.pyplot()
     cells, target, written = s["_cells"], s["point"]["target"], []
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
-
-    def save(fig, name: str) -> None:
-        written.append(save_figure(fig, dest / name))
-
     fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
     for ax, (axis, label) in zip(axes, AXES.items()):
         for c, cell in cells.items():
@@ -360,7 +343,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
     fig.suptitle(
         "Frontier over learning rates (lines; bands: bootstrap 90%) and every learning rate's evaluations (dots)"
     )
-    save(fig, "pareto_frontier.png")
+    written.append(save_figure(fig, dest / "pareto_frontier.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     lr = s["same_lr"]
@@ -377,11 +360,11 @@ def plot(s: dict, dest: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")
-    save(fig, "same_lr.png")
+    written.append(save_figure(fig, dest / "same_lr.png"))
 
     lrs = next(iter(cells.values()))["lrs"]  # the reference's
-    fig, axes = plt.subplots(1, len(lrs), figsize=(15, 4), sharey=True)
-    for ax, lr in zip(np.atleast_1d(axes), lrs):
+    fig, axes = plt.subplots(1, len(lrs), figsize=(15, 4), sharey=True, squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
         for c, cell in cells.items():
             if lr in cell["lrs"]:
                 at = cell["lrs"][lr]
@@ -389,9 +372,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
         ax.set_title(f"lr {lr:g}")
         ax.set_xlabel("generated rollouts")
         ax.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("entropy per token of the trained batch (median)")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    save(fig, "entropy.png")
+    axes[0, 0].set_ylabel("entropy per token of the trained batch (median)")
+    axes[0, 0].legend(fontsize=8)
+    written.append(save_figure(fig, dest / "entropy.png"))
     return written
 
 

@@ -147,21 +147,15 @@ def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict
             v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
             for v, rs in by_variant.items()
         }
+        cfg = {v: rs[0]["cfg"] for v, rs in by_variant.items()}
         order = sorted(
-            by_variant,
-            key=lambda v: (
-                -score[v][0],
-                -score[v][1],
-                by_variant[v][0]["cfg"]["lr"],
-                abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0)),
-            ),
+            by_variant, key=lambda v: (-score[v][0], -score[v][1], cfg[v]["lr"], abs(cfg[v].get("asymre_delta_v", 0)))
         )
-        best = order[0]
         picks[config] = {
-            "variant": best,
-            "cfg": by_variant[best][0]["cfg"],
+            "variant": order[0],
+            "cfg": cfg[order[0]],
             "n_variants": len(by_variant),
-            "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
+            "scores": {variant_label(cfg[v], v): score[v][0] for v in order},
             "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
         }
     return picks
@@ -171,12 +165,9 @@ def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dic
     """Group runs by configuration and keep, per configuration, the picked variant's runs on the
     reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
     configs, choices = {}, {}
+    reported = [r for r in runs if not (tune_seeds and r["seed"] in tune_seeds)]
     for config, p in pick_variants(runs, tune_seeds).items():
-        kept = [
-            r
-            for r in runs
-            if r["config"] == config and r["variant"] == p["variant"] and not (tune_seeds and r["seed"] in tune_seeds)
-        ]
+        kept = [r for r in reported if r["config"] == config and r["variant"] == p["variant"]]
         if not kept:
             continue
         configs[config] = sorted(kept, key=lambda r: r["seed"])
@@ -335,16 +326,18 @@ def staleness_buckets(rs: list[dict]) -> dict | None:
     """The records' metrics by staleness over every step and seed of a configuration: per bucket, its share of
     the trained rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token (the ESS of
     the token ratios over the tokens: 1 when every ratio is equal). None: runs that did not log them."""
-    sums = {}  # bucket -> rollouts, tokens, clipped tokens, |log ratio| summed over tokens, ESS
+    sums = {}  # bucket -> rollouts, tokens, and over its tokens: the clipped ones, |log ratio| summed, the ESS
     for r in rs:
         for rec in r["records"]:
             for label, b in rec.get("by_staleness", {}).items():
-                total = sums.setdefault(label, [0, 0, 0.0, 0.0, 0.0])
-                total[0] += b["rollouts"]
-                total[1] += b["tokens"]
-                total[2] += b["clip_frac"] * b["tokens"]
-                total[3] += b["abs_log_ratio"] * b["tokens"]
-                total[4] += b["ess"]
+                add = [
+                    b["rollouts"],
+                    b["tokens"],
+                    b["clip_frac"] * b["tokens"],
+                    b["abs_log_ratio"] * b["tokens"],
+                    b["ess"],
+                ]
+                sums[label] = [total + x for total, x in zip(sums.get(label, [0, 0, 0.0, 0.0, 0.0]), add)]
     if not sums:
         return None
     rollouts = sum(t[0] for t in sums.values())
