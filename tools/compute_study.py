@@ -383,9 +383,8 @@ def plot(s: dict, dest: Path) -> list[Path]:
             axes[1].plot(x, iqm(acc), color=f"C{i}", alpha=alpha, label=f"{c} lr {lr:g}")
     for ax in axes:
         ax.axhspan(s["levels"][0] * p["best"], s["levels"][-1] * p["best"], color="gray", alpha=0.12)
-        ax.set_xlabel(f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)")
-        ax.set_ylabel("held-out greedy accuracy (IQM over seeds)")
-        ax.grid(alpha=0.3)
+        xlabel = f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)"
+        report.label_axes(ax, xlabel=xlabel, ylabel="held-out greedy accuracy (IQM over seeds)")
     axes[0].set_title("Frontier over learning rates (bands: bootstrap 90%; grey: the levels)")
     axes[1].set_title("Every learning rate")
     axes[0].legend(fontsize=8)

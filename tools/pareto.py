@@ -336,8 +336,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap
-        ax.set_xlabel(f"{label} (log scale; step 0 at x = 0 is left out)")
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, xlabel=f"{label} (log scale; step 0 at x = 0 is left out)")
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
     axes[0].legend(fontsize=8)
     fig.suptitle(
@@ -355,9 +354,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
             ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
             ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
     for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
-        ax.set_xlabel(AXES[axis])
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, xlabel=AXES[axis], ylabel="held-out greedy accuracy")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")
     written.append(save_figure(fig, dest / "same_lr.png"))
@@ -369,9 +366,7 @@ def plot(s: dict, dest: Path) -> list[Path]:
             if lr in cell["lrs"]:
                 at = cell["lrs"][lr]
                 ax.plot(at["entropy_x"], np.median(at["entropy"], axis=0), color=colors[c], label=c)
-        ax.set_title(f"lr {lr:g}")
-        ax.set_xlabel("generated rollouts")
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, title=f"lr {lr:g}", xlabel="generated rollouts")
     axes[0, 0].set_ylabel("entropy per token of the trained batch (median)")
     axes[0, 0].legend(fontsize=8)
     written.append(save_figure(fig, dest / "entropy.png"))

@@ -554,9 +554,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
         if y == greedy and target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, xlabel=xlabel, ylabel=ylabel)
 
     def step_of(r):
         return r["step"]
@@ -632,9 +630,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
                 xs = [i for i, b in enumerate(buckets) if b in d]
                 ax.plot(xs, [d[buckets[i]][key] for i in xs], marker="o", **style[c])
             ax.set_xticks(range(len(buckets)), buckets)
-            ax.set_xlabel("staleness (optimizer steps)")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+            report.label_axes(ax, xlabel="staleness (optimizer steps)", ylabel=ylabel)
         fig.suptitle("What a step trains on, by staleness (all steps and seeds)")
         save(fig, "staleness_metrics.png", legend=axes[-1])
     return written

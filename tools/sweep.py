@@ -37,7 +37,7 @@ import replay_study
 import tyro
 from replay_study import BUCKET_PANELS, bucket_order, is_on_policy, pick_variants
 from studylib import runner
-from studylib.report import pyplot, save_figure
+from studylib.report import label_axes, pyplot, save_figure
 from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, read_metrics, run_status
 
 
@@ -356,9 +356,7 @@ def plot_run(run_dir: Path) -> list[Path]:
                 if fraction:
                     target.set_ylim(0, 1)
                     target.legend(loc="upper right", fontsize=8, frameon=False)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+            label_axes(ax, xlabel=xlabel, ylabel=ylabel)
             ax.legend(loc="upper left", fontsize=8, frameon=False)
         written.append(save_run_figure(fig, title, run_dir / f"curves_vs_{xname}.png"))
     with_buckets = [r for r in steps if r.get("by_staleness")]
@@ -370,9 +368,7 @@ def plot_run(run_dir: Path) -> list[Path]:
                 at = [(r["step"], r["by_staleness"][b]) for r in with_buckets if r["by_staleness"].get(b) is not None]
                 pts = [(step, m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]) for step, m in at]
                 ax.plot(*zip(*pts), lw=1.2, label=f"staleness {b}")
-            ax.set_xlabel("gradient steps")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+            label_axes(ax, xlabel="gradient steps", ylabel=ylabel)
         axes[0].legend(loc="upper left", fontsize=8, frameon=False)
         written.append(save_run_figure(fig, title, run_dir / "staleness_vs_steps.png"))
     print("wrote", ", ".join(map(str, written)))

@@ -272,6 +272,12 @@ def pyplot():
     return plt
 
 
+def label_axes(ax, **labels) -> None:
+    """An axes' labels (xlabel, ylabel, title) and the light grid of every study figure."""
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+
+
 def frontier_band(ax, x, frontier: dict, band: dict, *, color, label: str, alpha: float) -> None:
     """A frontier as summary.json holds it ({key: value}, a step at each x) with its band ({key: [5th, 95th]})."""
     ax.step(x, list(frontier.values()), where="post", color=color, label=label)

@@ -86,19 +86,15 @@ STATUS_LINES = {
 
 
 def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
-    """The runner of every study tool. Each run: name, run_dir, argv (replay_grpo.py's flags, its --out-dir and
-    --run-name naming run_dir), and total_steps for run_status, or status(run), a function that returns one of
-    STATUS_LINES' keys in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths
-    deleted before a run is trained from nothing, e.g. its warm-start cache).
-
-    A run is handled under its claim (claim(run_dir)), so that two runner processes on one folder never both
-    decide on, train, delete or restart one run: a run another process claims, or whose folder a trainer holds
-    (its lock), is skipped. Otherwise it is skipped when done, resumed from its checkpoint (partial), or deleted
-    and trained from nothing (broken: it died before its first checkpoint; restart). A run that fails does not
-    stop the others; Ctrl-C does. in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its
-    stdout), else replay_grpo.main in this process. on_trained(run, seconds) is called after each run trained
-    without error, with its wall time, under the run's claim. Returns the names of the runs that failed and of
-    those skipped as another process's."""
+    """The runner of every study tool: each run not done is trained, resumed from its checkpoint (partial), or
+    deleted and trained from nothing (broken, restart), under its claim, so that two runner processes on one folder
+    never both handle a run (one another process claims, or whose folder a trainer holds, is skipped). A run: name,
+    run_dir, argv (replay_grpo.py's flags; --out-dir and --run-name name run_dir), total_steps for run_status or
+    status(run) in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths deleted
+    before training from nothing, e.g. a warm-start cache). A failed run does not stop the others; Ctrl-C does.
+    in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its stdout), else replay_grpo.main here.
+    on_trained(run, seconds): called under the claim after each run trained without error. Returns the names of the
+    failed runs and of those skipped as another process's."""
     import replay_grpo
 
     failed, skipped = [], []
