@@ -118,11 +118,6 @@ class Args:
         return [h for h in (self.h1, self.h2) if h]
 
 
-# ----------------------------------------------------------------------------------------------
-# The statistic
-# ----------------------------------------------------------------------------------------------
-
-
 def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     """The statistic on the seeds at positions idx (a resample may repeat some). arms: {config: {"x": compute at
     each evaluation, "acc": {lr: [seed, evaluation]}}}, every array's seeds in one order."""
@@ -131,12 +126,10 @@ def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     levels = LEVELS * best
     ref_x = arms[reference]["x"]
     cost = {c: [first_crossing(arm["x"], fr[c], L) for L in levels] for c, arm in arms.items()}
+    ref_at = [frontier_at(ref_x, fr[reference], b * ref_x[-1]) for b in BUDGETS]
     out = {"best": best, "configs": {}}
     for c, arm in arms.items():
-        at = [
-            frontier_at(arm["x"], fr[c], b * ref_x[-1]) - frontier_at(ref_x, fr[reference], b * ref_x[-1])
-            for b in BUDGETS
-        ]
+        at = [frontier_at(arm["x"], fr[c], b * ref_x[-1]) - r for b, r in zip(BUDGETS, ref_at)]
         out["configs"][c] = {
             "cost": dict(zip(LEVEL_NAMES, cost[c])),
             "ratio": {n: v / r if r > 0 else math.nan for n, v, r in zip(LEVEL_NAMES, cost[c], cost[reference])},
@@ -154,18 +147,10 @@ def bootstrap(arms: dict, reference: str, replicates: int, seed: int) -> tuple[d
     intervals' "reached" is the share of resamples where the frontier reaches each level."""
     n = len(next(iter(next(iter(arms.values()))["acc"].values())))
 
-    def estimate(idx):
-        return estimates(arms, reference, idx)
-
-    ci, reps = report.bootstrap(estimate, n, replicates, seed=seed)
+    ci, reps = report.bootstrap(lambda idx: estimates(arms, reference, idx), n, replicates, seed=seed)
     for c, row in reps["configs"].items():
         ci["configs"][c]["reached"] = {level: float(np.mean(v)) for level, v in row["reached"].items()}
-    return estimate(np.arange(n)), ci
-
-
-# ----------------------------------------------------------------------------------------------
-# From the runs
-# ----------------------------------------------------------------------------------------------
+    return estimates(arms, reference, np.arange(n)), ci
 
 
 def arms_of(cells: dict) -> dict:
@@ -202,10 +187,8 @@ def analyse(runs: list[dict], args: Args) -> dict:
     old = old_rule(runs, seeds, args)
     decisions = {}
     for name in hypotheses:
-        low = ci["configs"][name]["saving"][0]
-        decisions[name] = (
-            "met" if report.meets(point["configs"][name]["saving"], low, args.saving_target) else "not met"
-        )
+        met = report.meets(point["configs"][name]["saving"], ci["configs"][name]["saving"][0], args.saving_target)
+        decisions[name] = "met" if met else "not met"
     if args.h2 and decisions[args.h1] != "met":
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
@@ -258,11 +241,6 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
         | {"verdict": s["decision"][c]["verdict"]}
         for c in args.hypotheses()
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# table.md, summary.json, figures
-# ----------------------------------------------------------------------------------------------
 
 
 def table_md(s: dict) -> str:

@@ -90,11 +90,6 @@ class Args:
     """paired bootstrap resamples of the seeds."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Compact records: what the statistic and the diagnostics read of each run
-# ----------------------------------------------------------------------------------------------
-
-
 def gather(tables) -> dict[str, dict[str, list[float]]]:
     """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {diagnostic:
     [values]}}."""
@@ -143,11 +138,6 @@ def read_records(path: Path) -> dict:
     if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
         raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
     return data
-
-
-# ----------------------------------------------------------------------------------------------
-# The statistic
-# ----------------------------------------------------------------------------------------------
 
 
 def score(rec: dict) -> float:
@@ -224,11 +214,6 @@ def analyse(data: dict, args: Args) -> dict:
         "needs_correction": needs,
         "_data": data,
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# The report
-# ----------------------------------------------------------------------------------------------
 
 
 def table_md(s: dict) -> str:

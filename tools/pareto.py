@@ -99,11 +99,6 @@ class Args:
     """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
-# ----------------------------------------------------------------------------------------------
-# The estimates on one set of seeds (all of them, or one bootstrap resample)
-# ----------------------------------------------------------------------------------------------
-
-
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
     """Every number of the report on the seeds at positions idx (a resample may repeat some)."""
     med = {c: {lr: np.median(at["acc"][idx], axis=0) for lr, at in cell["lrs"].items()} for c, cell in cells.items()}
@@ -197,11 +192,6 @@ def analyse(runs: list[dict], args: Args) -> dict:
         },
         "_cells": cells,
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# table.md, summary.json, figures
-# ----------------------------------------------------------------------------------------------
 
 
 def eval_rollouts(k: dict) -> str:

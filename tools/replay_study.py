@@ -42,10 +42,7 @@ class Args:
     attainment the report decides with bootstrap 90% intervals."""
 
 
-# ----------------------------------------------------------------------------------------------
-# The grids (their format: sweep.py)
-# ----------------------------------------------------------------------------------------------
-
+# The grids (their format: sweep.py's GRIDS).
 # --preset cpu: B = 128, G = 16, so R = 16 x prompts_per_step. On this machine mu ~ 0.8, where the
 # paper's planner (alpha = rho = 0.1) wants N/R ~ 6, B/R ~ 2: N256-R64 (N/R = 4, B/R = 2) is near it.
 # N512-R32 (N/R = 16, B/R = 4) is near its optimum for the paper's mu = 5.28 (14.3, 5.6); the
@@ -120,11 +117,6 @@ VARIANTS_GRID = (
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# The learning rate of each configuration
-# ----------------------------------------------------------------------------------------------
-
-
 def is_on_policy(cfg: dict) -> bool:
     R = cfg["prompts_per_step"] * cfg["group_size"]
     return cfg["buffer_size"] == cfg["batch_size"] == R and cfg.get("publish_every", 1) == 1
@@ -186,16 +178,11 @@ AXES = ("tokens", "compute_measured_mu", "compute_paper_mu")
 FRACS = {"target": 1.0, "90% of target": 0.9}  # the levels: fractions of the reference's final median accuracy
 
 
-def summarize(
-    runs: list[dict],
-    reference: str | None,
-    paper_mu: float,
-    tune_seeds: list[int] | None = None,
-    saving_target: float = 30.0,
-) -> dict:
+def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
     """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
     seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
     configs, lr_choice = pick_lrs(runs, tune_seeds)
+    reference, paper_mu = args.reference, args.paper_mu
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
         reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c)) if cands else None
@@ -251,8 +238,8 @@ def summarize(
         n = 2000
         intervals, _ = report.bootstrap(estimate, draw, n, ps=(5, 50, 95))
         out["bootstrap"] = {"replicates": n, "intervals": intervals}
-        out["decision"] = decide(intervals, reference, saving_target)
-        out["saving_target"] = saving_target
+        out["decision"] = decide(intervals, reference, args.saving_target)
+        out["saving_target"] = args.saving_target
         out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
     return out
 
@@ -650,7 +637,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
     tune_seeds = args.tune_seeds
     if not tune_seeds and sweep_json.exists():
         tune_seeds = runner.read_sweep_json(sweep_json)["tune_seeds"]
-    s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
+    s = summarize(runs, args, tune_seeds)
     if not s["configs"]:
         raise SystemExit(
             f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
