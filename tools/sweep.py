@@ -106,12 +106,9 @@ class RecordsArgs:
     """an earlier records.json whose runs are written with these (it may be --to itself); a run in both stops."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Grids: a list of configurations, each a dict of replay_grpo flags (replay_grpo Args field names). "lr" may
-# be a list: each lr is run and the report keeps the best per configuration. "name" overrides
-# the derived run name. A grid is (flags for every run, configurations).
-# ----------------------------------------------------------------------------------------------
-
+# A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
+# field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
+# the derived run name.
 GRIDS = {
     "study": replay_study.STUDY_GRID,
     "cpu": replay_study.DEFAULT_GRID,
@@ -122,11 +119,6 @@ GRIDS = {
     "compute-replication": compute_study.REPLICATION_GRID,
     "corrections": corrections_study.CORRECTIONS_GRID,
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# run
-# ----------------------------------------------------------------------------------------------
 
 
 def flags(entry: dict) -> list[str]:
@@ -284,11 +276,6 @@ def render(summary_path: Path, table_path: Path) -> None:
     except OSError as e:
         raise SystemExit(f"error: cannot write {table_path} ({e.strerror or e})") from None
     print("wrote", table_path)
-
-
-# ----------------------------------------------------------------------------------------------
-# plot: one run's curves
-# ----------------------------------------------------------------------------------------------
 
 
 def save_run_figure(fig, title: str, out: Path) -> Path:

@@ -199,10 +199,9 @@ CONFIG_KEYS = {
 }
 
 
-def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None, dict | None]:
-    """A run folder's settings (config.json with the resumes' changes), and when it is finished (its checkpoint at
-    total_steps) its records and planned configuration. Damaged names the file that is missing, unreadable, or
-    lacks what the report reads."""
+def read_run(run_dir: Path, state: dict | None) -> dict | None:
+    """A finished run (its checkpoint at total_steps) as load_runs returns it, None for one that is not. Damaged
+    names the file that is missing, unreadable, or lacks what the report reads."""
     path = run_dir / "config.json"
     cfg = read_json(path)
     for key, kind in CONFIG_KEYS.items():
@@ -214,7 +213,7 @@ def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None
     except ValueError as e:
         raise Damaged(str(e)) from None
     if state is None or state["step"] != cfg["total_steps"]:
-        return cfg, None, None
+        return None
     records, path = read_metrics(run_dir / "metrics.jsonl"), run_dir / "metrics.jsonl"
     if not records or records[-1]["step"] < state["step"]:
         raise Damaged(f"{path}: its records do not reach the checkpoint's step {state['step']} (cut)")
@@ -227,7 +226,14 @@ def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None
     else:  # a folder from before sweep_run.json: its name says it
         m = RUN_NAME.fullmatch(run_dir.name)
         planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
-    return cfg, records, planned
+    return {
+        "name": run_dir.name,
+        "config": planned["config"],
+        "variant": planned["variant"],
+        "seed": cfg["seed"],
+        "cfg": cfg,
+        "records": records,
+    }
 
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
@@ -236,25 +242,15 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     runs, damaged = [], 0
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
-            cfg, records, planned = read_run(run_dir, checkpoint_state(run_dir))
+            run = read_run(run_dir, checkpoint_state(run_dir))
         except Damaged as e:
             print(f"report: {run_dir.name} left out, a file is damaged: {e}")
             damaged += 1
             continue
-        if records is None:
-            if not quiet:
-                print(f"report: {run_dir.name} is not finished, left out")
-            continue
-        runs.append(
-            {
-                "name": run_dir.name,
-                "config": planned["config"],
-                "variant": planned["variant"],
-                "seed": cfg["seed"],
-                "cfg": cfg,
-                "records": records,
-            }
-        )
+        if run is not None:
+            runs.append(run)
+        elif not quiet:
+            print(f"report: {run_dir.name} is not finished, left out")
     if damaged:
         print(f"report: {damaged} run folder(s) with a damaged file left out")
     return runs
