@@ -193,12 +193,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
         "seeds": seeds,
-        "paper_mu": args.paper_mu,
-        "reference": args.reference,
-        "h1": args.h1,
-        "h2": args.h2,
-        "saving_target": args.saving_target,
-        "replicates": args.replicates,
+        **{k: getattr(args, k) for k in ("paper_mu", "reference", "h1", "h2", "saving_target", "replicates")},
         "levels": LEVELS.tolist(),
         "budgets": list(BUDGETS),
         "point": point,
@@ -292,7 +287,15 @@ def table_md(s: dict) -> str:
             reached = f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%}"
             rows.append([c, n, fmt.interval(row["cost"][n], rci["cost"][n], fmt.cost), ratio, reached])
     lines += fmt.table(["config", "level", "cost", "ratio to on-policy", "reached: all seeds; resamples"], rows)
-    gaps = p["configs"][ref]["gap"]
+    gaps = [
+        [c, *(fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items())]
+        for c, row in p["configs"].items()
+        if c != ref
+    ]
+    old = []
+    for c, o in s["old_rule"].items():
+        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
+        old.append([c, *by_axis, o["verdict"]])
     lines += [
         "",
         "## Reported without deciding",
@@ -300,27 +303,13 @@ def table_md(s: dict) -> str:
         "**The frontier gap at equal compute** (the paper's Fig. 4 reading): replay's frontier minus on-policy's, "
         "at fractions of on-policy's final compute.",
         "",
-        *fmt.table(
-            ["config", *(f"at {b} of the compute" for b in gaps)],
-            [
-                [c, *(fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items())]
-                for c, row in p["configs"].items()
-                if c != ref
-            ],
-        ),
+        *fmt.table(["config", *(f"at {b} of the compute" for b in p["configs"][ref]["gap"])], gaps),
         "",
         "**The earlier study's rule on these seeds** (pareto.py: the saving to 90% of on-policy's best median, read "
         "at the first evaluation past it; met when at least the target with the interval's lower end above 0 on "
         "both axes):",
         "",
-        *fmt.table(
-            ["config", "generated rollouts", "compute at the paper's mu", "verdict"],
-            [
-                [c, *(fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES)]
-                + [o["verdict"]]
-                for c, o in s["old_rule"].items()
-            ],
-        ),
+        *fmt.table(["config", "generated rollouts", "compute at the paper's mu", "verdict"], old),
     ]
     aa = s["aa"]
     lines += [

@@ -231,6 +231,7 @@ def table_md(s: dict) -> str:
         configs.append(
             [name, ", ".join(f"{lr:g}" for lr in cfg["lr"]), fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), diag]
         )
+    head = ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"]
     lines = [
         f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "
         f"{s['tune_seeds']}). Score: held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. "
@@ -241,10 +242,7 @@ def table_md(s: dict) -> str:
         "",
         "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
         "",
-        *fmt.table(
-            ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"],
-            configs,
-        ),
+        *fmt.table(head, configs),
     ]
     return "\n".join(lines) + "\n"
 

@@ -176,12 +176,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
     return {
         "seeds": seeds,
         "mu_measured": mu,
-        "paper_mu": args.paper_mu,
-        "reference": args.reference,
-        "primary": args.primary,
-        "same_lr": args.same_lr,
-        "saving_target": args.saving_target,
-        "replicates": args.replicates,
+        **{k: getattr(args, k) for k in ("paper_mu", "reference", "primary", "same_lr", "saving_target", "replicates")},
         "point": point,
         "interval_90": ci,
         "decision": decision,
@@ -288,9 +283,8 @@ def table_md(s: dict) -> str:
             rows.append(
                 [c, f"{float(lr):g}", final, delta, best, f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"]
             )
-    lines += fmt.table(
-        ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"], rows
-    )
+    head = ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"]
+    lines += fmt.table(head, rows)
     rows = []
     for c, row in p["configs"].items():
         rci = ci["configs"][c]

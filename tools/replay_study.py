@@ -375,18 +375,10 @@ def table_md(s: dict) -> str:
     target = fmt.acc(s["target_greedy_acc"])
     rows = []
     for c, r in s["configs"].items():
-        cells = [c, f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""), len(r["seeds"]), r["steps"]]
-        cells += [
-            fmt.quartiles(r["greedy_acc"]),
-            fmt.quartiles(r["pass@1"]),
-            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
-        ]
-        cells += [
-            fmt.amount(r["generated_tokens"]),
-            fmt.mu(r["mu"]),
-            f"{r['replay_ratio']:.2f}",
-            f"{r['staleness']:.2f}",
-        ]
+        lr = f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else "")
+        accs = [fmt.quartiles(r[k]) for k in ("greedy_acc", "pass@1")] + [f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}"]
+        cells = [c, lr, len(r["seeds"]), r["steps"], *accs, fmt.amount(r["generated_tokens"]), fmt.mu(r["mu"])]
+        cells += [f"{r['replay_ratio']:.2f}", f"{r['staleness']:.2f}"]
         for axis in AXES:
             cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
         rows.append(cells)
@@ -428,6 +420,8 @@ def table_md(s: dict) -> str:
             for c in s["configs"]
         ]
         target_pct = f"{s['saving_target']:g}%"
+        cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
+        equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
         lines += [
             "",
             f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
@@ -436,20 +430,13 @@ def table_md(s: dict) -> str:
             "configuration; the target recomputed from each resample of the reference). 'never': not reached "
             "within the run. Saving = 1 − ours / reference's.",
             "",
-            *fmt.table(
-                ["config", "reaches", "gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)"]
-                + ["saving"],
-                rows,
-            ),
+            *fmt.table(["config", "reaches", *cost_head], rows),
             "",
             f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
             "",
             "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
             "",
-            *fmt.table(
-                ["config", "greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"],
-                equal,
-            ),
+            *fmt.table(["config", *equal_head], equal),
             "",
             f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
             f"compute at the paper's mu, to {ref}'s final median accuracy",
@@ -466,6 +453,7 @@ def table_md(s: dict) -> str:
             for c, r in s["configs"].items()
             for label, b in (r.get("by_staleness") or {}).items()
         ]
+        head = ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"]
         lines += [
             "",
             "## What a step trains on, by staleness",
@@ -475,10 +463,7 @@ def table_md(s: dict) -> str:
             "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
             "w^2 over the tokens: 1 when all ratios are equal).",
             "",
-            *fmt.table(
-                ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"],
-                rows,
-            ),
+            *fmt.table(head, rows),
         ]
     if s.get("per_seed"):
         rows = [
@@ -491,17 +476,15 @@ def table_md(s: dict) -> str:
         lines += ["", "## Seeds", "", *fmt.table(head, rows)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
+        chosen = "on the same seeds it is reported on:"
+        if tuned:
+            chosen = f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
         lines += [
             "",
             "## Learning rate (*)",
             "",
             "Configurations run with several learning rates (and delta_V) keep the one with the best median "
-            "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
-            + (
-                f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
-                if tuned
-                else "on the same seeds it is reported on:"
-            ),
+            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
             "",
         ]
         for c in s["configs"]:
