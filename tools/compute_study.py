@@ -118,11 +118,6 @@ class Args:
         return [h for h in (self.h1, self.h2) if h]
 
 
-# ----------------------------------------------------------------------------------------------
-# The statistic
-# ----------------------------------------------------------------------------------------------
-
-
 def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     """The statistic on the seeds at positions idx (a resample may repeat some). arms: {config: {"x": compute at
     each evaluation, "acc": {lr: [seed, evaluation]}}}, every array's seeds in one order."""
@@ -131,12 +126,10 @@ def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     levels = LEVELS * best
     ref_x = arms[reference]["x"]
     cost = {c: [first_crossing(arm["x"], fr[c], L) for L in levels] for c, arm in arms.items()}
+    ref_at = [frontier_at(ref_x, fr[reference], b * ref_x[-1]) for b in BUDGETS]
     out = {"best": best, "configs": {}}
     for c, arm in arms.items():
-        at = [
-            frontier_at(arm["x"], fr[c], b * ref_x[-1]) - frontier_at(ref_x, fr[reference], b * ref_x[-1])
-            for b in BUDGETS
-        ]
+        at = [frontier_at(arm["x"], fr[c], b * ref_x[-1]) - r for b, r in zip(BUDGETS, ref_at)]
         out["configs"][c] = {
             "cost": dict(zip(LEVEL_NAMES, cost[c])),
             "ratio": {n: v / r if r > 0 else math.nan for n, v, r in zip(LEVEL_NAMES, cost[c], cost[reference])},
@@ -149,24 +142,15 @@ def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
     return out
 
 
-def bootstrap(arms: dict, reference: str, replicates: int, rng: np.random.Generator) -> tuple[dict, dict]:
+def bootstrap(arms: dict, reference: str, replicates: int, seed: int) -> tuple[dict, dict]:
     """The point estimates on all seeds and the 5th/95th percentiles of every number over paired resamples; the
     intervals' "reached" is the share of resamples where the frontier reaches each level."""
     n = len(next(iter(next(iter(arms.values()))["acc"].values())))
 
-    def estimate(idx):
-        return estimates(arms, reference, idx)
-
-    point = estimate(np.arange(n))
-    ci, reps = report.bootstrap(estimate, report.resample(n), replicates, rng)
+    ci, reps = report.bootstrap(lambda idx: estimates(arms, reference, idx), n, replicates, seed=seed)
     for c, row in reps["configs"].items():
         ci["configs"][c]["reached"] = {level: float(np.mean(v)) for level, v in row["reached"].items()}
-    return point, ci
-
-
-# ----------------------------------------------------------------------------------------------
-# From the runs
-# ----------------------------------------------------------------------------------------------
+    return estimates(arms, reference, np.arange(n)), ci
 
 
 def arms_of(cells: dict) -> dict:
@@ -190,7 +174,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
     cells = {c: cells[c] for c in (args.reference, *hypotheses)}
     arms = arms_of(cells)
-    point, ci = bootstrap(arms, args.reference, args.replicates, np.random.default_rng(0))
+    point, ci = bootstrap(arms, args.reference, args.replicates, seed=0)
 
     h = len(seeds) // 2  # A/A: on-policy's first half of the seeds against its second, paired by position
     ref = arms[args.reference]
@@ -198,25 +182,18 @@ def analyse(runs: list[dict], args: Args) -> dict:
         half: {"x": ref["x"], "acc": {lr: a[part] for lr, a in ref["acc"].items()}}
         for half, part in (("first half", slice(0, h)), ("second half", slice(h, 2 * h)))
     }
-    aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, np.random.default_rng(1))
+    aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, seed=1)
 
     old = old_rule(runs, seeds, args)
     decisions = {}
     for name in hypotheses:
-        low = ci["configs"][name]["saving"][0]
-        decisions[name] = (
-            "met" if report.meets(point["configs"][name]["saving"], low, args.saving_target) else "not met"
-        )
+        met = report.meets(point["configs"][name]["saving"], ci["configs"][name]["saving"][0], args.saving_target)
+        decisions[name] = "met" if met else "not met"
     if args.h2 and decisions[args.h1] != "met":
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
         "seeds": seeds,
-        "paper_mu": args.paper_mu,
-        "reference": args.reference,
-        "h1": args.h1,
-        "h2": args.h2,
-        "saving_target": args.saving_target,
-        "replicates": args.replicates,
+        **{k: getattr(args, k) for k in ("paper_mu", "reference", "h1", "h2", "saving_target", "replicates")},
         "levels": LEVELS.tolist(),
         "budgets": list(BUDGETS),
         "point": point,
@@ -261,11 +238,6 @@ def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# table.md, summary.json, figures
-# ----------------------------------------------------------------------------------------------
-
-
 def table_md(s: dict) -> str:
     """The compute study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
@@ -278,7 +250,7 @@ def table_md(s: dict) -> str:
         f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
         "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
         f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
-        f"On-policy's best IQM: **{p['best']:.3f}** [{fmt.acc(ci['best'][0])}, {fmt.acc(ci['best'][1])}]; the "
+        f"On-policy's best IQM: **{p['best']:.3f}** {fmt.bracket(ci['best'], fmt.acc)}; the "
         f"levels: {', '.join(names)} of it, computed again in each resample.",
         "",
         "## Configurations",
@@ -286,28 +258,19 @@ def table_md(s: dict) -> str:
         "Final compute: at the paper's mu. Measured mu: this machine's generation/training cost ratio (median over "
         "the configuration's runs), which the decision does not use.",
         "",
-        "| config | N | B | R | B/R | steps | evaluated every | final compute | lrs | measured mu |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c, k in s["configs"].items():
-        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
-        lines.append(
-            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['steps']} | {k['eval_every']} steps "
-            f"| {fmt.amount(k['x'][-1])} | {lrs} | {fmt.mu(k['mu'])} |"
-        )
-    lines += [
+        *fmt.config_table(s["configs"], ("final compute", lambda k: fmt.amount(k["x"][-1]))),
         "",
         "## Decision",
         "",
         f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
         "above 0." + (" H2 is tested only when H1 is met." if s["h2"] else ""),
         "",
-        "| hypothesis | config | saving | decision |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for h, c in zip(s["decision"], (s["h1"], s["h2"])):
         saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
-        lines.append(f"| {h} | {c} | {saving} | **{s['decision'][h]}** |")
+        rows.append([h, c, saving, f"**{s['decision'][h]}**"])
+    lines += fmt.table(["hypothesis", "config", "saving", "decision"], rows)
     lines += [
         "",
         "## Cost to each level (compute at the first crossing, interpolated) and its ratio to on-policy's",
@@ -315,17 +278,24 @@ def table_md(s: dict) -> str:
         "A level a frontier never reaches costs its run's final compute. Reached: whether the frontier on all seeds "
         "reaches it, and in what share of the resamples.",
         "",
-        "| config | level | cost | ratio to on-policy | reached: all seeds; resamples |",
-        "|---|---|---|---|---|",
     ]
+    rows = []
     for c, row in p["configs"].items():
         for n in names:
             rci = ci["configs"][c]
             ratio = "—" if c == ref else fmt.interval(row["ratio"][n], rci["ratio"][n], fmt.amount)
-            lines.append(
-                f"| {c} | {n} | {fmt.interval(row['cost'][n], rci['cost'][n], fmt.cost)} | {ratio} | "
-                f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%} |"
-            )
+            reached = f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%}"
+            rows.append([c, n, fmt.interval(row["cost"][n], rci["cost"][n], fmt.cost), ratio, reached])
+    lines += fmt.table(["config", "level", "cost", "ratio to on-policy", "reached: all seeds; resamples"], rows)
+    gaps = [
+        [c, *(fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items())]
+        for c, row in p["configs"].items()
+        if c != ref
+    ]
+    old = []
+    for c, o in s["old_rule"].items():
+        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
+        old.append([c, *by_axis, o["verdict"]])
     lines += [
         "",
         "## Reported without deciding",
@@ -333,25 +303,14 @@ def table_md(s: dict) -> str:
         "**The frontier gap at equal compute** (the paper's Fig. 4 reading): replay's frontier minus on-policy's, "
         "at fractions of on-policy's final compute.",
         "",
-        "| config | " + " | ".join(f"at {b} of the compute" for b in p["configs"][ref]["gap"]) + " |",
-        "|---|" + "---|" * len(p["configs"][ref]["gap"]),
-    ]
-    for c, row in p["configs"].items():
-        if c != ref:
-            cells = [fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items()]
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    lines += [
+        *fmt.table(["config", *(f"at {b} of the compute" for b in p["configs"][ref]["gap"])], gaps),
         "",
         "**The earlier study's rule on these seeds** (pareto.py: the saving to 90% of on-policy's best median, read "
         "at the first evaluation past it; met when at least the target with the interval's lower end above 0 on "
         "both axes):",
         "",
-        "| config | generated rollouts | compute at the paper's mu | verdict |",
-        "|---|---|---|---|",
+        *fmt.table(["config", "generated rollouts", "compute at the paper's mu", "verdict"], old),
     ]
-    for c, o in s["old_rule"].items():
-        axes = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
-        lines.append(f"| {c} | {axes[0]} | {axes[1]} | {o['verdict']} |")
     aa = s["aa"]
     lines += [
         "",
@@ -363,21 +322,19 @@ def table_md(s: dict) -> str:
         "",
     ]
     lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
-    lines += ["| config | " + " | ".join(f"lr {float(lr):g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
+    rows = []
     for c, row in p["configs"].items():
         best, band = row["best_iqm"], ci["configs"][c]["best_iqm"]
-        cells = [fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        rows.append([c, *(fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs)])
+    lines += fmt.table(["config", *(f"lr {float(lr):g}" for lr in lrs)], rows)
     lines += [
         "",
         "## Seeds",
         "",
         "Held-out greedy accuracy after the warm start (step 0, shared by every configuration of a seed):",
         "",
-        "| seed | step 0 |",
-        "|---|---|",
+        *fmt.table(["seed", "step 0"], [[k, f"{s['start_greedy_acc'][str(k)]:.3f}"] for k in seeds]),
     ]
-    lines += [f"| {k} | {s['start_greedy_acc'][str(k)]:.3f} |" for k in seeds]
     return "\n".join(lines) + "\n"
 
 
@@ -393,9 +350,8 @@ def plot(s: dict, dest: Path) -> list[Path]:
             axes[1].plot(x, iqm(acc), color=f"C{i}", alpha=alpha, label=f"{c} lr {lr:g}")
     for ax in axes:
         ax.axhspan(s["levels"][0] * p["best"], s["levels"][-1] * p["best"], color="gray", alpha=0.12)
-        ax.set_xlabel(f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)")
-        ax.set_ylabel("held-out greedy accuracy (IQM over seeds)")
-        ax.grid(alpha=0.3)
+        xlabel = f"compute at mu = {s['paper_mu']:g} (trained + mu x generated rollouts)"
+        report.label_axes(ax, xlabel=xlabel, ylabel="held-out greedy accuracy (IQM over seeds)")
     axes[0].set_title("Frontier over learning rates (bands: bootstrap 90%; grey: the levels)")
     axes[1].set_title("Every learning rate")
     axes[0].legend(fontsize=8)

@@ -30,7 +30,6 @@ the report; --records recomputes the whole report from that file alone.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +90,6 @@ class Args:
     """paired bootstrap resamples of the seeds."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Compact records: what the statistic and the diagnostics read of each run
-# ----------------------------------------------------------------------------------------------
-
-
 def gather(tables) -> dict[str, dict[str, list[float]]]:
     """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {diagnostic:
     [values]}}."""
@@ -122,6 +116,17 @@ def compact(run: dict) -> dict:
     }
 
 
+def records_of(out: Path) -> dict:
+    """records.json's content from the finished runs in out and the tune seeds its sweep.json records."""
+    runs = runner.load_runs(out) if out.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
+    sweep = out / "sweep.json"
+    if not sweep.exists():
+        raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
+    return {"tune_seeds": runner.read_sweep_json(sweep)["tune_seeds"], "runs": [compact(r) for r in runs]}
+
+
 def read_records(path: Path) -> dict:
     try:
         data = runner.read_json(path)
@@ -133,11 +138,6 @@ def read_records(path: Path) -> dict:
     if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
         raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
     return data
-
-
-# ----------------------------------------------------------------------------------------------
-# The statistic
-# ----------------------------------------------------------------------------------------------
 
 
 def score(rec: dict) -> float:
@@ -180,13 +180,7 @@ def analyse(data: dict, args: Args) -> dict:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every configuration; the statistic needs at least 4")
     scores = {name: np.array([score(by[name][s]) for s in seeds]) for name in names}
     point = estimates(scores, np.arange(len(seeds)))
-    ci, _ = report.bootstrap(
-        lambda idx: estimates(scores, idx),
-        report.resample(len(seeds)),
-        args.replicates,
-        np.random.default_rng(0),
-        ps=PS,
-    )
+    ci, _ = report.bootstrap(lambda idx: estimates(scores, idx), len(seeds), args.replicates, ps=PS)
     rows = {}
     for s, c, name in comparisons():
         lo, lo90, hi90, hi = ci[name]
@@ -222,46 +216,34 @@ def analyse(data: dict, args: Args) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# The report
-# ----------------------------------------------------------------------------------------------
-
-
 def table_md(s: dict) -> str:
-    n = len(s["seeds"])
-    lines = [
-        f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({n}; the lrs were picked on tune seeds {s['tune_seeds']}). Score: "
-        f"held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. Effect: mean over seeds of "
-        f"score(correction) - score(none), paired; interval: Bonferroni over {s['family']} comparisons (two-sided "
-        f"90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
-        "",
-        "| setting | correction | effect | interval (Bonferroni) | 90% interval | decision |",
-        "|---|---|---|---|---|---|",
+    rows = [
+        [r["setting"], r["correction"], fmt.diff(r["effect"]), fmt.bracket(r["interval"], fmt.diff)]
+        + [fmt.bracket(r["interval_90"], fmt.diff), r["decision"]]
+        for r in s["comparisons"].values()
     ]
-    for row in s["comparisons"].values():
-        lo, hi = row["interval"]
-        lo90, hi90 = row["interval_90"]
-        lines.append(
-            f"| {row['setting']} | {row['correction']} | {fmt.diff(row['effect'])} | [{fmt.diff(lo)}, {fmt.diff(hi)}]"
-            f" | [{fmt.diff(lo90)}, {fmt.diff(hi90)}] | {row['decision']} |"
-        )
-    lines += [
-        "",
-        "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
-    ]
-    lines += [
-        "",
-        "| configuration | lr | score median [IQR] | staleness buckets: corrected share / mean (log r)^2 / KL |",
-        "|---|---|---|---|",
-    ]
+    configs = []
     for name, cfg in s["configs"].items():
         diag = "; ".join(
             f"{label}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
             for label, d in cfg["diagnostics"].items()
         )
-        q25, med, q75 = cfg["score"]
-        lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
-        lines.append(f"| {name} | {lrs} | {fmt.acc(med)} [{fmt.acc(q25)}, {fmt.acc(q75)}] | {diag} |")
+        configs.append(
+            [name, ", ".join(f"{lr:g}" for lr in cfg["lr"]), fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), diag]
+        )
+    head = ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"]
+    lines = [
+        f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "
+        f"{s['tune_seeds']}). Score: held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. "
+        "Effect: mean over seeds of score(correction) - score(none), paired; interval: Bonferroni over "
+        f"{s['family']} comparisons (two-sided 90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
+        "",
+        *fmt.table(["setting", "correction", "effect", "interval (Bonferroni)", "90% interval", "decision"], rows),
+        "",
+        "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
+        "",
+        *fmt.table(head, configs),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -281,22 +263,10 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    if args.records:
-        data = read_records(Path(args.records))
-    else:
-        out = Path(args.out_dir)
-        runs = runner.load_runs(out) if out.is_dir() else []
-        if not runs:
-            raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
-        sweep = out / "sweep.json"
-        if not sweep.exists():
-            raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
-        tune = runner.read_sweep_json(sweep)["tune_seeds"]
-        data = {"tune_seeds": tune, "runs": [compact(r) for r in runs]}
+    data = read_records(Path(args.records)) if args.records else records_of(Path(args.out_dir))
     s = analyse(data, args)
     dest = Path(args.report_dir or args.out_dir)
-    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot)
-    (dest / "records.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot, records=data)
     return s
 
 

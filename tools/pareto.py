@@ -99,11 +99,6 @@ class Args:
     """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
-# ----------------------------------------------------------------------------------------------
-# The estimates on one set of seeds (all of them, or one bootstrap resample)
-# ----------------------------------------------------------------------------------------------
-
-
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
     """Every number of the report on the seeds at positions idx (a resample may repeat some)."""
     med = {c: {lr: np.median(at["acc"][idx], axis=0) for lr, at in cell["lrs"].items()} for c, cell in cells.items()}
@@ -112,14 +107,8 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
     for c, cell in cells.items():
         best = frontier(list(med[c].values()))  # the best median accuracy over lrs at cost <= each evaluation's
-        row = out["configs"][c] = {
-            "cost": {},
-            "saving": {},
-            "same_lr_cost": {},
-            "same_lr_saving": {},
-            "best": float(best[-1]),
-            "lrs": {},
-        }
+        row = out["configs"][c] = {k: {} for k in ("cost", "saving", "same_lr_cost", "same_lr_saving")}
+        row |= {"best": float(best[-1]), "lrs": {}}
         row["best_minus_reference"] = row["best"] - target
         row["frontier"] = {axis: {f"{x:g}": float(y) for x, y in zip(cell["x"][axis], best)} for axis in AXES}
         for axis in AXES:
@@ -137,12 +126,9 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
             }
     ref = out["configs"][reference]
     for row in out["configs"].values():
-        for axis in AXES:
-            row["saving"][axis] = {n: saving(row["cost"][axis][n], ref["cost"][axis][n]) for n in LEVELS}
-            if axis in row["same_lr_cost"]:
-                row["same_lr_saving"][axis] = {
-                    n: saving(row["same_lr_cost"][axis][n], ref["same_lr_cost"][axis][n]) for n in LEVELS
-                }
+        for cost, sv in (("cost", "saving"), ("same_lr_cost", "same_lr_saving")):
+            for axis, at in row[cost].items():
+                row[sv][axis] = {n: saving(at[n], ref[cost][axis][n]) for n in LEVELS}
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
                 at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]
@@ -160,10 +146,8 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
         if n_seeds < 2:
             out[c] = {"axes": {a: "undecided" for a in DECISION_AXES}, "verdict": "undecided"}
             continue
-        checks = {
-            a: meets(row["saving"][a]["90%"], ci["configs"][c]["saving"][a]["90%"][0], saving_target)
-            for a in DECISION_AXES
-        }
+        sv, low = row["saving"], ci["configs"][c]["saving"]
+        checks = {a: meets(sv[a]["90%"], low[a]["90%"][0], saving_target) for a in DECISION_AXES}
         out[c] = {
             "axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
             "verdict": "met" if all(checks.values()) else "not met",
@@ -173,10 +157,9 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
 
 def analyse(runs: list[dict], args: Args) -> dict:
     cells, seeds, mu = report.cells_of(runs, args.paper_mu, axes=tuple(AXES))
-    if args.reference not in cells:
-        raise SystemExit(f"error: --reference {args.reference}: no finished runs (have: {', '.join(cells)})")
-    if args.primary not in cells:
-        raise SystemExit(f"error: --primary {args.primary}: no finished runs (have: {', '.join(cells)})")
+    for flag, name in (("--reference", args.reference), ("--primary", args.primary)):
+        if name not in cells:
+            raise SystemExit(f"error: {flag} {name}: no finished runs (have: {', '.join(cells)})")
     cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
     for c, cell in cells.items():
         if sorted(cell["lrs"]) != sorted(cells[args.reference]["lrs"]):
@@ -185,21 +168,15 @@ def analyse(runs: list[dict], args: Args) -> dict:
                 f"{sorted(cells[args.reference]['lrs'])}: their frontiers are over different sweeps"
             )
 
-    def estimate(idx):
-        return estimates(cells, args.reference, idx, args.same_lr)
-
-    point = estimate(np.arange(len(seeds)))
-    ci, _ = report.bootstrap(estimate, report.resample(len(seeds)), args.replicates, np.random.default_rng(0))
+    point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
+    ci, _ = report.bootstrap(
+        lambda idx: estimates(cells, args.reference, idx, args.same_lr), len(seeds), args.replicates
+    )
     decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
     return {
         "seeds": seeds,
         "mu_measured": mu,
-        "paper_mu": args.paper_mu,
-        "reference": args.reference,
-        "primary": args.primary,
-        "same_lr": args.same_lr,
-        "saving_target": args.saving_target,
-        "replicates": args.replicates,
+        **{k: getattr(args, k) for k in ("paper_mu", "reference", "primary", "same_lr", "saving_target", "replicates")},
         "point": point,
         "interval_90": ci,
         "decision": decision,
@@ -212,28 +189,26 @@ def analyse(runs: list[dict], args: Args) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# table.md, summary.json, figures
-# ----------------------------------------------------------------------------------------------
+def eval_rollouts(k: dict) -> str:
+    """A configuration's generated rollouts at its evaluations, the middle ones left out when there are more than 3."""
+    xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
+    return ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
 
 
 def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
     """The rows of costs and savings (keys `cost`, `saving` of each configuration) per level and axis."""
-    lines = [
-        "| config | level | " + " | ".join(f"{label}: cost | saving" for label in AXES.values()) + " |",
-        "|---|---|" + "---|---|" * len(AXES),
-    ]
+    rows = []
     for c, row in p["configs"].items():
         if not row[cost]:  # the same-lr table: a configuration that did not run at that lr
             continue
         for level in LEVELS:
-            parts = []
+            cells = [c, level]
             for axis in AXES:
                 rci = ci["configs"][c]
-                parts.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
-                parts.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
-            lines.append(f"| {c} | {level} | " + " | ".join(parts) + " |")
-    return lines
+                cells.append(fmt.interval(row[cost][axis][level], rci[cost][axis][level], fmt.cost))
+                cells.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
+            rows.append(cells)
+    return fmt.table(["config", "level", *(h for label in AXES.values() for h in (f"{label}: cost", "saving"))], rows)
 
 
 def table_md(s: dict) -> str:
@@ -246,8 +221,8 @@ def table_md(s: dict) -> str:
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
-        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** [{fmt.acc(ci['target'][0])}, "
-        f"{fmt.acc(ci['target'][1])}]; its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
+        f"rates. Target: **{ref}'s best median accuracy, {p['target']:.3f}** {fmt.bracket(ci['target'], fmt.acc)}; "
+        f"its 90%: {0.9 * p['target']:.3f}. Compute = trained rollouts + mu x generated "
         f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
@@ -257,19 +232,7 @@ def table_md(s: dict) -> str:
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.",
         "",
-        "| config | N | B | R | B/R | N/R | steps | evaluated every | generated rollouts at the evaluations | "
-        "lrs | measured mu |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c, k in s["configs"].items():
-        xs = [f"{x:.0f}" for x in k["eval_rollouts"]]
-        shown = ", ".join(xs) if len(xs) <= 3 else f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
-        lrs = ", ".join(f"{lr:g}" for lr in k["lrs"])
-        lines.append(
-            f"| {c} | {k['N']} | {k['B']} | {k['R']} | {k['B'] / k['R']:g} | {k['N'] / k['R']:g} | "
-            f"{k['steps']} | {k['eval_every']} steps | {shown} | {lrs} | {fmt.mu(k['mu'])} |"
-        )
-    lines += [
+        *fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
         "",
         "## Decision",
         "",
@@ -278,14 +241,14 @@ def table_md(s: dict) -> str:
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
         f"**{s['claim']}**.",
         "",
-        "| config | saving to 90%: generated rollouts | compute at the paper's mu | verdict |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for c, d in s["decision"].items():
         sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in ("rollouts", "compute_paper_mu")]
-        name = f"**{c}**" if c == s["primary"] else c
-        lines.append(f"| {name} | {by_axis[0]} | {by_axis[1]} | {d['verdict']} |")
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
+        rows.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
+    head = ["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"]
+    lines += fmt.table(head, rows)
     lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
     lines += cost_table(p, ci, "cost", "saving")
     lines += [
@@ -306,9 +269,8 @@ def table_md(s: dict) -> str:
         "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
         "maximum is: a resample cannot exceed the best value it draws from.",
         "",
-        "| config | lr | final | final − on-policy's at this lr | best | entropy first → last step |",
-        "|---|---|---|---|---|---|",
     ]
+    rows = []
     for c, row in p["configs"].items():
         for lr, at in row["lrs"].items():
             aci = ci["configs"][c]["lrs"][lr]
@@ -317,18 +279,18 @@ def table_md(s: dict) -> str:
                 if c == ref or "final_minus_reference" not in at
                 else fmt.interval(at["final_minus_reference"], aci["final_minus_reference"], fmt.diff)
             )
-            lines.append(
-                f"| {c} | {float(lr):g} | {fmt.interval(at['final'], aci['final'], fmt.acc)} | {delta} | "
-                f"{fmt.interval(at['best'], aci['best'], fmt.acc)} | {at['entropy_start']:.3f} → "
-                f"{at['entropy_end']:.3f} |"
+            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
+            rows.append(
+                [c, f"{float(lr):g}", final, delta, best, f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"]
             )
-    lines += ["", "| config | best over lrs | − on-policy's best |", "|---|---|---|"]
+    head = ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"]
+    lines += fmt.table(head, rows)
+    rows = []
     for c, row in p["configs"].items():
         rci = ci["configs"][c]
-        lines.append(
-            f"| {c} | {fmt.interval(row['best'], rci['best'], fmt.acc)} | "
-            f"{fmt.interval(row['best_minus_reference'], rci['best_minus_reference'], fmt.diff)} |"
-        )
+        best = [fmt.interval(row[k], rci[k], one) for k, one in (("best", fmt.acc), ("best_minus_reference", fmt.diff))]
+        rows.append([c, *best])
+    lines += ["", *fmt.table(["config", "best over lrs", "− on-policy's best"], rows)]
     lines += [
         "",
         "## Seeds",
@@ -336,9 +298,7 @@ def table_md(s: dict) -> str:
         "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
         "seed starts from the same warm start):",
         "",
-        "| seed | " + " | ".join(map(str, s["seeds"])) + " |",
-        "|---|" + "---|" * len(s["seeds"]),
-        "| step 0 | " + " | ".join(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"]) + " |",
+        *fmt.table(["seed", *s["seeds"]], [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -349,10 +309,6 @@ def plot(s: dict, dest: Path) -> list[Path]:
     plt = report.pyplot()
     cells, target, written = s["_cells"], s["point"]["target"], []
     colors = {c: f"C{i}" for i, c in enumerate(cells)}
-
-    def save(fig, name: str) -> None:
-        written.append(save_figure(fig, dest / name))
-
     fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 4), sharey=True)
     for ax, (axis, label) in zip(axes, AXES.items()):
         for c, cell in cells.items():
@@ -364,14 +320,13 @@ def plot(s: dict, dest: Path) -> list[Path]:
             ax.axhline(frac * target, color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels overlap
-        ax.set_xlabel(f"{label} (log scale; step 0 at x = 0 is left out)")
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, xlabel=f"{label} (log scale; step 0 at x = 0 is left out)")
     axes[0].set_ylabel("held-out greedy accuracy (median over seeds)")
     axes[0].legend(fontsize=8)
     fig.suptitle(
         "Frontier over learning rates (lines; bands: bootstrap 90%) and every learning rate's evaluations (dots)"
     )
-    save(fig, "pareto_frontier.png")
+    written.append(save_figure(fig, dest / "pareto_frontier.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     lr = s["same_lr"]
@@ -383,26 +338,22 @@ def plot(s: dict, dest: Path) -> list[Path]:
             ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
             ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
     for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
-        ax.set_xlabel(AXES[axis])
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.grid(alpha=0.3)
+        report.label_axes(ax, xlabel=AXES[axis], ylabel="held-out greedy accuracy")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")
-    save(fig, "same_lr.png")
+    written.append(save_figure(fig, dest / "same_lr.png"))
 
     lrs = next(iter(cells.values()))["lrs"]  # the reference's
-    fig, axes = plt.subplots(1, len(lrs), figsize=(15, 4), sharey=True)
-    for ax, lr in zip(np.atleast_1d(axes), lrs):
+    fig, axes = plt.subplots(1, len(lrs), figsize=(15, 4), sharey=True, squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
         for c, cell in cells.items():
             if lr in cell["lrs"]:
                 at = cell["lrs"][lr]
                 ax.plot(at["entropy_x"], np.median(at["entropy"], axis=0), color=colors[c], label=c)
-        ax.set_title(f"lr {lr:g}")
-        ax.set_xlabel("generated rollouts")
-        ax.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].set_ylabel("entropy per token of the trained batch (median)")
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    save(fig, "entropy.png")
+        report.label_axes(ax, title=f"lr {lr:g}", xlabel="generated rollouts")
+    axes[0, 0].set_ylabel("entropy per token of the trained batch (median)")
+    axes[0, 0].legend(fontsize=8)
+    written.append(save_figure(fig, dest / "entropy.png"))
     return written
 
 

@@ -42,10 +42,7 @@ class Args:
     attainment the report decides with bootstrap 90% intervals."""
 
 
-# ----------------------------------------------------------------------------------------------
-# The grids (their format: sweep.py)
-# ----------------------------------------------------------------------------------------------
-
+# The grids (their format: sweep.py's GRIDS).
 # --preset cpu: B = 128, G = 16, so R = 16 x prompts_per_step. On this machine mu ~ 0.8, where the
 # paper's planner (alpha = rho = 0.1) wants N/R ~ 6, B/R ~ 2: N256-R64 (N/R = 4, B/R = 2) is near it.
 # N512-R32 (N/R = 16, B/R = 4) is near its optimum for the paper's mu = 5.28 (14.3, 5.6); the
@@ -120,11 +117,6 @@ VARIANTS_GRID = (
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# The learning rate of each configuration
-# ----------------------------------------------------------------------------------------------
-
-
 def is_on_policy(cfg: dict) -> bool:
     R = cfg["prompts_per_step"] * cfg["group_size"]
     return cfg["buffer_size"] == cfg["batch_size"] == R and cfg.get("publish_every", 1) == 1
@@ -147,21 +139,15 @@ def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict
             v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
             for v, rs in by_variant.items()
         }
+        cfg = {v: rs[0]["cfg"] for v, rs in by_variant.items()}
         order = sorted(
-            by_variant,
-            key=lambda v: (
-                -score[v][0],
-                -score[v][1],
-                by_variant[v][0]["cfg"]["lr"],
-                abs(by_variant[v][0]["cfg"].get("asymre_delta_v", 0)),
-            ),
+            by_variant, key=lambda v: (-score[v][0], -score[v][1], cfg[v]["lr"], abs(cfg[v].get("asymre_delta_v", 0)))
         )
-        best = order[0]
         picks[config] = {
-            "variant": best,
-            "cfg": by_variant[best][0]["cfg"],
+            "variant": order[0],
+            "cfg": cfg[order[0]],
             "n_variants": len(by_variant),
-            "scores": {variant_label(by_variant[v][0]["cfg"], v): score[v][0] for v in order},
+            "scores": {variant_label(cfg[v], v): score[v][0] for v in order},
             "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
         }
     return picks
@@ -171,12 +157,9 @@ def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dic
     """Group runs by configuration and keep, per configuration, the picked variant's runs on the
     reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
     configs, choices = {}, {}
+    reported = [r for r in runs if not (tune_seeds and r["seed"] in tune_seeds)]
     for config, p in pick_variants(runs, tune_seeds).items():
-        kept = [
-            r
-            for r in runs
-            if r["config"] == config and r["variant"] == p["variant"] and not (tune_seeds and r["seed"] in tune_seeds)
-        ]
+        kept = [r for r in reported if r["config"] == config and r["variant"] == p["variant"]]
         if not kept:
             continue
         configs[config] = sorted(kept, key=lambda r: r["seed"])
@@ -195,16 +178,11 @@ AXES = ("tokens", "compute_measured_mu", "compute_paper_mu")
 FRACS = {"target": 1.0, "90% of target": 0.9}  # the levels: fractions of the reference's final median accuracy
 
 
-def summarize(
-    runs: list[dict],
-    reference: str | None,
-    paper_mu: float,
-    tune_seeds: list[int] | None = None,
-    saving_target: float = 30.0,
-) -> dict:
+def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
     """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
     seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
     configs, lr_choice = pick_lrs(runs, tune_seeds)
+    reference, paper_mu = args.reference, args.paper_mu
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
         reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c)) if cands else None
@@ -219,10 +197,7 @@ def summarize(
     rows = {}
     for config, rs in configs.items():
         cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
-        stale = Counter()
-        for r in rs:
-            for rec in r["records"]:
-                stale.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
+        stale = sum((staleness_counts(r) for r in rs), Counter())
         row = rows[config] = {
             "lr": cfg["lr"],
             "seeds": [r["seed"] for r in rs],
@@ -261,10 +236,10 @@ def summarize(
             return {c: rng.integers(0, len(rs), len(rs)) for c, rs in configs.items()}
 
         n = 2000
-        intervals, _ = report.bootstrap(estimate, draw, n, np.random.default_rng(0), ps=(5, 50, 95))
+        intervals, _ = report.bootstrap(estimate, draw, n, ps=(5, 50, 95))
         out["bootstrap"] = {"replicates": n, "intervals": intervals}
-        out["decision"] = decide(intervals, reference, saving_target)
-        out["saving_target"] = saving_target
+        out["decision"] = decide(intervals, reference, args.saving_target)
+        out["saving_target"] = args.saving_target
         out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
     return out
 
@@ -338,16 +313,18 @@ def staleness_buckets(rs: list[dict]) -> dict | None:
     """The records' metrics by staleness over every step and seed of a configuration: per bucket, its share of
     the trained rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token (the ESS of
     the token ratios over the tokens: 1 when every ratio is equal). None: runs that did not log them."""
-    sums = {}  # bucket -> rollouts, tokens, clipped tokens, |log ratio| summed over tokens, ESS
+    sums = {}  # bucket -> rollouts, tokens, and over its tokens: the clipped ones, |log ratio| summed, the ESS
     for r in rs:
         for rec in r["records"]:
             for label, b in rec.get("by_staleness", {}).items():
-                total = sums.setdefault(label, [0, 0, 0.0, 0.0, 0.0])
-                total[0] += b["rollouts"]
-                total[1] += b["tokens"]
-                total[2] += b["clip_frac"] * b["tokens"]
-                total[3] += b["abs_log_ratio"] * b["tokens"]
-                total[4] += b["ess"]
+                add = [
+                    b["rollouts"],
+                    b["tokens"],
+                    b["clip_frac"] * b["tokens"],
+                    b["abs_log_ratio"] * b["tokens"],
+                    b["ess"],
+                ]
+                sums[label] = [total + x for total, x in zip(sums.get(label, [0, 0, 0.0, 0.0, 0.0]), add)]
     if not sums:
         return None
     rollouts = sum(t[0] for t in sums.values())
@@ -361,6 +338,14 @@ def staleness_buckets(rs: list[dict]) -> dict | None:
             "ess_per_token": ess / tokens,
         }
     return out
+
+
+def staleness_counts(run: dict) -> Counter:
+    """How many rollouts a run trained on at each staleness, over its steps."""
+    counts = Counter()
+    for rec in run["records"]:
+        counts.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
+    return counts
 
 
 def per_seed(run: dict, target: float, axes: dict) -> dict:
@@ -388,6 +373,17 @@ def table_md(s: dict) -> str:
 
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
     target = fmt.acc(s["target_greedy_acc"])
+    rows = []
+    for c, r in s["configs"].items():
+        lr = f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else "")
+        accs = [fmt.quartiles(r[k]) for k in ("greedy_acc", "pass@1")] + [f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}"]
+        cells = [c, lr, len(r["seeds"]), r["steps"], *accs, fmt.amount(r["generated_tokens"]), fmt.mu(r["mu"])]
+        cells += [f"{r['replay_ratio']:.2f}", f"{r['staleness']:.2f}"]
+        for axis in AXES:
+            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
+        rows.append(cells)
+    head = ["config", "lr", "seeds", "steps", "greedy acc", "pass@1", "pass@k", "gen. tokens", "mu (meas.)"]
+    head += ["replay ratio", "staleness", "tokens to target", "saving", "compute (meas.) to target", "saving"]
     lines = [
         "# Replay-GRPO study",
         "",
@@ -401,28 +397,8 @@ def table_md(s: dict) -> str:
         f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
         "optimizer steps between a rollout's generation and its use, averaged over every use.",
         "",
-        "| config | lr | seeds | steps | greedy acc | pass@1 | pass@k | gen. tokens | mu (meas.) | replay ratio "
-        "| staleness | tokens to target | saving | compute (meas.) to target | saving "
-        "| compute (paper) to target | saving |",
-        "|" + "---|" * 17,
+        *fmt.table(head + ["compute (paper) to target", "saving"], rows),
     ]
-    for c, r in s["configs"].items():
-        cells = [
-            c,
-            f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else ""),
-            len(r["seeds"]),
-            r["steps"],
-            fmt.quartiles(r["greedy_acc"]),
-            fmt.quartiles(r["pass@1"]),
-            f"pass@{r['k']} {fmt.quartiles(r['pass@k'])}",
-            fmt.amount(r["generated_tokens"]),
-            fmt.mu(r["mu"]),
-            f"{r['replay_ratio']:.2f}",
-            f"{r['staleness']:.2f}",
-        ]
-        for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-            cells += [fmt.amount(r[f"{axis}_to_target"]), fmt.saving(r[f"{axis}_saving_pct"], digits=1)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
     if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
             "",
@@ -431,6 +407,21 @@ def table_md(s: dict) -> str:
         ]
     if "bootstrap" in s:
         iv = s["bootstrap"]["intervals"]
+        rows = []
+        for c in s["configs"]:
+            for f in ("target", "90% of target"):
+                cells = [c, f]
+                for axis in AXES:
+                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
+                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
+                rows.append(cells)
+        equal = [
+            [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
+            for c in s["configs"]
+        ]
+        target_pct = f"{s['saving_target']:g}%"
+        cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
+        equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
         lines += [
             "",
             f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
@@ -439,34 +430,13 @@ def table_md(s: dict) -> str:
             "configuration; the target recomputed from each resample of the reference). 'never': not reached "
             "within the run. Saving = 1 − ours / reference's.",
             "",
-            "| config | reaches | gen. tokens | saving | compute (meas. mu) | saving | compute (paper mu) | saving |",
-            "|" + "---|" * 8,
-        ]
-        for c in s["configs"]:
-            for f in ("target", "90% of target"):
-                cells = [c, f]
-                for axis in ("tokens", "compute_measured_mu", "compute_paper_mu"):
-                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
-                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
-                lines.append("| " + " | ".join(cells) + " |")
-        lines += [
+            *fmt.table(["config", "reaches", *cost_head], rows),
             "",
             f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
             "",
             "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
             "",
-            "| config | greedy acc (meas. mu) | pass@k (meas. mu) | greedy acc (paper mu) | pass@k (paper mu) |",
-            "|" + "---|" * 5,
-        ]
-        for c in s["configs"]:
-            cells = [
-                bootstrap(iv[c]["at_equal"][a][w], fmt.acc)
-                for a in ("compute_measured_mu", "compute_paper_mu")
-                for w in ("acc", "pass@k")
-            ]
-            lines.append("| " + " | ".join([c] + cells) + " |")
-        target_pct = f"{s['saving_target']:g}%"
-        lines += [
+            *fmt.table(["config", *equal_head], equal),
             "",
             f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
             f"compute at the paper's mu, to {ref}'s final median accuracy",
@@ -478,6 +448,12 @@ def table_md(s: dict) -> str:
         for c, d in s["decision"].items():
             lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
+        rows = [
+            [c, label, f"{b['share']:.3f}", *(f"{b[k]:.4f}" for k in ("clip_frac", "abs_log_ratio", "ess_per_token"))]
+            for c, r in s["configs"].items()
+            for label, b in (r.get("by_staleness") or {}).items()
+        ]
+        head = ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"]
         lines += [
             "",
             "## What a step trains on, by staleness",
@@ -487,42 +463,28 @@ def table_md(s: dict) -> str:
             "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
             "w^2 over the tokens: 1 when all ratios are equal).",
             "",
-            "| config | staleness | share of rollouts | clip fraction | mean abs log ratio | ESS per token |",
-            "|" + "---|" * 6,
+            *fmt.table(head, rows),
         ]
-        for c, r in s["configs"].items():
-            for label, b in (r.get("by_staleness") or {}).items():
-                lines.append(
-                    f"| {c} | {label} | {b['share']:.3f} | {b['clip_frac']:.4f} | "
-                    f"{b['abs_log_ratio']:.4f} | {b['ess_per_token']:.4f} |"
-                )
     if s.get("per_seed"):
-        lines += [
-            "",
-            "## Seeds",
-            "",
-            "| config | seed | warm start reached | pass@k after it | greedy start | greedy final |",
-            "|" + "---|" * 6,
+        rows = [
+            [c, r["seed"], r["warmstart_reached"]]
+            + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
+            for c, runs in s["per_seed"].items()
+            for r in runs
         ]
-        for c, rows in s["per_seed"].items():
-            for r in rows:
-                lines.append(
-                    f"| {c} | {r['seed']} | {r['warmstart_reached']} | {fmt.acc(r['warmstart_pass@k'])} | "
-                    f"{fmt.acc(r['greedy_acc_start'])} | {fmt.acc(r['greedy_acc_final'])} |"
-                )
+        head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
+        lines += ["", "## Seeds", "", *fmt.table(head, rows)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
+        chosen = "on the same seeds it is reported on:"
+        if tuned:
+            chosen = f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
         lines += [
             "",
             "## Learning rate (*)",
             "",
             "Configurations run with several learning rates (and delta_V) keep the one with the best median "
-            "final greedy accuracy (ties: pass@1, then the smaller lr), chosen "
-            + (
-                f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
-                if tuned
-                else "on the same seeds it is reported on:"
-            ),
+            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
             "",
         ]
         for c in s["configs"]:
@@ -544,82 +506,54 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     palette = iter(plt.get_cmap("tab10").colors)
     color = {c: "black" if c == ref else next(palette) for c in runs}
     label = {c: c + (f" (lr {s['configs'][c]['lr']:g})" if c in s["lr_choice"] else "") for c in runs}
-    written = []
+    style = {c: {"color": color[c], "lw": 2.2 if c == ref else 1.4, "label": label[c]} for c in runs}
+    greedy, acc, written = "eval/greedy_acc", "held-out greedy accuracy", []
 
-    def save(fig, name):
+    def save(fig, name, legend=None):
+        if legend is not None:
+            legend.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
         written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
-    def lines(ax, y, x, xlabel, ylabel, eval_only=True, show_target=True):
+    def lines(ax, y, x, xlabel, ylabel):
+        """Median and IQR over seeds of y (a record's key, or the key as a function of the configuration) against
+        x, at the evaluations for an evaluation's key; the target on the greedy accuracy."""
         for c, rs in runs.items():
             key = y(c) if callable(y) else y
-            cv = curve(rs, key, x, eval_only)
-            ax.plot(cv["x"], cv["median"], color=color[c], lw=2.2 if c == ref else 1.4, label=label[c])
+            cv = curve(rs, key, x, eval_only=key.startswith("eval/"))
+            ax.plot(cv["x"], cv["median"], **style[c])
             ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
-        if show_target and target is not None:
+        if y == greedy and target is not None:
             ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-
-    def legend(ax):
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+        report.label_axes(ax, xlabel=xlabel, ylabel=ylabel)
 
     def step_of(r):
         return r["step"]
 
+    def pass_k(c):
+        return f"eval/pass@{s['configs'][c]['k']}"
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    lines(a, "eval/greedy_acc", step_of, "gradient steps", "held-out greedy accuracy")
-    lines(
-        b,
-        lambda c: f"eval/pass@{s['configs'][c]['k']}",
-        step_of,
-        "gradient steps",
-        "held-out pass@k (k samples, temperature 1)",
-        show_target=False,
-    )
+    lines(a, greedy, step_of, "gradient steps", acc)
+    lines(b, pass_k, step_of, "gradient steps", "held-out pass@k (k samples, temperature 1)")
     fig.suptitle("Held-out accuracy vs gradient steps (median, IQR over seeds)")
-    legend(b)
-    save(fig, "accuracy_vs_steps.png")
+    save(fig, "accuracy_vs_steps.png", legend=b)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(
-        ax,
-        "eval/greedy_acc",
-        lambda r: r.get("total_generated_tokens", 0),
-        "generated tokens",
-        "held-out greedy accuracy",
-    )
+    lines(ax, greedy, lambda r: r.get("total_generated_tokens", 0), "generated tokens", acc)
     ax.set_title("Held-out accuracy vs generated tokens")
-    legend(ax)
-    save(fig, "accuracy_vs_tokens.png")
+    save(fig, "accuracy_vs_tokens.png", legend=ax)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (mu, what) in zip(axes, [(s["mu_measured"], "measured on this machine"), (s["paper_mu"], "the paper's")]):
-        lines(
-            ax,
-            "eval/greedy_acc",
-            lambda r, mu=mu: compute(r, mu),
-            "compute = trained + mu x generated rollouts",
-            "held-out greedy accuracy",
-        )
+        lines(ax, greedy, lambda r, mu=mu: compute(r, mu), "compute = trained + mu x generated rollouts", acc)
         ax.set_title(f"mu = {mu:.2f} ({what})")
     fig.suptitle("Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)")
-    legend(axes[1])
-    save(fig, "accuracy_vs_compute.png")
+    save(fig, "accuracy_vs_compute.png", legend=axes[1])
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    lines(
-        ax,
-        "entropy",
-        step_of,
-        "gradient steps",
-        "policy entropy on the batch (nats/token)",
-        eval_only=False,
-        show_target=False,
-    )
+    lines(ax, "entropy", step_of, "gradient steps", "policy entropy on the batch (nats/token)")
     ax.set_title("Training entropy")
-    legend(ax)
-    save(fig, "entropy.png")
+    save(fig, "entropy.png", legend=ax)
 
     def hists(name, title, xlabel, counts_of):
         n = len(runs)
@@ -648,9 +582,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         "staleness_hist.png",
         "Staleness of each use (steps since generation), all steps and seeds",
         "staleness (optimizer steps)",
-        lambda r: Counter(
-            [int(k) for rec in r["records"] for k, v in rec.get("staleness_hist", {}).items() for _ in range(v)]
-        ),
+        staleness_counts,
     )
     hists(
         "replay_ratio_hist.png",
@@ -666,21 +598,11 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
         for ax, (key, ylabel) in zip(axes, BUCKET_PANELS):
             for c, d in by_config.items():
                 xs = [i for i, b in enumerate(buckets) if b in d]
-                ax.plot(
-                    xs,
-                    [d[buckets[i]][key] for i in xs],
-                    marker="o",
-                    color=color[c],
-                    lw=2.2 if c == ref else 1.4,
-                    label=label[c],
-                )
+                ax.plot(xs, [d[buckets[i]][key] for i in xs], marker="o", **style[c])
             ax.set_xticks(range(len(buckets)), buckets)
-            ax.set_xlabel("staleness (optimizer steps)")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-        legend(axes[-1])
+            report.label_axes(ax, xlabel="staleness (optimizer steps)", ylabel=ylabel)
         fig.suptitle("What a step trains on, by staleness (all steps and seeds)")
-        save(fig, "staleness_metrics.png")
+        save(fig, "staleness_metrics.png", legend=axes[-1])
     return written
 
 
@@ -698,7 +620,7 @@ def analyse(runs: list[dict], args: Args) -> dict:
     tune_seeds = args.tune_seeds
     if not tune_seeds and sweep_json.exists():
         tune_seeds = runner.read_sweep_json(sweep_json)["tune_seeds"]
-    s = summarize(runs, args.reference, args.paper_mu, tune_seeds, args.saving_target)
+    s = summarize(runs, args, tune_seeds)
     if not s["configs"]:
         raise SystemExit(
             f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"

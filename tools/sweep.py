@@ -37,7 +37,7 @@ import replay_study
 import tyro
 from replay_study import BUCKET_PANELS, bucket_order, is_on_policy, pick_variants
 from studylib import runner
-from studylib.report import pyplot, save_figure
+from studylib.report import label_axes, pyplot, save_figure
 from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, read_metrics, run_status
 
 
@@ -106,12 +106,9 @@ class RecordsArgs:
     """an earlier records.json whose runs are written with these (it may be --to itself); a run in both stops."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Grids: a list of configurations, each a dict of replay_grpo flags (replay_grpo Args field names). "lr" may
-# be a list: each lr is run and the report keeps the best per configuration. "name" overrides
-# the derived run name. A grid is (flags for every run, configurations).
-# ----------------------------------------------------------------------------------------------
-
+# A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
+# field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
+# the derived run name.
 GRIDS = {
     "study": replay_study.STUDY_GRID,
     "cpu": replay_study.DEFAULT_GRID,
@@ -122,11 +119,6 @@ GRIDS = {
     "compute-replication": compute_study.REPLICATION_GRID,
     "corrections": corrections_study.CORRECTIONS_GRID,
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# run
-# ----------------------------------------------------------------------------------------------
 
 
 def flags(entry: dict) -> list[str]:
@@ -277,25 +269,13 @@ def render(summary_path: Path, table_path: Path) -> None:
         summary = read_json(summary_path)
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
-    study = (
-        corrections_study
-        if "comparisons" in summary
-        else compute_study
-        if "aa" in summary
-        else pareto
-        if "interval_90" in summary
-        else replay_study
-    )
+    by_key = {"comparisons": corrections_study, "aa": compute_study, "interval_90": pareto}  # a key of its own
+    study = next((module for key, module in by_key.items() if key in summary), replay_study)
     try:
         table_path.write_text(study.table_md(summary))
     except OSError as e:
         raise SystemExit(f"error: cannot write {table_path} ({e.strerror or e})") from None
     print("wrote", table_path)
-
-
-# ----------------------------------------------------------------------------------------------
-# plot: one run's curves
-# ----------------------------------------------------------------------------------------------
 
 
 def save_run_figure(fig, title: str, out: Path) -> Path:
@@ -353,42 +333,29 @@ def plot_run(run_dir: Path) -> list[Path]:
         for ax, (ylabel, series) in zip(axes.flat, panels):
             for key, label in series:
                 pts = [(r.get(xkey, 0), r[key]) for r in recs if r.get(key) is not None]
-                target = ax.twinx() if key == "truncated_frac" else ax
+                fraction = key == "truncated_frac"  # on its own axis, at the right
+                target = ax.twinx() if fraction else ax
                 if pts:
+                    marker = "o" if key.startswith("eval/") else None
                     target.plot(
-                        *zip(*pts),
-                        marker="o" if key.startswith("eval/") else None,
-                        ms=3,
-                        label=label,
-                        color="grey" if key == "truncated_frac" else None,
-                        lw=1.4,
+                        *zip(*pts), marker=marker, ms=3, label=label, color="grey" if fraction else None, lw=1.4
                     )
-                if key == "truncated_frac":
+                if fraction:
                     target.set_ylim(0, 1)
                     target.legend(loc="upper right", fontsize=8, frameon=False)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+            label_axes(ax, xlabel=xlabel, ylabel=ylabel)
             ax.legend(loc="upper left", fontsize=8, frameon=False)
         written.append(save_run_figure(fig, title, run_dir / f"curves_vs_{xname}.png"))
     with_buckets = [r for r in steps if r.get("by_staleness")]
     if with_buckets:  # the metrics by staleness: one line per bucket
         buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.5))
-        for ax, (key, ylabel) in zip(
-            axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:3], ("ess_per_token", "ESS per token")]
-        ):
+        for ax, (key, ylabel) in zip(axes, [("rollouts", "trained rollouts"), *BUCKET_PANELS[1:]]):
             for b in buckets:
-                pts = []
-                for r in with_buckets:
-                    m = r["by_staleness"].get(b)
-                    if m is not None:
-                        value = m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]
-                        pts.append((r["step"], value))
+                at = [(r["step"], r["by_staleness"][b]) for r in with_buckets if r["by_staleness"].get(b) is not None]
+                pts = [(step, m["ess"] / m["tokens"] if key == "ess_per_token" else m[key]) for step, m in at]
                 ax.plot(*zip(*pts), lw=1.2, label=f"staleness {b}")
-            ax.set_xlabel("gradient steps")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+            label_axes(ax, xlabel="gradient steps", ylabel=ylabel)
         axes[0].legend(loc="upper left", fontsize=8, frameon=False)
         written.append(save_run_figure(fig, title, run_dir / "staleness_vs_steps.png"))
     print("wrote", ", ".join(map(str, written)))
@@ -401,8 +368,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if "--extra" in argv:  # everything after it is for the trainer, verbatim
         i = argv.index("--extra")
         argv, extra = argv[:i], argv[i + 1 :]
-    commands = {"run": RunArgs, "report": replay_study.Args, "render": RenderArgs, "plot": PlotArgs}
-    commands["records"] = RecordsArgs
+    commands = dict(run=RunArgs, report=replay_study.Args, render=RenderArgs, plot=PlotArgs, records=RecordsArgs)
     args = tyro.extras.subcommand_cli_from_dict(
         commands, args=argv, prog="sweep.py", description=__doc__.split("\n\n")[0]
     )

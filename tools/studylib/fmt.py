@@ -49,7 +49,35 @@ def quartiles(q) -> str:
     return f"{q[1]:.3f} [{q[0]:.3f}–{q[2]:.3f}]"
 
 
+def bracket(ci, one) -> str:
+    """An interval (the first and last of ci) as '[low, high]', each end formatted by `one`."""
+    return f"[{one(ci[0])}, {one(ci[-1])}]"
+
+
 def interval(value, ci, one) -> str:
-    """A value and its bootstrap interval [5th, 95th percentile] (the first and last of ci) as 'value [5th, 95th]',
-    each formatted by `one`."""
-    return f"{one(value)} [{one(ci[0])}, {one(ci[-1])}]"
+    """A value and its bootstrap interval [5th, 95th percentile] as 'value [5th, 95th]', each formatted by `one`."""
+    return f"{one(value)} {bracket(ci, one)}"
+
+
+def row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def table(head: list, rows) -> list[str]:
+    """A markdown table's lines: the header, the rule under it and one line per row (each cell as str())."""
+    return [row(head), "|" + "---|" * len(head), *map(row, rows)]
+
+
+def config_table(configs: dict, x_column: tuple, n_over_r: bool = False) -> list[str]:
+    """The configurations' schedules (report.config_row's) with a column of their cost (x_column: its header, and
+    its cell as a function of a configuration's row)."""
+    n_r = ["N/R"] if n_over_r else []
+    head = ["config", "N", "B", "R", "B/R", *n_r, "steps", "evaluated every", x_column[0], "lrs", "measured mu"]
+    rows = []
+    for c, k in configs.items():
+        ratios = [f"{k['B'] / k['R']:g}", *(f"{k['N'] / k['R']:g}" for _ in n_r)]
+        schedule = [k["steps"], f"{k['eval_every']} steps", x_column[1](k)]
+        rows.append(
+            [c, k["N"], k["B"], k["R"], *ratios, *schedule, ", ".join(f"{lr:g}" for lr in k["lrs"]), mu(k["mu"])]
+        )
+    return table(head, rows)

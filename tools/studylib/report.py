@@ -197,16 +197,14 @@ def level_saving(costs: list[float], reference_costs: list[float]) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def resample(n: int):
-    """A paired resample of n seeds: one draw of positions for every configuration and learning rate alike (a seed
-    fixes the warm start they all share)."""
-    return lambda rng: rng.integers(0, n, n)
-
-
-def bootstrap(estimate, draw, replicates: int, rng: np.random.Generator, ps: tuple = (5, 95)) -> tuple[dict, dict]:
-    """estimate (a nested dict of numbers) on `replicates` resamples of the seeds (draw(rng): their positions, which
-    may repeat one): the percentiles ps of each number over the replicates, and the replicates as arrays."""
-    replicates = stack([estimate(draw(rng)) for _ in range(replicates)])
+def bootstrap(estimate, draw, replicates: int, *, seed: int = 0, ps: tuple = (5, 95)) -> tuple[dict, dict]:
+    """estimate (a nested dict of numbers) on `replicates` resamples of the seeds: the percentiles ps of each number
+    over the replicates, and the replicates as arrays. draw(rng): a resample's positions of the seeds (which may
+    repeat one); an int n in its place: a paired resample of n seeds, one draw of positions for every configuration
+    and learning rate alike (a seed fixes the warm start they all share)."""
+    rng = np.random.default_rng(seed)
+    draws = (rng.integers(0, draw, draw) if isinstance(draw, int) else draw(rng) for _ in range(replicates))
+    replicates = stack([estimate(idx) for idx in draws])
     return intervals_of(replicates, ps), replicates
 
 
@@ -274,6 +272,12 @@ def pyplot():
     return plt
 
 
+def label_axes(ax, **labels) -> None:
+    """An axes' labels (xlabel, ylabel, title) and the light grid of every study figure."""
+    ax.set(**labels)
+    ax.grid(alpha=0.3)
+
+
 def frontier_band(ax, x, frontier: dict, band: dict, *, color, label: str, alpha: float) -> None:
     """A frontier as summary.json holds it ({key: value}, a step at each x) with its band ({key: [5th, 95th]})."""
     ax.step(x, list(frontier.values()), where="post", color=color, label=label)
@@ -291,9 +295,10 @@ def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
     return path
 
 
-def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
+def write_report(dest: Path, s: dict, *, private: str, table_md, plot, records=None) -> None:
     """summary.json (s without its `private` key, as strict JSON), table.md (table_md of that JSON, as a reader
-    of summary.json has it) and the figures (plot of s) into dest; an unwritable folder stops with one line."""
+    of summary.json has it), the figures (plot of s) and records.json (records, where given) into dest; an
+    unwritable folder stops with one line."""
     text = json.dumps(strict_json({k: v for k, v in s.items() if k != private}), indent=2, allow_nan=False)
     table = table_md(json.loads(text))
     try:
@@ -305,13 +310,17 @@ def write_report(dest: Path, s: dict, private: str, table_md, plot) -> None:
         raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
     print(table)
     print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+    if records is not None:
+        (dest / "records.json").write_text(json.dumps(records, separators=(",", ":")) + "\n")
 
 
 def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> dict:
     """A study report's main after its arguments: the finished runs in args.out_dir (made by `run --grid grid`),
-    analysed, and the report written into args.report_dir (default: args.out_dir)."""
+    analysed, and the report written into args.report_dir (default: args.out_dir). A study with a `records`
+    argument reads the runs' compact records from that file instead, and writes every run's beside the report:
+    enough to recompute it."""
     out = Path(args.out_dir)
-    if getattr(args, "records", None):  # a study whose report reads its compact records.json instead of run folders
+    if getattr(args, "records", None):
         runs = runner.load_records(Path(args.records))
     else:
         runs = runner.load_runs(out) if out.is_dir() else []
@@ -320,8 +329,6 @@ def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> d
     if not runs:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
     s = analyse(runs, args)
-    dest = Path(args.report_dir or out)
-    write_report(dest, s, private=private, table_md=table_md, plot=plot)
-    if hasattr(args, "records"):  # every run's compact record beside the report: enough to recompute it
-        (dest / "records.json").write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
+    records = runner.compact_runs(runs) if hasattr(args, "records") else None
+    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot, records=records)
     return s

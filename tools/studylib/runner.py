@@ -86,19 +86,15 @@ STATUS_LINES = {
 
 
 def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
-    """The runner of every study tool. Each run: name, run_dir, argv (replay_grpo.py's flags, its --out-dir and
-    --run-name naming run_dir), and total_steps for run_status, or status(run), a function that returns one of
-    STATUS_LINES' keys in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths
-    deleted before a run is trained from nothing, e.g. its warm-start cache).
-
-    A run is handled under its claim (claim(run_dir)), so that two runner processes on one folder never both
-    decide on, train, delete or restart one run: a run another process claims, or whose folder a trainer holds
-    (its lock), is skipped. Otherwise it is skipped when done, resumed from its checkpoint (partial), or deleted
-    and trained from nothing (broken: it died before its first checkpoint; restart). A run that fails does not
-    stop the others; Ctrl-C does. in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its
-    stdout), else replay_grpo.main in this process. on_trained(run, seconds) is called after each run trained
-    without error, with its wall time, under the run's claim. Returns the names of the runs that failed and of
-    those skipped as another process's."""
+    """The runner of every study tool: each run not done is trained, resumed from its checkpoint (partial), or
+    deleted and trained from nothing (broken, restart), under its claim, so that two runner processes on one folder
+    never both handle a run (one another process claims, or whose folder a trainer holds, is skipped). A run: name,
+    run_dir, argv (replay_grpo.py's flags; --out-dir and --run-name name run_dir), total_steps for run_status or
+    status(run) in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths deleted
+    before training from nothing, e.g. a warm-start cache). A failed run does not stop the others; Ctrl-C does.
+    in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its stdout), else replay_grpo.main here.
+    on_trained(run, seconds): called under the claim after each run trained without error. Returns the names of the
+    failed runs and of those skipped as another process's."""
     import replay_grpo
 
     failed, skipped = [], []
@@ -203,10 +199,9 @@ CONFIG_KEYS = {
 }
 
 
-def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None, dict | None]:
-    """A run folder's settings (config.json with the resumes' changes), and when it is finished (its checkpoint at
-    total_steps) its records and planned configuration. Damaged names the file that is missing, unreadable, or
-    lacks what the report reads."""
+def read_run(run_dir: Path, state: dict | None) -> dict | None:
+    """A finished run (its checkpoint at total_steps) as load_runs returns it, None for one that is not. Damaged
+    names the file that is missing, unreadable, or lacks what the report reads."""
     path = run_dir / "config.json"
     cfg = read_json(path)
     for key, kind in CONFIG_KEYS.items():
@@ -218,7 +213,7 @@ def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None
     except ValueError as e:
         raise Damaged(str(e)) from None
     if state is None or state["step"] != cfg["total_steps"]:
-        return cfg, None, None
+        return None
     records, path = read_metrics(run_dir / "metrics.jsonl"), run_dir / "metrics.jsonl"
     if not records or records[-1]["step"] < state["step"]:
         raise Damaged(f"{path}: its records do not reach the checkpoint's step {state['step']} (cut)")
@@ -231,7 +226,14 @@ def read_run(run_dir: Path, state: dict | None) -> tuple[dict, list[dict] | None
     else:  # a folder from before sweep_run.json: its name says it
         m = RUN_NAME.fullmatch(run_dir.name)
         planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
-    return cfg, records, planned
+    return {
+        "name": run_dir.name,
+        "config": planned["config"],
+        "variant": planned["variant"],
+        "seed": cfg["seed"],
+        "cfg": cfg,
+        "records": records,
+    }
 
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
@@ -240,25 +242,15 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     runs, damaged = [], 0
     for run_dir in sorted(p for p in out_dir.iterdir() if p.is_dir() and (p / "config.json").exists()):
         try:
-            cfg, records, planned = read_run(run_dir, checkpoint_state(run_dir))
+            run = read_run(run_dir, checkpoint_state(run_dir))
         except Damaged as e:
             print(f"report: {run_dir.name} left out, a file is damaged: {e}")
             damaged += 1
             continue
-        if records is None:
-            if not quiet:
-                print(f"report: {run_dir.name} is not finished, left out")
-            continue
-        runs.append(
-            {
-                "name": run_dir.name,
-                "config": planned["config"],
-                "variant": planned["variant"],
-                "seed": cfg["seed"],
-                "cfg": cfg,
-                "records": records,
-            }
-        )
+        if run is not None:
+            runs.append(run)
+        elif not quiet:
+            print(f"report: {run_dir.name} is not finished, left out")
     if damaged:
         print(f"report: {damaged} run folder(s) with a damaged file left out")
     return runs
