@@ -20,6 +20,8 @@ import replay_grpo as rg
 import warm_start
 
 ROOT = Path(__file__).resolve().parent
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # xdist workers share the cores: torch's threads fight (4x slower)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def small_args(out_dir, *extra):
