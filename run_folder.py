@@ -349,13 +349,58 @@ def open_run(cfg) -> tuple[str, Path, Path]:
         )
     if cfg.resume:
         check_resume_config(cfg, run_dir)
-        return run_name, run_dir, ckpt
-    try:
-        write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    except OSError as e:
-        full = "disk full: " if disk_full(e, run_dir) else ""
-        raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
+    else:
+        try:
+            write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        except OSError as e:
+            full = "disk full: " if disk_full(e, run_dir) else ""
+            raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None
+    note_machine(run_dir)
     return run_name, run_dir, ckpt
+
+
+def machine() -> dict:
+    """What a run's rounding depends on besides its flags and seed: the processor (vendor, model, and the vector
+    instructions torch's kernels use), the GPUs, torch's version and its threads. The same run on two machines that
+    differ here may give other records (a sum's order follows the kernel), which compound over thousands of steps."""
+    import platform
+
+    import torch
+
+    info = {}
+    with contextlib.suppress(OSError):  # Linux; elsewhere platform.processor() alone
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("vendor_id", "cpu family", "model", "model name") and key.strip() not in info:
+                info[key.strip()] = value.strip()
+    cpu = " ".join(info.get(k, "") for k in ("vendor_id", "model name")).strip() or platform.processor()
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    isa = torch.backends.cpu.get_cpu_capability()
+    return {"cpu": cpu, "isa": isa, "gpus": gpus, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def note_machine(run_dir: Path) -> None:
+    """Append this process's machine() to <run>/machines.jsonl (a run's start and each resume). A resume on another
+    machine than the run's start is said in one line: the run goes on, but not bitwise as it would have there."""
+    path, now = run_dir / "machines.jsonl", machine()
+    try:
+        first = read_json(path.read_text().splitlines()[0], str(path))["machine"]
+    except (OSError, IndexError, ValueError, TypeError, KeyError, UserError):  # none recorded yet, or damaged
+        first = now
+    if isinstance(first, dict) and first != now:
+        changed = "; ".join(f"{k} {first.get(k)} -> {v}" for k, v in now.items() if first.get(k) != v)
+        print(
+            f"warning: {run_dir} started on another machine ({changed}): the run goes on, but its records from here "
+            "are not bitwise those it would have made there (rounding follows the processor, torch and its threads)"
+        )
+    try:
+        append_line(path, json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": now}))
+    except OSError as e:
+        if not disk_full(e, run_dir):
+            raise
+        raise UserError(full_disk_line(path)) from None
 
 
 def is_run_folder(path: Path) -> bool:

@@ -289,6 +289,7 @@ def train_and_cache(cfg: rg.Args, device: torch.device, task: rg.Task, cache: Pa
     t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
     streams = run_folder.rng_state()  # at the warm start's end: a run that loads the cache goes on from here
     info["seconds"], info["threads"] = round(time.time() - t0, 1), torch.get_num_threads()  # what it trained with
+    info["machine"] = run_folder.machine()  # a cache made elsewhere holds that machine's rounding
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
     try:
         rg.export_plain_folder(model, tok, str(tmp))

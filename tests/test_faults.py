@@ -30,6 +30,7 @@ from test_async_pipeline import Run, metrics  # a CLI run in its own session, wa
 
 import async_pipeline as ap
 import replay_grpo as rg
+import run_folder
 import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +86,23 @@ def test_a_resume_may_change_the_run_length_and_records_it(tmp_path):
     assert (tmp_path / "r" / "config.json").read_text() == saved  # written once
     record = json.loads(lines(tmp_path / "r" / "resumes.jsonl")[-1])
     assert record["changed"] == {"--total-steps": [3, 6]}
+
+
+def test_each_process_records_its_machine_and_a_resume_elsewhere_is_said(tmp_path, capsys, monkeypatch):
+    """Rounding follows the processor, torch and its threads: a resume on another machine goes on, in one line."""
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3"))
+    here = run_folder.machine()
+    assert here["torch"] == torch.__version__ and here["threads"] == torch.get_num_threads() and here["cpu"]
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "4"))
+    assert "another machine" not in capsys.readouterr().out  # the same machine: nothing said
+    elsewhere = dict(here, cpu="GenuineIntel Xeon (family 6, model 143)", isa="AVX512")
+    monkeypatch.setattr(run_folder, "machine", lambda: elsewhere)
+    rg.main(small_args(tmp_path, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "5"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "another machine" in line]
+    assert len(said) == 1 and f"cpu {here['cpu']} -> {elsewhere['cpu']}" in said[0], said
+    recorded = [json.loads(line)["machine"] for line in lines(tmp_path / "r" / "machines.jsonl")]
+    assert recorded == [here, here, elsewhere]
+    assert [json.loads(line)["step"] for line in lines(tmp_path / "r" / "metrics.jsonl")] == list(range(6))
 
 
 def test_a_flag_the_saved_config_lacks_is_refused_unless_it_has_its_default(tmp_path, capsys):
@@ -369,8 +387,10 @@ def test_a_full_disk_while_a_resume_rewrites_the_records_is_one_line_and_leaves_
     assert "the checkpoint and the records up to it are kept" in err
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     resumes = after.pop("resumes.jsonl", b"").decode().splitlines()
-    assert after == {k: v for k, v in before.items() if k != "resumes.jsonl"}  # no .tmp, records whole
+    machines = after.pop("machines.jsonl").decode().splitlines()  # each process's line, appended like resumes'
+    assert after == {k: v for k, v in before.items() if k not in ("resumes.jsonl", "machines.jsonl")}  # no .tmp
     assert all(json.loads(line)["changed"] is not None for line in resumes)  # no cut line
+    assert all(json.loads(line)["machine"] for line in machines)
     assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
 
 
