@@ -1327,11 +1327,11 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok, device: torch.device | None = None, policy_version: int = 0):
+    def __init__(self, model, tok, policy_version: int = 0):
         from transformers import GenerationConfig
 
-        device = device or next(model.parameters()).device  # default: the model's
-        self.model = kernels.cast_copy(model, kernels.compute_dtype(device), device)  # bf16 on GPUs, cast directly
+        device = next(model.parameters()).device
+        self.model = kernels.cast_copy(model, kernels.compute_dtype(device))  # bf16 on GPUs, cast directly
         self.policy_version = policy_version  # the optimizer steps in `model`'s weights
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
@@ -1566,25 +1566,23 @@ def export_plain_folder(model, tok, out_dir: str) -> str:
     return out_dir
 
 
-def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True, device: torch.device | None = None):
-    """The --generator backend on `device` (default: the model's). vLLM loads a plain Hugging Face folder (a model built
-    in code or read from GGUF is exported first). colocated: the engine shares its GPU with the trainer, so it sleeps
-    during optimizer steps."""
+def make_generator(cfg: Args, model, tok, model_dir: str):
+    """The --generator backend on the model's device. vLLM loads a plain Hugging Face folder (a model built in code or
+    read from GGUF is exported first); the engine shares the trainer's GPU, so it sleeps during optimizer steps."""
     if cfg.generator == "hf":
-        return HFGenerator(model, tok, device)
+        return HFGenerator(model, tok)
     try:
         import_vllm()  # vLLM itself is imported only here, when used
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
-        return HFGenerator(model, tok, device)
+        return HFGenerator(model, tok)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(kernels.compute_dtype(device or next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
-    # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
-    # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
-    sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
+    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    # level 2, when a weight load follows every wake-up, drops the weights too; where the platform has no sleep mode
+    # (CPU) the engine runs without, and still counts as one
     generator = VLLMGenerator(
         model=model,
         tok=tok,
@@ -1593,7 +1591,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
         seed=cfg.seed,
         max_model_len=context_length(model),
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep_level=sleep_level,
+        sleep_level=2 if cfg.publish_every == 1 else 1,
     )
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
     return generator
