@@ -1775,8 +1775,7 @@ def step_record(
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
     stale, B = sums["staleness"], batch_size
     record = {"step": step, **stats}
-    record["by_staleness"] = by_staleness(record["staleness_sums"])
-    record["offpolicy_by_staleness"] = offpolicy_by_staleness(record.pop("staleness_sums"))
+    record["by_staleness"], record["offpolicy_by_staleness"] = by_staleness(record.pop("staleness_sums"))
     record["reward"] = sum(r.reward for r in fresh) / len(fresh) if fresh else None
     record["accuracy"] = sum(r.correct for r in fresh) / len(fresh) if fresh else None
     record["reward_batch"] = sums["reward"] / B
@@ -1907,12 +1906,15 @@ def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, cl
             row[i] += value
 
 
-def by_staleness(sums: dict) -> dict:
-    """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
-    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
-    out = {}
+def by_staleness(sums: dict) -> tuple[dict, dict]:
+    """The staleness metrics from add_staleness_sums, per bucket: rollouts, tokens, clip fraction, mean |log ratio|
+    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens); and
+    beside them the share of tokens the --correction masked or truncated, the second moment of the log ratio mean
+    (log r)^2 (M2PO's statistic) and the KL estimate mean(r - 1 - log r) of the behaviour to the trained policy (k3,
+    as logprob_mismatch_kl), r = pi_theta / behaviour."""
+    out, offpolicy = {}, {}
     for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label][:6]
+        rollouts, tokens, clipped, abs_log_ratio, w, w2, corrected, m2, kl = sums[label]
         out[label] = {
             "rollouts": rollouts,
             "tokens": tokens,
@@ -1920,18 +1922,8 @@ def by_staleness(sums: dict) -> dict:
             "abs_log_ratio": abs_log_ratio / tokens,
             "ess": w * w / w2,
         }
-    return out
-
-
-def offpolicy_by_staleness(sums: dict) -> dict:
-    """Per staleness bucket, from add_staleness_sums: the share of tokens the --correction masked or truncated, the
-    second moment of the log ratio mean (log r)^2 (M2PO's statistic) and the KL estimate mean(r - 1 - log r) of the
-    behaviour to the trained policy (k3, as logprob_mismatch_kl), r = pi_theta / behaviour."""
-    out = {}
-    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        tokens, (corrected, m2, kl) = sums[label][1], sums[label][6:]
-        out[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
-    return out
+        offpolicy[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
+    return out, offpolicy
 
 
 # ===== Flag checks ================================================================================
