@@ -1840,12 +1840,8 @@ def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> Non
         )
 
 
-PROGRESS_SECONDS = 60.0  # without a terminal, the longest silence between two progress lines (at a step's end)
-PROGRESS_ENV = "REPLAY_GRPO_PROGRESS_SECONDS"  # a test hook: another number of seconds
-
-
-def progress_seconds() -> float:
-    return float(os.environ.get(PROGRESS_ENV, PROGRESS_SECONDS))
+# Without a terminal, the longest silence between two progress lines (at a step's end); the variable: a test hook
+PROGRESS_SECONDS = float(os.environ.get("REPLAY_GRPO_PROGRESS_SECONDS", 60.0))
 
 
 class Progress:
@@ -1871,7 +1867,7 @@ class Progress:
         if record.get("reward") is not None:
             self.rewards.append(record["reward"])
         seconds = time.perf_counter() - self.since
-        if self.bar.disable and seconds >= progress_seconds():
+        if self.bar.disable and seconds >= PROGRESS_SECONDS:
             reward = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
             steps = record["step"] - self.since_step
             print(
