@@ -1947,7 +1947,7 @@ def validate(cfg: Args) -> None:
             lambda v: v >= 0,
             ">= 0",
         ),
-        (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("lr", "sft_lr", "tis_cap", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
         (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
@@ -2012,18 +2012,13 @@ def validate_correction(cfg: Args, need) -> None:
     """Refuse a correction's knob out of range, or given to another correction (it would be ignored)."""
     low, high = cfg.seq_mask
     need(0 <= low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 <= low < 1 < high (a sequence's weight)")
-    need(0 < cfg.tis_cap < math.inf, f"--tis-cap {cfg.tis_cap}: must be a positive number")
-    need(0 < cfg.m2po_tau < math.inf, f"--m2po-tau {cfg.m2po_tau}: must be a positive number")
     need(1 < cfg.decoupled_cap < math.inf, f"--decoupled-cap {cfg.decoupled_cap}: must be above 1 (a weight)")
     need(0 <= cfg.prox_lag <= 64, f"--prox-lag {cfg.prox_lag}: must be in [0, 64] (a host copy of each version)")
     defaults = {f.name: f.default for f in dataclasses.fields(Args)}
     for correction, names in CORRECTION_FLAGS.items():
         for name in names:
-            flag = f"--{name.replace('_', '-')}"
-            need(
-                getattr(cfg, name) == defaults[name] or cfg.correction == correction,
-                f"{flag}: only --correction {correction} uses it",
-            )
+            ok = getattr(cfg, name) == defaults[name] or cfg.correction == correction
+            need(ok, f"--{name.replace('_', '-')}: only --correction {correction} uses it")
     if cfg.correction == "none":
         return
     need(
