@@ -262,11 +262,8 @@ class ReplayBuffer:
             raise ValueError(
                 f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
             )
-        self.sampling = sampling
-        self.max_age = max_age
-        self.max_uses = max_uses
-        self.priority_alpha = priority_alpha
-        self.priority_tau = priority_tau
+        self.sampling, self.max_age, self.max_uses = sampling, max_age, max_uses
+        self.priority_alpha, self.priority_tau = priority_alpha, priority_tau
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
@@ -284,13 +281,8 @@ class ReplayBuffer:
 
     def _evict_one(self) -> None:
         older = len(self.items) - (self.capacity - self.n_protected)  # items[:older]: outside the freshest
-        protected, kept = set(), 0
-        for i in range(older - 1, -1, -1):  # freshest correct older rollouts first
-            if kept == self.n_protected:
-                break
-            if self.items[i].correct:
-                protected.add(i)
-                kept += 1
+        correct = [i for i in range(older - 1, -1, -1) if self.items[i].correct]  # the freshest first
+        protected = set(correct[: self.n_protected])
         victim = next(i for i in range(len(self.items)) if i not in protected)
         self._remove([victim])
 
