@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -453,9 +454,8 @@ def correction_terms(
     weights being trained, before this step; decoupled with --prox-lag: LaggedPolicy's); r = pi_theta / mu.
     none: mu, 1. tis: prox, min(prox/mu, C). seq-mask: prox, 1 if the sequence's exp(mean log(prox/mu)) is within
     the bounds, else 0. m2po (unclipped): mu, M2PO's mask (per micro-batch). decoupled: prox, prox/mu, 0 above cap."""
-    ones, none = torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
     if cfg.correction == "none":
-        return behaviour, ones, none
+        return behaviour, torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
     if cfg.correction == "m2po":
         log_r = (logp.detach() - behaviour).double()
         keep = m2po_keep(log_r.square(), (advantage > 0) & (log_r > 0) | (advantage < 0) & (log_r < 0), cfg)
@@ -658,8 +658,7 @@ def train(cfg: Args) -> dict:
     if state is not None:  # an optimizer state of another model raises ValueError: named
         run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
         buffer.load_state_dict(state["buffer"])
-        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
-            published = state["generator_weights"]
+        published = state.get("generator_weights") or published  # saved between publishes: the generator lagged
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
         if lagged is not None:
@@ -675,9 +674,7 @@ def train(cfg: Args) -> dict:
         f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
         f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}"
     )
-    last_eval = {}
-    if step == 0:
-        last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
+    last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm) if step == 0 else {}
 
     start_step = step
     bar = Progress(step, cfg.total_steps)
@@ -749,7 +746,6 @@ def train(cfg: Args) -> dict:
             evaluator = generator if generator.policy_version == step else HFGenerator(model, tok, policy_version=step)
         last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
         if evaluating:
-            lagging = generator.policy_version != step
             trainer_state = {
                 "step": step,
                 "mode": "sync",
@@ -760,7 +756,7 @@ def train(cfg: Args) -> dict:
                 "buffer": buffer.state_dict(),
                 "rng": run_folder.rng_state(),
                 "generator_version": generator.policy_version,
-                "generator_weights": published if lagging else None,
+                "generator_weights": published if generator.policy_version != step else None,  # it lags
                 "lagged": list(lagged.copies) if lagged else None,
             }
             run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
@@ -937,11 +933,8 @@ def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None,
         if local and (Path(local) / "dataset_dict.json").exists():
             rows = list(datasets.load_from_disk(local)[split])
         elif local and Path(local).is_file():
-            rows = list(
-                datasets.load_dataset(
-                    Path(local).suffix.lstrip(".").replace("jsonl", "json"), data_files={split: local}, split=split
-                )
-            )
+            builder = Path(local).suffix.lstrip(".").replace("jsonl", "json")  # datasets' json or parquet loader
+            rows = list(datasets.load_dataset(builder, data_files={split: local}, split=split))
         else:
             rows = list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
     except Exception as e:  # the hub, a missing file: one clear line either way
@@ -1230,9 +1223,7 @@ def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
         hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel = targets != -100  # the completion tokens' positions
     head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
-    dtype = head.dtype  # the head in the compute dtype: fp32 masters are cast, a generator's copy is in it already
-    if head.dtype == torch.float32:
-        dtype = kernels.compute_dtype(device)
+    dtype = kernels.compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # a generator's copy: as is
     return kernels.token_logprobs(
         hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature, return_entropy=entropy
     )
@@ -1686,9 +1677,7 @@ def cpu_copy(state_dict: dict) -> dict:
 def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict | None) -> dict:
     """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
     metrics, samples = evaluate(generator, tok, task, cfg, seed=cfg.seed)
-    warm_start = {}
-    if warm is not None:
-        warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
+    warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")} if warm is not None else {}
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
     print_eval(print, 0, metrics, samples)
@@ -1708,9 +1697,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         fit_to_context(cfg, task, tok, model, rank)
         return task, model, tok, model_dir, warm, None
 
-    def torch_load(path: Path):
-        return torch.load(path, weights_only=False)
-
+    torch_load = functools.partial(torch.load, weights_only=False)
     sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
     state = run_folder.read_checkpoint_file(
         ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
@@ -2213,12 +2200,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
         return train(cfg)
-    except UserError as e:
+    except (UserError, PipelineError) as e:  # PipelineError: --mode async, a generator died; every rank stops
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    except PipelineError as e:  # --mode async: a generator died; every rank stops
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(2 if isinstance(e, UserError) else 1)
     except KeyboardInterrupt:
         print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)
