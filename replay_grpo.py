@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -262,11 +263,8 @@ class ReplayBuffer:
             raise ValueError(
                 f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
             )
-        self.sampling = sampling
-        self.max_age = max_age
-        self.max_uses = max_uses
-        self.priority_alpha = priority_alpha
-        self.priority_tau = priority_tau
+        self.sampling, self.max_age, self.max_uses = sampling, max_age, max_uses
+        self.priority_alpha, self.priority_tau = priority_alpha, priority_tau
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
@@ -284,13 +282,8 @@ class ReplayBuffer:
 
     def _evict_one(self) -> None:
         older = len(self.items) - (self.capacity - self.n_protected)  # items[:older]: outside the freshest
-        protected, kept = set(), 0
-        for i in range(older - 1, -1, -1):  # freshest correct older rollouts first
-            if kept == self.n_protected:
-                break
-            if self.items[i].correct:
-                protected.add(i)
-                kept += 1
+        correct = [i for i in range(older - 1, -1, -1) if self.items[i].correct]  # the freshest first
+        protected = set(correct[: self.n_protected])
         victim = next(i for i in range(len(self.items)) if i not in protected)
         self._remove([victim])
 
@@ -461,9 +454,8 @@ def correction_terms(
     weights being trained, before this step; decoupled with --prox-lag: LaggedPolicy's); r = pi_theta / mu.
     none: mu, 1. tis: prox, min(prox/mu, C). seq-mask: prox, 1 if the sequence's exp(mean log(prox/mu)) is within
     the bounds, else 0. m2po (unclipped): mu, M2PO's mask (per micro-batch). decoupled: prox, prox/mu, 0 above cap."""
-    ones, none = torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
     if cfg.correction == "none":
-        return behaviour, ones, none
+        return behaviour, torch.ones_like(logp), torch.zeros_like(logp, dtype=torch.bool)
     if cfg.correction == "m2po":
         log_r = (logp.detach() - behaviour).double()
         keep = m2po_keep(log_r.square(), (advantage > 0) & (log_r > 0) | (advantage < 0) & (log_r < 0), cfg)
@@ -666,8 +658,7 @@ def train(cfg: Args) -> dict:
     if state is not None:  # an optimizer state of another model raises ValueError: named
         run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
         buffer.load_state_dict(state["buffer"])
-        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
-            published = state["generator_weights"]
+        published = state.get("generator_weights") or published  # saved between publishes: the generator lagged
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
         if lagged is not None:
@@ -683,9 +674,7 @@ def train(cfg: Args) -> dict:
         f"{cfg.group_size}), batch B = {B}, buffer N = {N}, publish every {cfg.publish_every}: replay ratio B/R = "
         f"{B / R:.2f}, staleness horizon N/R = {N / R:.2f}{on_policy}"
     )
-    last_eval = {}
-    if step == 0:
-        last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm)
+    last_eval = first_evaluation(generator, tok, task, cfg, runlog=runlog, warm=warm) if step == 0 else {}
 
     start_step = step
     bar = Progress(step, cfg.total_steps)
@@ -757,7 +746,6 @@ def train(cfg: Args) -> dict:
             evaluator = generator if generator.policy_version == step else HFGenerator(model, tok, policy_version=step)
         last_eval = end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar) or last_eval
         if evaluating:
-            lagging = generator.policy_version != step
             trainer_state = {
                 "step": step,
                 "mode": "sync",
@@ -768,7 +756,7 @@ def train(cfg: Args) -> dict:
                 "buffer": buffer.state_dict(),
                 "rng": run_folder.rng_state(),
                 "generator_version": generator.policy_version,
-                "generator_weights": published if lagging else None,
+                "generator_weights": published if generator.policy_version != step else None,  # it lags
                 "lagged": list(lagged.copies) if lagged else None,
             }
             run_folder.save_checkpoint(run_dir, model, tok, trainer_state, optimizer_state=optimizer.state_dict())
@@ -945,11 +933,8 @@ def load_hf_rows(hub_id: str, config: str | None, split: str, local: str | None,
         if local and (Path(local) / "dataset_dict.json").exists():
             rows = list(datasets.load_from_disk(local)[split])
         elif local and Path(local).is_file():
-            rows = list(
-                datasets.load_dataset(
-                    Path(local).suffix.lstrip(".").replace("jsonl", "json"), data_files={split: local}, split=split
-                )
-            )
+            builder = Path(local).suffix.lstrip(".").replace("jsonl", "json")  # datasets' json or parquet loader
+            rows = list(datasets.load_dataset(builder, data_files={split: local}, split=split))
         else:
             rows = list(datasets.load_dataset(local or hub_id, None if local else config, split=split))
     except Exception as e:  # the hub, a missing file: one clear line either way
@@ -1238,9 +1223,7 @@ def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
         hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     sel = targets != -100  # the completion tokens' positions
     head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
-    dtype = head.dtype  # the head in the compute dtype: fp32 masters are cast, a generator's copy is in it already
-    if head.dtype == torch.float32:
-        dtype = kernels.compute_dtype(device)
+    dtype = kernels.compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # a generator's copy: as is
     return kernels.token_logprobs(
         hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature, return_entropy=entropy
     )
@@ -1327,11 +1310,11 @@ class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
     the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
 
-    def __init__(self, model, tok, device: torch.device | None = None, policy_version: int = 0):
+    def __init__(self, model, tok, policy_version: int = 0):
         from transformers import GenerationConfig
 
-        device = device or next(model.parameters()).device  # default: the model's
-        self.model = kernels.cast_copy(model, kernels.compute_dtype(device), device)  # bf16 on GPUs, cast directly
+        device = next(model.parameters()).device
+        self.model = kernels.cast_copy(model, kernels.compute_dtype(device))  # bf16 on GPUs, cast directly
         self.policy_version = policy_version  # the optimizer steps in `model`'s weights
         self.pad_id = tok.pad_token_id
         self.eos_ids = stop_token_ids(model, tok)
@@ -1566,25 +1549,23 @@ def export_plain_folder(model, tok, out_dir: str) -> str:
     return out_dir
 
 
-def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True, device: torch.device | None = None):
-    """The --generator backend on `device` (default: the model's). vLLM loads a plain Hugging Face folder (a model built
-    in code or read from GGUF is exported first). colocated: the engine shares its GPU with the trainer, so it sleeps
-    during optimizer steps."""
+def make_generator(cfg: Args, model, tok, model_dir: str):
+    """The --generator backend on the model's device. vLLM loads a plain Hugging Face folder (a model built in code or
+    read from GGUF is exported first); the engine shares the trainer's GPU, so it sleeps during optimizer steps."""
     if cfg.generator == "hf":
-        return HFGenerator(model, tok, device)
+        return HFGenerator(model, tok)
     try:
         import_vllm()  # vLLM itself is imported only here, when used
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
-        return HFGenerator(model, tok, device)
+        return HFGenerator(model, tok)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
-    dtype = str(kernels.compute_dtype(device or next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
-    # a colocated engine sleeps during optimizer steps (level 2, when a weight load follows every wake-up, drops the
-    # weights too); where the platform has no sleep mode (CPU) the engine runs without, and still counts as one
-    sleep_level = (2 if cfg.publish_every == 1 else 1) if colocated else 0
+    dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
+    # level 2, when a weight load follows every wake-up, drops the weights too; where the platform has no sleep mode
+    # (CPU) the engine runs without, and still counts as one
     generator = VLLMGenerator(
         model=model,
         tok=tok,
@@ -1593,7 +1574,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str, colocated: bool = True
         seed=cfg.seed,
         max_model_len=context_length(model),
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep_level=sleep_level,
+        sleep_level=2 if cfg.publish_every == 1 else 1,
     )
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
     return generator
@@ -1696,9 +1677,7 @@ def cpu_copy(state_dict: dict) -> dict:
 def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict | None) -> dict:
     """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
     metrics, samples = evaluate(generator, tok, task, cfg, seed=cfg.seed)
-    warm_start = {}
-    if warm is not None:
-        warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")}
+    warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")} if warm is not None else {}
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
     print_eval(print, 0, metrics, samples)
@@ -1718,9 +1697,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         fit_to_context(cfg, task, tok, model, rank)
         return task, model, tok, model_dir, warm, None
 
-    def torch_load(path: Path):
-        return torch.load(path, weights_only=False)
-
+    torch_load = functools.partial(torch.load, weights_only=False)
     sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
     state = run_folder.read_checkpoint_file(
         ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
@@ -1777,8 +1754,7 @@ def step_record(
     """One step's metrics: the train step's, the fresh rollouts', the batch's, the buffer's and the run totals."""
     stale, B = sums["staleness"], batch_size
     record = {"step": step, **stats}
-    record["by_staleness"] = by_staleness(record["staleness_sums"])
-    record["offpolicy_by_staleness"] = offpolicy_by_staleness(record.pop("staleness_sums"))
+    record["by_staleness"], record["offpolicy_by_staleness"] = by_staleness(record.pop("staleness_sums"))
     record["reward"] = sum(r.reward for r in fresh) / len(fresh) if fresh else None
     record["accuracy"] = sum(r.correct for r in fresh) / len(fresh) if fresh else None
     record["reward_batch"] = sums["reward"] / B
@@ -1843,12 +1819,8 @@ def print_eval(write, step: int, metrics: dict, samples: list[dict] = ()) -> Non
         )
 
 
-PROGRESS_SECONDS = 60.0  # without a terminal, the longest silence between two progress lines (at a step's end)
-PROGRESS_ENV = "REPLAY_GRPO_PROGRESS_SECONDS"  # a test hook: another number of seconds
-
-
-def progress_seconds() -> float:
-    return float(os.environ.get(PROGRESS_ENV, PROGRESS_SECONDS))
+# Without a terminal, the longest silence between two progress lines (at a step's end); the variable: a test hook
+PROGRESS_SECONDS = float(os.environ.get("REPLAY_GRPO_PROGRESS_SECONDS", 60.0))
 
 
 class Progress:
@@ -1874,7 +1846,7 @@ class Progress:
         if record.get("reward") is not None:
             self.rewards.append(record["reward"])
         seconds = time.perf_counter() - self.since
-        if self.bar.disable and seconds >= progress_seconds():
+        if self.bar.disable and seconds >= PROGRESS_SECONDS:
             reward = f"{sum(self.rewards) / len(self.rewards):.3f}" if self.rewards else "-"
             steps = record["step"] - self.since_step
             print(
@@ -1909,12 +1881,15 @@ def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, cl
             row[i] += value
 
 
-def by_staleness(sums: dict) -> dict:
-    """The staleness metrics from add_staleness_sums: per bucket, rollouts, tokens, clip fraction, mean |log ratio|
-    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens)."""
-    out = {}
+def by_staleness(sums: dict) -> tuple[dict, dict]:
+    """The staleness metrics from add_staleness_sums, per bucket: rollouts, tokens, clip fraction, mean |log ratio|
+    per token, and the effective sample size of the token ratios, (sum w)^2 / sum w^2 (at most the tokens); and
+    beside them the share of tokens the --correction masked or truncated, the second moment of the log ratio mean
+    (log r)^2 (M2PO's statistic) and the KL estimate mean(r - 1 - log r) of the behaviour to the trained policy (k3,
+    as logprob_mismatch_kl), r = pi_theta / behaviour."""
+    out, offpolicy = {}, {}
     for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        rollouts, tokens, clipped, abs_log_ratio, w, w2 = sums[label][:6]
+        rollouts, tokens, clipped, abs_log_ratio, w, w2, corrected, m2, kl = sums[label]
         out[label] = {
             "rollouts": rollouts,
             "tokens": tokens,
@@ -1922,18 +1897,8 @@ def by_staleness(sums: dict) -> dict:
             "abs_log_ratio": abs_log_ratio / tokens,
             "ess": w * w / w2,
         }
-    return out
-
-
-def offpolicy_by_staleness(sums: dict) -> dict:
-    """Per staleness bucket, from add_staleness_sums: the share of tokens the --correction masked or truncated, the
-    second moment of the log ratio mean (log r)^2 (M2PO's statistic) and the KL estimate mean(r - 1 - log r) of the
-    behaviour to the trained policy (k3, as logprob_mismatch_kl), r = pi_theta / behaviour."""
-    out = {}
-    for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        tokens, (corrected, m2, kl) = sums[label][1], sums[label][6:]
-        out[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
-    return out
+        offpolicy[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
+    return out, offpolicy
 
 
 # ===== Flag checks ================================================================================
@@ -1961,7 +1926,7 @@ def validate(cfg: Args) -> None:
             lambda v: v >= 0,
             ">= 0",
         ),
-        (("lr", "sft_lr"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("lr", "sft_lr", "tis_cap", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
         (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
@@ -2026,18 +1991,13 @@ def validate_correction(cfg: Args, need) -> None:
     """Refuse a correction's knob out of range, or given to another correction (it would be ignored)."""
     low, high = cfg.seq_mask
     need(0 <= low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 <= low < 1 < high (a sequence's weight)")
-    need(0 < cfg.tis_cap < math.inf, f"--tis-cap {cfg.tis_cap}: must be a positive number")
-    need(0 < cfg.m2po_tau < math.inf, f"--m2po-tau {cfg.m2po_tau}: must be a positive number")
     need(1 < cfg.decoupled_cap < math.inf, f"--decoupled-cap {cfg.decoupled_cap}: must be above 1 (a weight)")
     need(0 <= cfg.prox_lag <= 64, f"--prox-lag {cfg.prox_lag}: must be in [0, 64] (a host copy of each version)")
     defaults = {f.name: f.default for f in dataclasses.fields(Args)}
     for correction, names in CORRECTION_FLAGS.items():
         for name in names:
-            flag = f"--{name.replace('_', '-')}"
-            need(
-                getattr(cfg, name) == defaults[name] or cfg.correction == correction,
-                f"{flag}: only --correction {correction} uses it",
-            )
+            ok = getattr(cfg, name) == defaults[name] or cfg.correction == correction
+            need(ok, f"--{name.replace('_', '-')}: only --correction {correction} uses it")
     if cfg.correction == "none":
         return
     need(
@@ -2240,12 +2200,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
         return train(cfg)
-    except UserError as e:
+    except (UserError, PipelineError) as e:  # PipelineError: --mode async, a generator died; every rank stops
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-    except PipelineError as e:  # --mode async: a generator died; every rank stops
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(2 if isinstance(e, UserError) else 1)
     except KeyboardInterrupt:
         print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)

@@ -142,7 +142,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
             schedule.step()
         info["steps"] = step
         seconds = time.perf_counter() - since
-        if not sys.stdout.isatty() and seconds >= rg.progress_seconds():
+        if not sys.stdout.isatty() and seconds >= rg.PROGRESS_SECONDS:
             print(
                 f"warm start: step {step}/{cfg.sft_warmup_steps}, loss {loss.item():.3f}, "
                 f"{seconds / (step - since_step):.2f} s/step",

@@ -149,7 +149,7 @@ def test_train_step_gradient_is_the_hand_written_loss_of_each_correction(correct
 
 
 def offpolicy(stats):
-    return rg.offpolicy_by_staleness(stats["staleness_sums"])
+    return rg.by_staleness(stats["staleness_sums"])[1]
 
 
 def stats_tokens(stats, bucket):

@@ -277,13 +277,13 @@ def test_metrics_by_staleness_from_the_ratios_of_each_bucket():
     rg.add_staleness_sums(
         sums, batch[:1], 10, ratio=ratio[:2], clipped=clipped[:2], corrected=corrected[:2], log_ratio=torch.zeros(2)
     )
-    out = rg.by_staleness(sums)
+    out = rg.by_staleness(sums)[0]
     assert list(out) == ["0", "1", "2-3"]
     assert out["0"] == {"rollouts": 2, "tokens": 4, "clip_frac": 0.0, "abs_log_ratio": 0.0, "ess": 4.0}
     assert out["1"]["clip_frac"] == 0.5 and out["1"]["ess"] == pytest.approx(4 / 2.5)
     assert out["1"]["abs_log_ratio"] == pytest.approx(math.log(1.5) / 2 + math.log(2) / 2)
     assert out["2-3"]["ess"] == pytest.approx(16 / 6) and out["2-3"]["clip_frac"] == pytest.approx(1 / 3)
-    beside = rg.offpolicy_by_staleness(sums)  # the per-age diagnostics of the corrections, same buckets
+    beside = rg.by_staleness(sums)[1]  # the per-age diagnostics of the corrections, same buckets
     assert list(beside) == list(out) and beside["0"] == {"corrected_frac": 0.0, "m2": 0.0, "mismatch_kl": 0.0}
     assert beside["1"]["m2"] == pytest.approx((math.log(1.5) ** 2 + math.log(0.5) ** 2) / 2)
     assert beside["1"]["mismatch_kl"] == pytest.approx((0.5 - math.log(1.5) - 0.5 - math.log(0.5)) / 2)
