@@ -35,9 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import tyro
-from replay_study import bucket_order
 from studylib import fmt, report, runner
-from studylib.report import save_figure
+from studylib.report import bucket_order, save_figure
 
 CORRECTIONS = ("none", "tis", "seq-mask", "m2po", "decoupled")
 SETTINGS = {"N256": 256, "N512": 512}  # buffer sizes: N/R = 16 and 32 at R = 16
@@ -91,9 +90,8 @@ class Args:
 
 
 def gather(tables) -> dict[str, dict[str, list[float]]]:
-    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {diagnostic:
-    [values]}}."""
-    out: dict[str, dict[str, list[float]]] = {}
+    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {key: [values]}}."""
+    out = {}
     for table in tables:
         for label, row in table.items():
             for key, value in row.items():
@@ -105,39 +103,15 @@ def compact(run: dict) -> dict:
     """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
     rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
     buckets = gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
+    diagnostics = {label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())}
+    evals = [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)]
     return {
         "config": run["config"],
         "lr": run["cfg"]["lr"],
         "seed": run["seed"],
-        "evals": [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)],
-        "diagnostics": {
-            label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())
-        },
+        "evals": evals,
+        "diagnostics": diagnostics,
     }
-
-
-def records_of(out: Path) -> dict:
-    """records.json's content from the finished runs in out and the tune seeds its sweep.json records."""
-    runs = runner.load_runs(out) if out.is_dir() else []
-    if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
-    sweep = out / "sweep.json"
-    if not sweep.exists():
-        raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
-    return {"tune_seeds": runner.read_sweep_json(sweep)["tune_seeds"], "runs": [compact(r) for r in runs]}
-
-
-def read_records(path: Path) -> dict:
-    try:
-        data = runner.read_json(path)
-    except runner.Damaged as e:
-        raise SystemExit(f"error: --records {e}") from None
-    keys = {"config", "lr", "seed", "evals", "diagnostics"}
-    if not isinstance(data.get("runs"), list):
-        raise SystemExit(f"error: --records {path}: not this report's records.json (no list of runs)")
-    if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
-        raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
-    return data
 
 
 def score(rec: dict) -> float:
@@ -212,7 +186,6 @@ def analyse(data: dict, args: Args) -> dict:
         "comparisons": rows,
         "configs": configs,
         "needs_correction": needs,
-        "_data": data,
     }
 
 
@@ -262,12 +235,14 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    def records(runs, out):
+        return {"tune_seeds": runner.tune_seeds(out, required=True), "runs": [compact(r) for r in runs]}
+
     args = tyro.cli(Args, args=argv)
-    data = read_records(Path(args.records)) if args.records else records_of(Path(args.out_dir))
-    s = analyse(data, args)
-    dest = Path(args.report_dir or args.out_dir)
-    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot, records=data)
-    return s
+    keys = ("config", "lr", "seed", "evals", "diagnostics")
+    return report.study_report(
+        args, "corrections", analyse, private=None, table_md=table_md, plot=plot, compact=records, keys=keys
+    )
 
 
 if __name__ == "__main__":
