@@ -88,13 +88,10 @@ REPLICATION_GRID = (
 
 
 @dataclass
-class Args:
-    """The compute study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+class Args(report.Args):
+    """The compute study's table (table.md), summary.json, records.json and figure from the runs in --out-dir."""
 
     out_dir: str = "runs/compute"
-    """folder of the run folders (sweep.py run --grid compute)."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
     seeds: list[int] | None = None
     """the seeds reported (default: every seed that finished every configuration and learning rate)."""
     h1: str = "N512-R32-grpo"
@@ -104,8 +101,6 @@ class Args:
     H1 alone (the replication)."""
     replicates: int = 2000
     """paired bootstrap resamples of the seeds."""
-    records: str | None = None
-    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
     pool_records: str | None = None
     """a records.json whose runs are pooled with the finished runs in --out-dir (seeds run in two sessions): a run in
     both, or a configuration whose settings differ between them, stops with one line."""

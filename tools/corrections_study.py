@@ -74,15 +74,10 @@ CORRECTIONS_GRID = (
 
 
 @dataclass
-class Args:
+class Args(report.Args):
     """The corrections study's table (table.md), summary.json, records.json and figure."""
 
     out_dir: str = "runs/corrections"
-    """folder of the run folders (sweep.py run --grid corrections)."""
-    records: str | None = None
-    """a records.json (as this report writes it) to recompute the report from, instead of the run folders."""
-    report_dir: str | None = None
-    """where table.md, summary.json, records.json and the figure go (default: --out-dir)."""
     seeds: list[int] | None = None
     """the seeds reported (default: every seed not in sweep.json's tune seeds that finished every configuration)."""
     replicates: int = 2000

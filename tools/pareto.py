@@ -77,13 +77,10 @@ PARETO_GRID = (
 
 
 @dataclass
-class Args:
-    """The Pareto study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+class Args(report.Args):
+    """The Pareto study's table (table.md), summary.json, records.json and figures from the runs in --out-dir."""
 
     out_dir: str = "runs/pareto"
-    """folder of the run folders (sweep.py run --grid pareto)."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
     primary: str = "N240-R16-grpo"
     """the configuration whose verdict decides the claim (the planner's suggestion for mu = 5.28)."""
     same_lr: float = 3e-5
@@ -92,8 +89,6 @@ class Args:
     """the saving (percent) to 90% of the target that the decision asks for."""
     replicates: int = 2000
     """bootstrap resamples of the seeds."""
-    records: str | None = None
-    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:

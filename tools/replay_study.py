@@ -24,20 +24,14 @@ from studylib.report import PAPER_MU, bucket_order, compute, curve, evals, final
 
 
 @dataclass
-class Args:
-    """The table (table.md), summary.json and figures of the finished runs in --out-dir."""
+class Args(report.Args):
+    """The table (table.md), summary.json, records.json and figures of the finished runs in --out-dir."""
 
-    out_dir: str = "runs/study"
-    """folder of the run folders."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
     tune_seeds: list[int] = field(default_factory=list)
     """seeds that chose a learning rate and are not reported (default: those `run` recorded in sweep.json)."""
     reference: str | None = None
     """configuration that savings are measured against (default: the on-policy GRPO one, N = B = R published
     every step)."""
-    records: str | None = None
-    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 # The grids (their format: sweep.py's GRIDS).

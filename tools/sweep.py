@@ -36,16 +36,9 @@ from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, 
 # A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
 # field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
 # the derived run name.
-GRIDS = {
-    "study": replay_study.STUDY_GRID,
-    "cpu": replay_study.DEFAULT_GRID,
-    "smoke": replay_study.SMOKE_GRID,
-    "variants": replay_study.VARIANTS_GRID,
-    "pareto": pareto.PARETO_GRID,
-    "compute": compute_study.COMPUTE_GRID,
-    "compute-replication": compute_study.REPLICATION_GRID,
-    "corrections": corrections_study.CORRECTIONS_GRID,
-}
+GRIDS = dict(study=replay_study.STUDY_GRID, cpu=replay_study.DEFAULT_GRID, smoke=replay_study.SMOKE_GRID)
+GRIDS |= {"variants": replay_study.VARIANTS_GRID, "pareto": pareto.PARETO_GRID, "compute": compute_study.COMPUTE_GRID}
+GRIDS |= {"compute-replication": compute_study.REPLICATION_GRID, "corrections": corrections_study.CORRECTIONS_GRID}
 
 
 @dataclass
@@ -234,8 +227,7 @@ def others_still_train(runs: list[dict], done: dict) -> list[str]:
 
 
 def render(summary_path: Path, table_path: Path) -> None:
-    """table.md rendered again from a study's summary.json (replay_study.py's, pareto.py's, compute_study.py's or
-    corrections_study.py's): the same bytes its report wrote, as the table is a function of the summary alone."""
+    """table.md rendered again from any study's summary.json: the same bytes its report wrote."""
     try:
         summary = read_json(summary_path)
     except Damaged as e:

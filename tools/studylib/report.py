@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,18 @@ import numpy as np
 from studylib import runner
 
 PAPER_MU = 5.28  # the paper's generation/training cost ratio (Qwen2.5-7B)
+
+
+@dataclass
+class Args:
+    """What every study report reads and where it writes (a study's Args adds its own)."""
+
+    out_dir: str = "runs/study"
+    """folder of the run folders (`sweep.py run --grid ...`)."""
+    report_dir: str | None = None
+    """where table.md, summary.json, records.json and the figures go (default: --out-dir)."""
+    records: str | None = None
+    """a records.json (as the report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 def evals(run: dict) -> list[dict]:

@@ -81,15 +81,12 @@ STATUS_LINES |= {"broken": "no checkpoint: delete and restart", "restart": "dele
 
 
 def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
-    """The runner of every study tool: each run not done is trained, resumed from its checkpoint (partial), or
-    deleted and trained from nothing (broken, restart), under its claim, so that two runner processes on one folder
-    never both handle a run (one another process claims, or whose folder a trainer holds, is skipped). A run: name,
-    run_dir, argv (replay_grpo.py's flags; --out-dir and --run-name name run_dir), total_steps for run_status or
-    status(run) in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths deleted
-    before training from nothing, e.g. a warm-start cache). A failed run does not stop the others; Ctrl-C does.
-    in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its stdout), else replay_grpo.main here.
-    on_trained(run, seconds): called under the claim after each run trained without error. Returns the names of the
-    failed runs and of those skipped as another process's."""
+    """Each run not done trained, resumed from its checkpoint (partial), or deleted and trained from nothing (broken,
+    restart), under its claim: one another process claims, or whose folder a trainer holds, is skipped. A run: name,
+    run_dir, argv (replay_grpo.py's flags), total_steps for run_status or status(run); optionally planned (written to
+    sweep_run.json) and clear (more paths deleted before training from nothing). A failed run does not stop the
+    others; Ctrl-C does. in_subprocess: `python replay_grpo.py ...` (quiet: without stdout), else replay_grpo.main.
+    on_trained(run, seconds): called under the claim after a run trained. Returns the failed and skipped names."""
     import replay_grpo
 
     failed, skipped = [], []
