@@ -158,30 +158,14 @@ def analyse(data: dict, args: Args) -> dict:
     configs = {}
     for name in names:
         recs = [by[name][s] for s in seeds]
-        diag = gather(rec["diagnostics"] for rec in recs)
-        configs[name] = {
-            "lr": sorted({rec["lr"] for rec in recs}),
-            "score": list(report.quartiles(scores[name])),
-            "curve": {
-                str(step): float(np.median([rec["evals"][i][2] for rec in recs]))
-                for i, (step, _, _) in enumerate(recs[0]["evals"])
-            },
-            "diagnostics": {
-                label: {key: float(np.median(v)) for key, v in row.items()}
-                for label, row in sorted(diag.items(), key=lambda kv: bucket_order(kv[0]))
-            },
-        }
+        accs = np.median([[e[2] for e in rec["evals"]] for rec in recs], axis=0)
+        diag = sorted(gather(rec["diagnostics"] for rec in recs).items(), key=lambda kv: bucket_order(kv[0]))
+        configs[name] = {"lr": sorted({rec["lr"] for rec in recs}), "score": list(report.quartiles(scores[name]))}
+        configs[name]["curve"] = {str(e[0]): float(acc) for e, acc in zip(recs[0]["evals"], accs)}
+        configs[name]["diagnostics"] = {k: {key: float(np.median(v)) for key, v in row.items()} for k, row in diag}
     needs = {s: any(rows[name]["decision"] == "helps" for t, _, name in comparisons() if t == s) for s in SETTINGS}
-    return {
-        "seeds": seeds,
-        "tune_seeds": sorted(tune),
-        "replicates": args.replicates,
-        "late_evals": LATE_EVALS,
-        "family": FAMILY,
-        "comparisons": rows,
-        "configs": configs,
-        "needs_correction": needs,
-    }
+    out = {"seeds": seeds, "tune_seeds": sorted(tune), "replicates": args.replicates, "late_evals": LATE_EVALS}
+    return out | {"family": FAMILY, "comparisons": rows, "configs": configs, "needs_correction": needs}
 
 
 def table_md(s: dict) -> str:
@@ -192,13 +176,12 @@ def table_md(s: dict) -> str:
     ]
     configs = []
     for name, cfg in s["configs"].items():
-        diag = "; ".join(
-            f"{label}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
-            for label, d in cfg["diagnostics"].items()
-        )
-        configs.append(
-            [name, ", ".join(f"{lr:g}" for lr in cfg["lr"]), fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), diag]
-        )
+        diag = [
+            f"{k}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
+            for k, d in cfg["diagnostics"].items()
+        ]
+        lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
+        configs.append([name, lrs, fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), "; ".join(diag)])
     head = ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"]
     lines = [
         f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "

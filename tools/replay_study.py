@@ -127,21 +127,21 @@ def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict
             groups.setdefault(r["config"], {}).setdefault(r["variant"], []).append(r)
     picks = {}
     for config, by_variant in groups.items():
-        score = {
-            v: [float(np.median(final(rs, f"eval/{k}"))) for k in ("greedy_acc", "pass@1")]
-            for v, rs in by_variant.items()
-        }
-        cfg = {v: rs[0]["cfg"] for v, rs in by_variant.items()}
+        cfg, score = {v: rs[0]["cfg"] for v, rs in by_variant.items()}, {}
+        for v, rs in by_variant.items():
+            score[v] = [float(np.median(final(rs, f"eval/{k}"))) for k in ("greedy_acc", "pass@1")]
         order = sorted(
             by_variant, key=lambda v: (-score[v][0], -score[v][1], cfg[v]["lr"], abs(cfg[v].get("asymre_delta_v", 0)))
         )
-        picks[config] = {
-            "variant": order[0],
-            "cfg": cfg[order[0]],
-            "n_variants": len(by_variant),
-            "scores": {variant_label(cfg[v], v): score[v][0] for v in order},
-            "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
+        best = cfg[order[0]]
+        choice = {
+            "picked": best["lr"],
+            "label": variant_label(best, order[0]),
+            "asymre_delta_v": best.get("asymre_delta_v"),
         }
+        choice["tuned_on"] = sorted({r["seed"] for rs in by_variant.values() for r in rs})
+        choice["median_final_greedy_acc"] = {variant_label(cfg[v], v): score[v][0] for v in order}
+        picks[config] = {"variant": order[0], "n_variants": len(by_variant), "choice": choice}
     return picks
 
 
@@ -162,10 +162,7 @@ def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
         if kept:
             configs[config] = sorted(kept, key=lambda r: r["seed"])
         if kept and p["n_variants"] > 1:
-            cfg = p["cfg"]
-            lr_choice[config] = {"picked": cfg["lr"], "label": variant_label(cfg, p["variant"])}
-            lr_choice[config] |= {"asymre_delta_v": cfg.get("asymre_delta_v"), "tuned_on": p["tune_seeds"]}
-            lr_choice[config]["median_final_greedy_acc"] = p["scores"]
+            lr_choice[config] = p["choice"]
     reference = args.reference
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
