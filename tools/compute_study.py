@@ -56,15 +56,9 @@ COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on 
 def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128, lrs: list = COMPUTE_LRS) -> dict:
     R, B = prompts_per_step * 16, batch_size  # the cpu preset's G and B
     budget, first, step = COMPUTE_ROLLOUTS * (1 + PAPER_MU), B * (1 + PAPER_MU), B + PAPER_MU * R
-    every = EVAL_ROLLOUTS // R
-    steps = 1 + int((budget - first) // step)
-    return dict(
-        buffer_size=buffer_size,
-        prompts_per_step=prompts_per_step,
-        total_steps=steps - steps % every,
-        eval_every=every,
-        lr=lrs,
-    )
+    every, steps = EVAL_ROLLOUTS // R, 1 + int((budget - first) // step)
+    schedule = dict(total_steps=steps - steps % every, eval_every=every)
+    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, **schedule, lr=lrs)
 
 
 COMPUTE_GRID = (

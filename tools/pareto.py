@@ -55,13 +55,8 @@ EVAL_ROLLOUTS = 256
 
 def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
     R = prompts_per_step * 16  # the cpu preset's G
-    return dict(
-        buffer_size=buffer_size,
-        prompts_per_step=prompts_per_step,
-        total_steps=PARETO_ROLLOUTS // R,
-        eval_every=EVAL_ROLLOUTS // R,
-        lr=PARETO_LRS,
-    )
+    schedule = dict(total_steps=PARETO_ROLLOUTS // R, eval_every=EVAL_ROLLOUTS // R)
+    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, **schedule, lr=PARETO_LRS)
 
 
 PARETO_GRID = (
