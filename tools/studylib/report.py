@@ -83,16 +83,13 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
             raise SystemExit(f"error: {config} at lr {lr:g} has several runs of one seed: keep one variant per lr")
     seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
     for (config, lr), have in sorted(seeds_of.items()):
-        if set(have) - set(seeds):
-            print(
-                f"report: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
-            )
+        if out := sorted(set(have) - set(seeds)):
+            print(f"report: {config} lr {lr:g}: seeds {out} left out (not every cell has them)")
     if not seeds:
         raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
     kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
-    mu = measured_mu(kept)
+    mu, cells = measured_mu(kept), {}
     mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
-    cells: dict[str, dict] = {}
     for config in dict.fromkeys(r["config"] for r in kept):
         rs = [r for r in kept if r["config"] == config]
         a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
