@@ -1,12 +1,13 @@
 """replay_study.py: the replay study (docs/study) and the buffer's rules against uniform sampling
 (docs/study/variants): their grids, and their report (`sweep.py report`).
 
-The report reads every finished run under --out-dir, groups runs by configuration over seeds (median and IQR), keeps
-per configuration the learning rate with the best median final greedy accuracy, and measures savings against the
-on-policy GRPO configuration (N = B = R). Compute, in the paper's normalisation: training on one rollout costs 1 unit
-and generating one costs mu units, so compute after t steps = trained_rollouts + mu * generated_rollouts (= t * B *
-(1 + mu * R / B) for a fixed schedule; on-policy costs B(1 + mu) per update). It is reported twice: with the mu
-measured on this machine (median of the runs' logged "mu") and with the paper's mu = 5.28 (Qwen2.5-7B).
+The report reads every finished run under --out-dir (or --records: the records.json it writes beside itself), groups
+runs by configuration over seeds (median and IQR), keeps per configuration the learning rate with the best median
+final greedy accuracy, and measures savings against the on-policy GRPO configuration (N = B = R). Compute, in the
+paper's normalisation: training on one rollout costs 1 unit and generating one costs mu units, so compute after t
+steps = trained_rollouts + mu * generated_rollouts (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs
+B(1 + mu) per update). It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
+and with the paper's mu = 5.28 (Qwen2.5-7B).
 """
 
 from __future__ import annotations
