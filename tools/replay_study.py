@@ -451,33 +451,16 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     def tokens(r):
         return r.get("total_generated_tokens", 0)
 
-    acc, compute_x = "held-out greedy accuracy", "compute = trained + mu x generated rollouts"
+    acc, by_steps, G = "held-out greedy accuracy", "gradient steps", "eval/greedy_acc"
     mus = {"measured on this machine": s["mu_measured"], "the paper's": s["paper_mu"]}
-    figures = {  # name: its title, and per panel: y (a record's key; None: pass@k), x, its labels and its title
-        "accuracy_vs_steps.png": (
-            "Held-out accuracy vs gradient steps (median, IQR over seeds)",
-            [
-                ("eval/greedy_acc", steps, "gradient steps", acc, ""),
-                (None, steps, "gradient steps", "held-out pass@k (k samples, temperature 1)", ""),
-            ],
-        ),
-        "accuracy_vs_tokens.png": (
-            "",
-            [("eval/greedy_acc", tokens, "generated tokens", acc, "Held-out accuracy vs generated tokens")],
-        ),
-        "accuracy_vs_compute.png": (
-            "Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)",
-            [
-                ("eval/greedy_acc", partial(compute, mu=mu), compute_x, acc, f"mu = {mu:.2f} ({what})")
-                for what, mu in mus.items()
-            ],
-        ),
-        "entropy.png": (
-            "",
-            [("entropy", steps, "gradient steps", "policy entropy on the batch (nats/token)", "Training entropy")],
-        ),
+    computes = [(partial(compute, mu=mu), f"mu = {mu:.2f} ({what})") for what, mu in mus.items()]
+    figures = {  # per figure, each panel's y (a record's key; None: pass@k), x, x label, y label and title
+        "accuracy_vs_steps.png": [(G, steps, by_steps, acc, ""), (None, steps, by_steps, PASS_K, "")],
+        "accuracy_vs_tokens.png": [(G, tokens, "generated tokens", acc, "Held-out accuracy vs generated tokens")],
+        "accuracy_vs_compute.png": [(G, x, "compute = trained + mu x generated rollouts", acc, t) for x, t in computes],
+        "entropy.png": [("entropy", steps, by_steps, "policy entropy on the batch (nats/token)", "Training entropy")],
     }
-    for name, (title, panels) in figures.items():
+    for name, panels in figures.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(11, 4) if len(panels) > 1 else (7, 4), squeeze=False)
         for ax, (y, x, xlabel, ylabel, panel_title) in zip(axes[0], panels):
             for c, rs in runs.items():
@@ -488,24 +471,19 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             if y == "eval/greedy_acc":
                 ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
             report.label_axes(ax, xlabel=xlabel, ylabel=ylabel, title=panel_title)
-        fig.suptitle(title)
+        if name in TITLES:
+            fig.suptitle(TITLES[name])
         save(fig, name, legend=axes[0, -1])
 
     def replays(r):
         return Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()})
 
     n = len(runs)
-    ncol, title = min(4, n), "Staleness of each use (steps since generation), all steps and seeds"
-    for name, title, xlabel, counts_of in [
-        ("staleness_hist.png", title, "staleness (optimizer steps)", staleness_counts),
-        (
-            "replay_ratio_hist.png",
-            "Replay ratio per rollout: times each evicted rollout was trained on",
-            "uses",
-            replays,
-        ),
+    ncol, nrow = min(4, n), math.ceil(n / min(4, n))
+    for name, xlabel, counts_of in [
+        ("staleness_hist.png", "staleness (optimizer steps)", staleness_counts),
+        ("replay_ratio_hist.png", "uses", replays),
     ]:
-        nrow = math.ceil(n / ncol)
         fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.7 * nrow), squeeze=False, sharex=True, sharey=True)
         for ax, (c, rs) in zip(axes.flat, runs.items()):
             counts = sum((counts_of(r) for r in rs), Counter())
@@ -520,7 +498,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction")
         for ax in list(axes.flat)[n:]:
             ax.axis("off")
-        fig.suptitle(title)
+        fig.suptitle(TITLES[name])
         save(fig, name)
 
     by_config = {c: s["configs"][c]["by_staleness"] for c in runs if s["configs"][c].get("by_staleness")}
@@ -538,6 +516,13 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+PASS_K = "held-out pass@k (k samples, temperature 1)"
+TITLES = {
+    "accuracy_vs_steps.png": "Held-out accuracy vs gradient steps (median, IQR over seeds)",
+    "accuracy_vs_compute.png": "Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)",
+    "staleness_hist.png": "Staleness of each use (steps since generation), all steps and seeds",
+    "replay_ratio_hist.png": "Replay ratio per rollout: times each evicted rollout was trained on",
+}
 BUCKET_PANELS = [
     ("share", "share of trained rollouts"),
     ("clip_frac", "clip fraction"),
