@@ -152,10 +152,11 @@ REPLICATES = 2000
 SAVING_TARGET = 30.0  # percent of the reference's generated tokens, and of its compute at the paper's mu, decided
 
 
-def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
-    """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
-    seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
-    configs, lr_choice = {}, {}
+def analyse(data: dict, args: Args) -> dict:
+    """Per configuration (the variant picked on the tune seeds, args.tune_seeds or those sweep.json records, reported
+    on the others): final metrics over seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at
+    equal compute."""
+    runs, tune_seeds, configs, lr_choice = data["runs"], args.tune_seeds or data.get("tune_seeds", []), {}, {}
     for config, p in pick_variants(runs, tune_seeds).items():
         kept = [
             r for r in runs if r["seed"] not in tune_seeds and (r["config"], r["variant"]) == (config, p["variant"])
@@ -164,6 +165,10 @@ def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
             configs[config] = sorted(kept, key=lambda r: r["seed"])
         if kept and p["n_variants"] > 1:
             lr_choice[config] = p["choice"]
+    if not configs:
+        raise SystemExit(
+            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
+        )
     reference = args.reference
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
@@ -541,17 +546,6 @@ def compact(runs: list[dict], tune_seeds: list[int]) -> dict:
     """records.json's content: the tune seeds, and each run cut to what the report reads (runner.compact_run)."""
     keys = [KEYS + (f"eval/pass@{r['cfg']['pass_k']}",) for r in runs]
     return {"tune_seeds": tune_seeds, "runs": [runner.compact_run(r, k, SETTINGS) for r, k in zip(runs, keys)]}
-
-
-def analyse(data: dict, args: Args) -> dict:
-    """The summary, on the seeds that did not choose a learning rate (args.tune_seeds, or those sweep.json records)."""
-    tune_seeds = args.tune_seeds or data.get("tune_seeds", [])
-    s = summarize(data["runs"], args, tune_seeds)
-    if not s["configs"]:
-        raise SystemExit(
-            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
-        )
-    return s
 
 
 def write(args: Args) -> dict:
