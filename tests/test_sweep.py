@@ -19,7 +19,7 @@ import replay_study
 import sweep
 import torch
 from PIL import Image
-from studylib import runner
+from studylib import report, runner
 
 import replay_grpo
 import run_folder
@@ -456,6 +456,61 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
     assert "| N16-R4-grpo | target | 32 [32, 32] | +75% [+75%, +75%] |" in table
     assert "- N16-R4-grpo: tokens met, compute at paper mu met: **met**" in table
     assert "| N32-R4-grpo | target | never [never, never] |" in table
+
+
+def test_the_replay_report_recomputes_from_its_records(tmp_path, monkeypatch):
+    """records.json beside the replay study's report holds the tune seeds and what the report reads of every run: the
+    report from it is the report from the run folders, byte for byte (figures too), and the summary from the whole
+    runs; records without a key the report reads give another summary."""
+    out = tmp_path / "runs"
+    for s in range(4):
+        fake_run(out, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2 + 0.1 * (s % 2), 0.5])
+        stale = {"0": 4, "1": 2, "3": 2}
+        fake_run(out, f"N16-R4-grpo-lr0.0001-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6], stale=stale)
+        fake_run(out, f"N16-R4-grpo-lr0.001-s{s}", seed=s, lr=1e-3, N=16, P=1, accs=[0, 0.1, 0.1], mu=3.0)
+    for path in out.glob("*/metrics.jsonl"):  # what real records also hold: some read, some not
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        recs[0] |= {"warmstart_reached": True, "warmstart_pass@k": 0.25}
+        for rec in recs[1:]:
+            rec |= {
+                "loss": 0.1,
+                "by_staleness": {"0": dict(rollouts=8, tokens=32, clip_frac=0.1, abs_log_ratio=0.01, ess=30.0)},
+            }
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (out / "sweep.json").write_text(json.dumps({"grid": "smoke", "seeds": [1, 2, 3], "tune_seeds": [0]}))
+    direct, again, whole = tmp_path / "direct", tmp_path / "again", tmp_path / "whole"
+    sweep.main(["report", "--out-dir", str(out), "--report-dir", str(direct)])
+    sweep.main(["report", "--records", str(direct / "records.json"), "--report-dir", str(again)])
+    data = json.loads((direct / "records.json").read_text())
+    assert data["tune_seeds"] == [0] and "loss" not in data["runs"][0]["records"][1]
+    args = replay_study.Args(out_dir=str(out))
+    s = replay_study.analyse({"runs": runner.load_runs(out), "tune_seeds": [0]}, args)
+    report.write_report(whole, s, private="_runs", table_md=replay_study.table_md, plot=replay_study.plot)
+    assert s["configs"]["onpolicy"]["seeds"] == [1, 2, 3] and s["per_seed"]["onpolicy"][0]["warmstart_reached"]
+    for name in ["table.md", "summary.json", *FIGURES, "staleness_metrics.png"]:
+        assert (direct / name).read_bytes() == (again / name).read_bytes() == (whole / name).read_bytes(), name
+    assert (direct / "records.json").read_bytes() == (again / "records.json").read_bytes()
+    keys = replay_study.KEYS
+    for key in ("staleness_hist", "by_staleness", "warmstart_reached", "replay_ratio"):
+        monkeypatch.setattr(replay_study, "KEYS", tuple(k for k in keys if k != key))
+        cut = replay_study.analyse(replay_study.compact(runner.load_runs(out), [0]), args)
+        assert json.dumps(report.strict_json(cut["configs"])) != json.dumps(report.strict_json(s["configs"])) or (
+            cut["per_seed"] != s["per_seed"]
+        ), key
+
+
+def test_a_report_without_an_on_policy_configuration_asks_for_a_reference(tmp_path):
+    """Savings need a reference: without an on-policy GRPO configuration the report stops with one line, and with
+    --reference it measures against that one."""
+    for s in range(2):
+        fake_run(tmp_path, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+        fake_run(tmp_path, f"N32-R4-grpo-s{s}", seed=s, lr=1e-4, N=32, P=1, accs=[0, 0.1, 0.2])
+    with pytest.raises(
+        SystemExit, match="no on-policy GRPO configuration among N16-R4-grpo, N32-R4-grpo: give --refer"
+    ):
+        sweep.main(["report", "--out-dir", str(tmp_path)])
+    s = sweep.main(["report", "--out-dir", str(tmp_path), "--reference", "N16-R4-grpo"])
+    assert s["reference"] == "N16-R4-grpo" and s["decision"]["N32-R4-grpo"]["both"] == "not met"
 
 
 # --- seed_table.py: a preset on many seeds, as a new user runs it --------------------------------

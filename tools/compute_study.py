@@ -37,6 +37,7 @@ from pareto import EVAL_ROLLOUTS
 from studylib import fmt, report, runner
 from studylib.report import PAPER_MU, first_crossing, frontier, frontier_at, iqm, level_saving, save_figure
 
+REFERENCE, SAVING_TARGET = "onpolicy", 30.0  # the configuration savings are measured against; the decision's saving
 LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
 BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
 AXIS = "compute_paper_mu"
@@ -55,15 +56,9 @@ COMPUTE_ROLLOUTS = 7680  # on-policy's generated rollouts (60 steps): chosen on 
 def compute_entry(buffer_size: int, prompts_per_step: int, batch_size: int = 128, lrs: list = COMPUTE_LRS) -> dict:
     R, B = prompts_per_step * 16, batch_size  # the cpu preset's G and B
     budget, first, step = COMPUTE_ROLLOUTS * (1 + PAPER_MU), B * (1 + PAPER_MU), B + PAPER_MU * R
-    every = EVAL_ROLLOUTS // R
-    steps = 1 + int((budget - first) // step)
-    return dict(
-        buffer_size=buffer_size,
-        prompts_per_step=prompts_per_step,
-        total_steps=steps - steps % every,
-        eval_every=every,
-        lr=lrs,
-    )
+    every, steps = EVAL_ROLLOUTS // R, 1 + int((budget - first) // step)
+    schedule = dict(total_steps=steps - steps % every, eval_every=every)
+    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, **schedule, lr=lrs)
 
 
 COMPUTE_GRID = (
@@ -87,35 +82,22 @@ REPLICATION_GRID = (
 
 
 @dataclass
-class Args:
-    """The compute study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+class Args(report.Args):
+    """The compute study's table (table.md), summary.json, records.json and figure from the runs in --out-dir."""
 
     out_dir: str = "runs/compute"
-    """folder of the run folders (sweep.py run --grid compute)."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
     seeds: list[int] | None = None
     """the seeds reported (default: every seed that finished every configuration and learning rate)."""
-    reference: str = "onpolicy"
     h1: str = "N512-R32-grpo"
     """the configuration of the first hypothesis."""
     h2: str | None = "N240-R16-grpo"
     """the configuration of the second, tested only when the first is met (the planner's for mu = 5.28); None:
     H1 alone (the replication)."""
-    paper_mu: float = PAPER_MU
-    saving_target: float = 30.0
-    """the saving (percent) the decision asks for."""
     replicates: int = 2000
     """paired bootstrap resamples of the seeds."""
-    records: str | None = None
-    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
     pool_records: str | None = None
     """a records.json whose runs are pooled with the finished runs in --out-dir (seeds run in two sessions): a run in
     both, or a configuration whose settings differ between them, stops with one line."""
-
-    def hypotheses(self) -> list[str]:
-        """H1's configuration, and H2's unless it is None."""
-        return [h for h in (self.h1, self.h2) if h]
 
 
 def estimates(arms: dict, reference: str, idx: np.ndarray) -> dict:
@@ -146,7 +128,6 @@ def bootstrap(arms: dict, reference: str, replicates: int, seed: int) -> tuple[d
     """The point estimates on all seeds and the 5th/95th percentiles of every number over paired resamples; the
     intervals' "reached" is the share of resamples where the frontier reaches each level."""
     n = len(next(iter(next(iter(arms.values()))["acc"].values())))
-
     ci, reps = report.bootstrap(lambda idx: estimates(arms, reference, idx), n, replicates, seed=seed)
     for c, row in reps["configs"].items():
         ci["configs"][c]["reached"] = {level: float(np.mean(v)) for level, v in row["reached"].items()}
@@ -163,48 +144,44 @@ def arms_of(cells: dict) -> dict:
 def analyse(runs: list[dict], args: Args) -> dict:
     if args.seeds is not None:
         runs = [r for r in runs if r["seed"] in args.seeds]
-    cells, seeds, _ = report.cells_of(runs, args.paper_mu)
-    hypotheses = args.hypotheses()
-    for name in (args.reference, *hypotheses):
+    cells, seeds, _ = report.cells_of(runs, PAPER_MU)
+    hypotheses = [h for h in (args.h1, args.h2) if h]
+    for name in (REFERENCE, *hypotheses):
         if name not in cells:
             raise SystemExit(f"error: {name}: no finished runs in the seeds reported (have: {', '.join(cells)})")
     if args.seeds is not None and sorted(args.seeds) != seeds:
         raise SystemExit(f"error: --seeds: {sorted(set(args.seeds) - set(seeds))} have not finished every run")
     if len(seeds) < 4:
         raise SystemExit(f"error: {len(seeds)} seed(s) finished every run; the statistic needs at least 4")
-    cells = {c: cells[c] for c in (args.reference, *hypotheses)}
+    cells = {c: cells[c] for c in (REFERENCE, *hypotheses)}
     arms = arms_of(cells)
-    point, ci = bootstrap(arms, args.reference, args.replicates, seed=0)
+    point, ci = bootstrap(arms, REFERENCE, args.replicates, seed=0)
 
     h = len(seeds) // 2  # A/A: on-policy's first half of the seeds against its second, paired by position
-    ref = arms[args.reference]
+    ref = arms[REFERENCE]
+    parts = {"first half": slice(0, h), "second half": slice(h, 2 * h)}
     halves = {
-        half: {"x": ref["x"], "acc": {lr: a[part] for lr, a in ref["acc"].items()}}
-        for half, part in (("first half", slice(0, h)), ("second half", slice(h, 2 * h)))
+        half: {"x": ref["x"], "acc": {lr: a[part] for lr, a in ref["acc"].items()}} for half, part in parts.items()
     }
     aa_point, aa_ci = bootstrap(halves, "first half", args.replicates, seed=1)
-
-    old = old_rule(runs, seeds, args)
     decisions = {}
     for name in hypotheses:
-        met = report.meets(point["configs"][name]["saving"], ci["configs"][name]["saving"][0], args.saving_target)
+        met = report.meets(point["configs"][name]["saving"], ci["configs"][name]["saving"][0], SAVING_TARGET)
         decisions[name] = "met" if met else "not met"
     if args.h2 and decisions[args.h1] != "met":
         decisions[args.h2] = f"not tested (H1 {decisions[args.h1]}); {decisions[args.h2]} by itself"
     return {
         "seeds": seeds,
-        **{k: getattr(args, k) for k in ("paper_mu", "reference", "h1", "h2", "saving_target", "replicates")},
+        **{"paper_mu": PAPER_MU, "reference": REFERENCE, "h1": args.h1, "h2": args.h2, "saving_target": SAVING_TARGET},
+        "replicates": args.replicates,
         "levels": LEVELS.tolist(),
         "budgets": list(BUDGETS),
         "point": point,
         "interval_90": ci,
         "decision": {h: decisions[c] for h, c in zip(("H1", "H2"), hypotheses)},
-        "aa": {
-            "seeds": [seeds[:h], seeds[h : 2 * h]],
-            "point": aa_point["configs"]["second half"]["saving"],
-            "interval_90": aa_ci["configs"]["second half"]["saving"],
-        },
-        "old_rule": old,
+        "aa": {"seeds": [seeds[:h], seeds[h : 2 * h]], "point": aa_point["configs"]["second half"]["saving"]}
+        | {"interval_90": aa_ci["configs"]["second half"]["saving"]},
+        "old_rule": old_rule(runs, seeds, args),
         "configs": {c: {**report.config_row(cell), "x": arms[c]["x"].tolist()} for c, cell in cells.items()},
         "start_greedy_acc": {int(s): float(a) for s, a in zip(seeds, next(iter(ref["acc"].values()))[:, 0])},
         "_arms": arms,
@@ -214,27 +191,13 @@ def analyse(runs: list[dict], args: Args) -> dict:
 def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
     """pareto.py's rule on these seeds: the saving to 90% of on-policy's best median, read at the first evaluation
     past it, in generated rollouts and compute at the paper's mu, with its verdict."""
-    old = pareto.Args(
-        reference=args.reference,
-        primary=args.h1,
-        paper_mu=args.paper_mu,
-        same_lr=1e-5,
-        saving_target=args.saving_target,
-        replicates=args.replicates,
-    )
-    s = pareto.analyse(
-        [r for r in runs if r["seed"] in seeds and r["config"] in (args.reference, args.h1, args.h2)], old
-    )
+    old = pareto.Args(primary=args.h1, same_lr=1e-5, saving_target=SAVING_TARGET, replicates=args.replicates)
+    s = pareto.analyse([r for r in runs if r["seed"] in seeds and r["config"] in (REFERENCE, args.h1, args.h2)], old)
+    p, ci, axes = s["point"]["configs"], s["interval_90"]["configs"], pareto.DECISION_AXES
     return {
-        c: {
-            axis: {
-                "saving": s["point"]["configs"][c]["saving"][axis]["90%"],
-                "interval_90": s["interval_90"]["configs"][c]["saving"][axis]["90%"],
-            }
-            for axis in pareto.DECISION_AXES
-        }
+        c: {a: {"saving": p[c]["saving"][a]["90%"], "interval_90": ci[c]["saving"][a]["90%"]} for a in axes}
         | {"verdict": s["decision"][c]["verdict"]}
-        for c in args.hypotheses()
+        for c in [h for h in (args.h1, args.h2) if h]
     }
 
 
@@ -361,7 +324,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    return report.study_report(args, "compute", analyse, private="_arms", table_md=table_md, plot=plot)
+    return report.study_report(
+        args, "compute", lambda data, args: analyse(data["runs"], args), private="_arms", table_md=table_md, plot=plot
+    )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import tyro
-from replay_study import bucket_order
 from studylib import fmt, report, runner
-from studylib.report import save_figure
+from studylib.report import bucket_order, save_figure
 
 CORRECTIONS = ("none", "tis", "seq-mask", "m2po", "decoupled")
 SETTINGS = {"N256": 256, "N512": 512}  # buffer sizes: N/R = 16 and 32 at R = 16
@@ -75,15 +74,10 @@ CORRECTIONS_GRID = (
 
 
 @dataclass
-class Args:
+class Args(report.Args):
     """The corrections study's table (table.md), summary.json, records.json and figure."""
 
     out_dir: str = "runs/corrections"
-    """folder of the run folders (sweep.py run --grid corrections)."""
-    records: str | None = None
-    """a records.json (as this report writes it) to recompute the report from, instead of the run folders."""
-    report_dir: str | None = None
-    """where table.md, summary.json, records.json and the figure go (default: --out-dir)."""
     seeds: list[int] | None = None
     """the seeds reported (default: every seed not in sweep.json's tune seeds that finished every configuration)."""
     replicates: int = 2000
@@ -91,9 +85,8 @@ class Args:
 
 
 def gather(tables) -> dict[str, dict[str, list[float]]]:
-    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {diagnostic:
-    [values]}}."""
-    out: dict[str, dict[str, list[float]]] = {}
+    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {key: [values]}}."""
+    out = {}
     for table in tables:
         for label, row in table.items():
             for key, value in row.items():
@@ -105,39 +98,15 @@ def compact(run: dict) -> dict:
     """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
     rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
     buckets = gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
+    diagnostics = {label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())}
+    evals = [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)]
     return {
         "config": run["config"],
         "lr": run["cfg"]["lr"],
         "seed": run["seed"],
-        "evals": [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)],
-        "diagnostics": {
-            label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())
-        },
+        "evals": evals,
+        "diagnostics": diagnostics,
     }
-
-
-def records_of(out: Path) -> dict:
-    """records.json's content from the finished runs in out and the tune seeds its sweep.json records."""
-    runs = runner.load_runs(out) if out.is_dir() else []
-    if not runs:
-        raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid corrections ...)")
-    sweep = out / "sweep.json"
-    if not sweep.exists():
-        raise SystemExit(f"error: {sweep} is missing: it records the tune seeds, which the report leaves out")
-    return {"tune_seeds": runner.read_sweep_json(sweep)["tune_seeds"], "runs": [compact(r) for r in runs]}
-
-
-def read_records(path: Path) -> dict:
-    try:
-        data = runner.read_json(path)
-    except runner.Damaged as e:
-        raise SystemExit(f"error: --records {e}") from None
-    keys = {"config", "lr", "seed", "evals", "diagnostics"}
-    if not isinstance(data.get("runs"), list):
-        raise SystemExit(f"error: --records {path}: not this report's records.json (no list of runs)")
-    if not all(isinstance(r, dict) and keys <= set(r) for r in data["runs"]):
-        raise SystemExit(f"error: --records {path}: not this report's records.json (a run lacks {sorted(keys)})")
-    return data
 
 
 def score(rec: dict) -> float:
@@ -189,31 +158,14 @@ def analyse(data: dict, args: Args) -> dict:
     configs = {}
     for name in names:
         recs = [by[name][s] for s in seeds]
-        diag = gather(rec["diagnostics"] for rec in recs)
-        configs[name] = {
-            "lr": sorted({rec["lr"] for rec in recs}),
-            "score": list(report.quartiles(scores[name])),
-            "curve": {
-                str(step): float(np.median([rec["evals"][i][2] for rec in recs]))
-                for i, (step, _, _) in enumerate(recs[0]["evals"])
-            },
-            "diagnostics": {
-                label: {key: float(np.median(v)) for key, v in row.items()}
-                for label, row in sorted(diag.items(), key=lambda kv: bucket_order(kv[0]))
-            },
-        }
+        accs = np.median([[e[2] for e in rec["evals"]] for rec in recs], axis=0)
+        diag = sorted(gather(rec["diagnostics"] for rec in recs).items(), key=lambda kv: bucket_order(kv[0]))
+        configs[name] = {"lr": sorted({rec["lr"] for rec in recs}), "score": list(report.quartiles(scores[name]))}
+        configs[name]["curve"] = {str(e[0]): float(acc) for e, acc in zip(recs[0]["evals"], accs)}
+        configs[name]["diagnostics"] = {k: {key: float(np.median(v)) for key, v in row.items()} for k, row in diag}
     needs = {s: any(rows[name]["decision"] == "helps" for t, _, name in comparisons() if t == s) for s in SETTINGS}
-    return {
-        "seeds": seeds,
-        "tune_seeds": sorted(tune),
-        "replicates": args.replicates,
-        "late_evals": LATE_EVALS,
-        "family": FAMILY,
-        "comparisons": rows,
-        "configs": configs,
-        "needs_correction": needs,
-        "_data": data,
-    }
+    out = {"seeds": seeds, "tune_seeds": sorted(tune), "replicates": args.replicates, "late_evals": LATE_EVALS}
+    return out | {"family": FAMILY, "comparisons": rows, "configs": configs, "needs_correction": needs}
 
 
 def table_md(s: dict) -> str:
@@ -224,13 +176,12 @@ def table_md(s: dict) -> str:
     ]
     configs = []
     for name, cfg in s["configs"].items():
-        diag = "; ".join(
-            f"{label}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
-            for label, d in cfg["diagnostics"].items()
-        )
-        configs.append(
-            [name, ", ".join(f"{lr:g}" for lr in cfg["lr"]), fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), diag]
-        )
+        diag = [
+            f"{k}: {d['corrected_frac']:.3f} / {d['m2']:.4f} / {d['mismatch_kl']:.4f}"
+            for k, d in cfg["diagnostics"].items()
+        ]
+        lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
+        configs.append([name, lrs, fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), "; ".join(diag)])
     head = ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"]
     lines = [
         f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "
@@ -262,12 +213,14 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    def records(runs, out):
+        return {"tune_seeds": runner.tune_seeds(out, required=True), "runs": [compact(r) for r in runs]}
+
     args = tyro.cli(Args, args=argv)
-    data = read_records(Path(args.records)) if args.records else records_of(Path(args.out_dir))
-    s = analyse(data, args)
-    dest = Path(args.report_dir or args.out_dir)
-    report.write_report(dest, s, private="_data", table_md=table_md, plot=plot, records=data)
-    return s
+    keys = ("config", "lr", "seed", "evals", "diagnostics")
+    return report.study_report(
+        args, "corrections", analyse, private=None, table_md=table_md, plot=plot, compact=records, keys=keys
+    )
 
 
 if __name__ == "__main__":

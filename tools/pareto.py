@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 from studylib import fmt, report, runner
-from studylib.report import first_reach, frontier, meets, save_figure, saving
+from studylib.report import PAPER_MU, first_reach, frontier, meets, save_figure, saving
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -42,6 +42,7 @@ AXES = {
 }
 LEVELS = {"90%": 0.9, "100%": 1.0}  # fractions of on-policy's best median accuracy
 DECISION_AXES = ("rollouts", "compute_paper_mu")
+REFERENCE = "onpolicy"  # the configuration savings are measured against
 
 # The Pareto study on --preset cpu: on-policy against replay with N = 512 at B/R = 2, 4, 8 and the planner's
 # suggestion for the paper's mu = 5.28 (`plan --mu 5.28 --batch 128`: N = 240, R = 16), each at every lr of
@@ -54,13 +55,8 @@ EVAL_ROLLOUTS = 256
 
 def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
     R = prompts_per_step * 16  # the cpu preset's G
-    return dict(
-        buffer_size=buffer_size,
-        prompts_per_step=prompts_per_step,
-        total_steps=PARETO_ROLLOUTS // R,
-        eval_every=EVAL_ROLLOUTS // R,
-        lr=PARETO_LRS,
-    )
+    schedule = dict(total_steps=PARETO_ROLLOUTS // R, eval_every=EVAL_ROLLOUTS // R)
+    return dict(buffer_size=buffer_size, prompts_per_step=prompts_per_step, **schedule, lr=PARETO_LRS)
 
 
 PARETO_GRID = (
@@ -76,27 +72,18 @@ PARETO_GRID = (
 
 
 @dataclass
-class Args:
-    """The Pareto study's table (table.md), summary.json and figures from the finished runs in --out-dir."""
+class Args(report.Args):
+    """The Pareto study's table (table.md), summary.json, records.json and figures from the runs in --out-dir."""
 
     out_dir: str = "runs/pareto"
-    """folder of the run folders (sweep.py run --grid pareto)."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
-    reference: str = "onpolicy"
-    """the configuration savings are measured against."""
     primary: str = "N240-R16-grpo"
     """the configuration whose verdict decides the claim (the planner's suggestion for mu = 5.28)."""
-    paper_mu: float = report.PAPER_MU
-    """the paper's generation/training cost ratio, for the second compute axis."""
     same_lr: float = 3e-5
     """the learning rate of the same-learning-rate comparison."""
     saving_target: float = 30.0
     """the saving (percent) to 90% of the target that the decision asks for."""
     replicates: int = 2000
     """bootstrap resamples of the seeds."""
-    records: str | None = None
-    """a records.json (as this report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> dict:
@@ -118,12 +105,13 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
                 at = med[c][same_lr]
                 row["same_lr_cost"][axis] = {name: first_reach(x, at, f * same_target) for name, f in LEVELS.items()}
         for lr, at in cell["lrs"].items():
+            ent = np.median(at["entropy"][idx], axis=0)
             row["lrs"][lr] = {
                 "final": float(med[c][lr][-1]),
                 "best": float(med[c][lr].max()),
-                "entropy_end": float(np.median(at["entropy"][idx, -1])),
-                "entropy_start": float(np.median(at["entropy"][idx, 0])),
+                "entropy_end": float(ent[-1]),
             }
+            row["lrs"][lr]["entropy_start"] = float(ent[0])
     ref = out["configs"][reference]
     for row in out["configs"].values():
         for cost, sv in (("cost", "saving"), ("same_lr_cost", "same_lr_saving")):
@@ -148,42 +136,37 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
             continue
         sv, low = row["saving"], ci["configs"][c]["saving"]
         checks = {a: meets(sv[a]["90%"], low[a]["90%"][0], saving_target) for a in DECISION_AXES}
-        out[c] = {
-            "axes": {a: "met" if ok else "not met" for a, ok in checks.items()},
-            "verdict": "met" if all(checks.values()) else "not met",
-        }
+        out[c] = {"axes": {a: "met" if ok else "not met" for a, ok in checks.items()}}
+        out[c]["verdict"] = "met" if all(checks.values()) else "not met"
     return out
 
 
 def analyse(runs: list[dict], args: Args) -> dict:
-    cells, seeds, mu = report.cells_of(runs, args.paper_mu, axes=tuple(AXES))
-    for flag, name in (("--reference", args.reference), ("--primary", args.primary)):
+    cells, seeds, mu = report.cells_of(runs, PAPER_MU, axes=tuple(AXES))
+    for flag, name in (("", REFERENCE), ("--primary ", args.primary)):
         if name not in cells:
-            raise SystemExit(f"error: {flag} {name}: no finished runs (have: {', '.join(cells)})")
-    cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != args.reference, c))}  # the reference first
+            raise SystemExit(f"error: {flag}{name}: no finished runs (have: {', '.join(cells)})")
+    cells = {c: cells[c] for c in sorted(cells, key=lambda c: (c != REFERENCE, c))}  # the reference first
     for c, cell in cells.items():
-        if sorted(cell["lrs"]) != sorted(cells[args.reference]["lrs"]):
-            print(
-                f"pareto: {c} ran at lrs {sorted(cell['lrs'])}, {args.reference} at "
-                f"{sorted(cells[args.reference]['lrs'])}: their frontiers are over different sweeps"
-            )
-
-    point = estimates(cells, args.reference, np.arange(len(seeds)), args.same_lr)
-    ci, _ = report.bootstrap(
-        lambda idx: estimates(cells, args.reference, idx, args.same_lr), len(seeds), args.replicates
-    )
-    decision = decide(point, ci, args.reference, args.saving_target, len(seeds))
+        mine, theirs = sorted(cell["lrs"]), sorted(cells[REFERENCE]["lrs"])
+        if mine != theirs:
+            print(f"pareto: {c} ran at lrs {mine}, {REFERENCE} at {theirs}: their frontiers are over different sweeps")
+    point = estimates(cells, REFERENCE, np.arange(len(seeds)), args.same_lr)
+    ci, _ = report.bootstrap(lambda idx: estimates(cells, REFERENCE, idx, args.same_lr), len(seeds), args.replicates)
+    decision = decide(point, ci, REFERENCE, args.saving_target, len(seeds))
     return {
         "seeds": seeds,
         "mu_measured": mu,
-        **{k: getattr(args, k) for k in ("paper_mu", "reference", "primary", "same_lr", "saving_target", "replicates")},
+        "paper_mu": PAPER_MU,
+        "reference": REFERENCE,
+        **{k: getattr(args, k) for k in ("primary", "same_lr", "saving_target", "replicates")},
         "point": point,
         "interval_90": ci,
         "decision": decision,
         "claim": decision[args.primary]["verdict"],
         "configs": {c: report.config_row(cell) for c, cell in cells.items()},
         "start_greedy_acc": {
-            int(s): float(a) for s, a in zip(seeds, next(iter(cells[args.reference]["lrs"].values()))["acc"][:, 0])
+            int(s): float(a) for s, a in zip(seeds, next(iter(cells[REFERENCE]["lrs"].values()))["acc"][:, 0])
         },
         "_cells": cells,
     }
@@ -209,6 +192,9 @@ def cost_table(p: dict, ci: dict, cost: str, saving: str) -> list[str]:
                 cells.append(fmt.interval(row[saving][axis][level], rci[saving][axis][level], fmt.saving))
             rows.append(cells)
     return fmt.table(["config", "level", *(h for label in AXES.values() for h in (f"{label}: cost", "saving"))], rows)
+
+
+BEST_COLUMNS = (("best", fmt.acc), ("best_minus_reference", fmt.diff))
 
 
 def table_md(s: dict) -> str:
@@ -270,26 +256,19 @@ def table_md(s: dict) -> str:
         "maximum is: a resample cannot exceed the best value it draws from.",
         "",
     ]
-    rows = []
+    rows, d = [], "final_minus_reference"
     for c, row in p["configs"].items():
         for lr, at in row["lrs"].items():
             aci = ci["configs"][c]["lrs"][lr]
-            delta = (
-                "—"
-                if c == ref or "final_minus_reference" not in at
-                else fmt.interval(at["final_minus_reference"], aci["final_minus_reference"], fmt.diff)
-            )
+            delta = "—" if c == ref or "final_minus_reference" not in at else fmt.interval(at[d], aci[d], fmt.diff)
             final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
-            rows.append(
-                [c, f"{float(lr):g}", final, delta, best, f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"]
-            )
+            ent = f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"
+            rows.append([c, f"{float(lr):g}", final, delta, best, ent])
     head = ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"]
     lines += fmt.table(head, rows)
     rows = []
     for c, row in p["configs"].items():
-        rci = ci["configs"][c]
-        best = [fmt.interval(row[k], rci[k], one) for k, one in (("best", fmt.acc), ("best_minus_reference", fmt.diff))]
-        rows.append([c, *best])
+        rows.append([c, *(fmt.interval(row[k], ci["configs"][c][k], one) for k, one in BEST_COLUMNS)])
     lines += ["", *fmt.table(["config", "best over lrs", "− on-policy's best"], rows)]
     lines += [
         "",
@@ -359,7 +338,9 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
-    return report.study_report(args, "pareto", analyse, private="_cells", table_md=table_md, plot=plot)
+    return report.study_report(
+        args, "pareto", lambda data, args: analyse(data["runs"], args), private="_cells", table_md=table_md, plot=plot
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """replay_study.py: the replay study (docs/study) and the buffer's rules against uniform sampling
 (docs/study/variants): their grids, and their report (`sweep.py report`).
 
-The report reads every finished run under --out-dir, groups runs by configuration over seeds (median and IQR), keeps
-per configuration the learning rate with the best median final greedy accuracy, and measures savings against the
-on-policy GRPO configuration (N = B = R). Compute, in the paper's normalisation: training on one rollout costs 1 unit
-and generating one costs mu units, so compute after t steps = trained_rollouts + mu * generated_rollouts (= t * B *
-(1 + mu * R / B) for a fixed schedule; on-policy costs B(1 + mu) per update). It is reported twice: with the mu
-measured on this machine (median of the runs' logged "mu") and with the paper's mu = 5.28 (Qwen2.5-7B).
+The report reads every finished run under --out-dir (or --records: the records.json it writes beside itself), groups
+runs by configuration over seeds (median and IQR), keeps per configuration the learning rate with the best median
+final greedy accuracy, and measures savings against the on-policy GRPO configuration (N = B = R). Compute, in the
+paper's normalisation: training on one rollout costs 1 unit and generating one costs mu units, so compute after t
+steps = trained_rollouts + mu * generated_rollouts (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs
+B(1 + mu) per update). It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
+and with the paper's mu = 5.28 (Qwen2.5-7B).
 """
 
 from __future__ import annotations
@@ -14,32 +15,24 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import tyro
 from studylib import fmt, report, runner
-from studylib.report import compute, curve, evals, final, quartiles, save_figure
+from studylib.report import PAPER_MU, bucket_order, compute, curve, evals, final, quartiles, save_figure
 
 
 @dataclass
-class Args:
-    """The table (table.md), summary.json and figures of the finished runs in --out-dir."""
+class Args(report.Args):
+    """The table (table.md), summary.json, records.json and figures of the finished runs in --out-dir."""
 
-    out_dir: str = "runs/study"
-    """folder of the run folders."""
-    report_dir: str | None = None
-    """where table.md, summary.json and the figures go (default: --out-dir)."""
     tune_seeds: list[int] = field(default_factory=list)
     """seeds that chose a learning rate and are not reported (default: those `run` recorded in sweep.json)."""
     reference: str | None = None
     """configuration that savings are measured against (default: the on-policy GRPO one, N = B = R published
     every step)."""
-    paper_mu: float = report.PAPER_MU
-    """the paper's generation/training cost ratio, for the second compute axis."""
-    saving_target: float = 30.0
-    """the saving (percent of on-policy's generated tokens, and of its compute at the paper's mu) whose
-    attainment the report decides with bootstrap 90% intervals."""
 
 
 # The grids (their format: sweep.py's GRIDS).
@@ -135,80 +128,69 @@ def pick_variants(runs: list[dict], tune_seeds: list[int] | None = None) -> dict
             groups.setdefault(r["config"], {}).setdefault(r["variant"], []).append(r)
     picks = {}
     for config, by_variant in groups.items():
-        score = {
-            v: (float(np.median(final(rs, "eval/greedy_acc"))), float(np.median(final(rs, "eval/pass@1"))))
-            for v, rs in by_variant.items()
-        }
-        cfg = {v: rs[0]["cfg"] for v, rs in by_variant.items()}
+        cfg, score = {v: rs[0]["cfg"] for v, rs in by_variant.items()}, {}
+        for v, rs in by_variant.items():
+            score[v] = [float(np.median(final(rs, f"eval/{k}"))) for k in ("greedy_acc", "pass@1")]
         order = sorted(
             by_variant, key=lambda v: (-score[v][0], -score[v][1], cfg[v]["lr"], abs(cfg[v].get("asymre_delta_v", 0)))
         )
-        picks[config] = {
-            "variant": order[0],
-            "cfg": cfg[order[0]],
-            "n_variants": len(by_variant),
-            "scores": {variant_label(cfg[v], v): score[v][0] for v in order},
-            "tune_seeds": sorted({r["seed"] for rs in by_variant.values() for r in rs}),
+        best = cfg[order[0]]
+        choice = {
+            "picked": best["lr"],
+            "label": variant_label(best, order[0]),
+            "asymre_delta_v": best.get("asymre_delta_v"),
         }
+        choice["tuned_on"] = sorted({r["seed"] for rs in by_variant.values() for r in rs})
+        choice["median_final_greedy_acc"] = {variant_label(cfg[v], v): score[v][0] for v in order}
+        picks[config] = {"variant": order[0], "n_variants": len(by_variant), "choice": choice}
     return picks
-
-
-def pick_lrs(runs: list[dict], tune_seeds: list[int] | None = None) -> tuple[dict[str, list[dict]], dict]:
-    """Group runs by configuration and keep, per configuration, the picked variant's runs on the
-    reported seeds (those not in tune_seeds). Returns the kept runs and the choices."""
-    configs, choices = {}, {}
-    reported = [r for r in runs if not (tune_seeds and r["seed"] in tune_seeds)]
-    for config, p in pick_variants(runs, tune_seeds).items():
-        kept = [r for r in reported if r["config"] == config and r["variant"] == p["variant"]]
-        if not kept:
-            continue
-        configs[config] = sorted(kept, key=lambda r: r["seed"])
-        if p["n_variants"] > 1:
-            choices[config] = {
-                "picked": p["cfg"]["lr"],
-                "label": variant_label(p["cfg"], p["variant"]),
-                "asymre_delta_v": p["cfg"].get("asymre_delta_v"),
-                "tuned_on": p["tune_seeds"],
-                "median_final_greedy_acc": p["scores"],
-            }
-    return configs, choices
 
 
 AXES = ("tokens", "compute_measured_mu", "compute_paper_mu")
 FRACS = {"target": 1.0, "90% of target": 0.9}  # the levels: fractions of the reference's final median accuracy
+REPLICATES = 2000
+SAVING_TARGET = 30.0  # percent of the reference's generated tokens, and of its compute at the paper's mu, decided
 
 
-def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
-    """Per configuration (the variant picked on tune_seeds, reported on the other seeds): final metrics over
-    seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at equal compute."""
-    configs, lr_choice = pick_lrs(runs, tune_seeds)
-    reference, paper_mu = args.reference, args.paper_mu
+def analyse(data: dict, args: Args) -> dict:
+    """Per configuration (the variant picked on the tune seeds, args.tune_seeds or those sweep.json records, reported
+    on the others): final metrics over seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at
+    equal compute."""
+    runs, tune_seeds, configs, lr_choice = data["runs"], args.tune_seeds or data.get("tune_seeds", []), {}, {}
+    for config, p in pick_variants(runs, tune_seeds).items():
+        kept = [
+            r for r in runs if r["seed"] not in tune_seeds and (r["config"], r["variant"]) == (config, p["variant"])
+        ]
+        if kept:
+            configs[config] = sorted(kept, key=lambda r: r["seed"])
+        if kept and p["n_variants"] > 1:
+            lr_choice[config] = p["choice"]
+    if not configs:
+        raise SystemExit(
+            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
+        )
+    reference = args.reference
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]
-        reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c)) if cands else None
+        if not cands:
+            raise SystemExit(f"error: no on-policy GRPO configuration among {', '.join(configs)}: give --reference")
+        reference = min(cands, key=lambda c: (configs[c][0]["cfg"]["positive_bias"], c))
     elif reference not in configs:
         raise SystemExit(f"error: --reference {reference}: no finished runs (have: {', '.join(configs)})")
-    target = float(np.median(final(configs[reference], "eval/greedy_acc"))) if reference else None
-    mu_machine = report.measured_mu(runs)
-    axes = {axis: report.x_of(axis, {"compute_measured_mu": mu_machine, "compute_paper_mu": paper_mu}) for axis in AXES}
-    if reference:
-        estimate = cost_estimate(configs, reference, axes)
-        point = estimate({c: np.arange(len(rs)) for c, rs in configs.items()})
+    target = float(np.median(final(configs[reference], "eval/greedy_acc")))
+    mu = report.measured_mu(runs)
+    axes = {axis: report.x_of(axis, {"compute_measured_mu": mu, "compute_paper_mu": PAPER_MU}) for axis in AXES}
+    estimate = cost_estimate(configs, reference, axes)
+    point = estimate({c: np.arange(len(rs)) for c, rs in configs.items()})
     rows = {}
     for config, rs in configs.items():
         cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
         stale = sum((staleness_counts(r) for r in rs), Counter())
-        row = rows[config] = {
-            "lr": cfg["lr"],
-            "seeds": [r["seed"] for r in rs],
-            "steps": cfg["total_steps"],
-            "N": cfg["buffer_size"],
-            "B": cfg["batch_size"],
-            "R": cfg["prompts_per_step"] * cfg["group_size"],
-            "greedy_acc": quartiles(final(rs, "eval/greedy_acc")),
-            "pass@1": quartiles(final(rs, "eval/pass@1")),
-            "k": cfg["pass_k"],
-            "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}")),
+        row = rows[config] = {"lr": cfg["lr"], "seeds": [r["seed"] for r in rs], "steps": cfg["total_steps"]}
+        row |= {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": cfg["prompts_per_step"] * cfg["group_size"]}
+        row |= {k: quartiles(final(rs, f"eval/{k}")) for k in ("greedy_acc", "pass@1")}
+        row |= {"k": cfg["pass_k"], "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}"))}
+        row |= {
             "generated_tokens": float(np.median([rec.get("total_generated_tokens", 0) for rec in last])),
             "mu": float(np.median([rec["mu"] for rec in last])) if all("mu" in rec for rec in last) else None,
             "replay_ratio": float(np.mean([rec.get("replay_ratio", 0) for rec in last])),
@@ -217,158 +199,116 @@ def summarize(runs: list[dict], args: Args, tune_seeds: list[int]) -> dict:
         }
         for what, suffix in (("cost", "to_target"), ("saving", "saving_pct")):  # None: never reached, or no saving
             for axis in axes:
-                value = point[config][what][axis]["target"] if reference else math.nan
+                value = point[config][what][axis]["target"]
                 row[f"{axis}_{suffix}"] = value if math.isfinite(value) else None
     order = sorted(configs, key=lambda c: (c != reference, rows[c]["N"], -rows[c]["R"], c))
-    out = {
-        "reference": reference,
-        "target_greedy_acc": target,
-        "mu_measured": mu_machine,
-        "paper_mu": paper_mu,
-        "lr_choice": lr_choice,
-        "configs": {c: rows[c] for c in order},
-        "tune_seeds": sorted(tune_seeds or []),
-        "_runs": {c: configs[c] for c in order},
-    }
-    if reference:
-
-        def draw(rng):  # each configuration's seeds resampled apart
-            return {c: rng.integers(0, len(rs), len(rs)) for c, rs in configs.items()}
-
-        n = 2000
-        intervals, _ = report.bootstrap(estimate, draw, n, ps=(5, 50, 95))
-        out["bootstrap"] = {"replicates": n, "intervals": intervals}
-        out["decision"] = decide(intervals, reference, args.saving_target)
-        out["saving_target"] = args.saving_target
-        out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
+    out = {"reference": reference, "target_greedy_acc": target, "mu_measured": mu, "paper_mu": PAPER_MU}
+    out |= {"lr_choice": lr_choice, "configs": {c: rows[c] for c in order}, "tune_seeds": sorted(tune_seeds)}
+    out["_runs"] = {c: configs[c] for c in order}
+    draw = {c: len(rs) for c, rs in configs.items()}  # each configuration's seeds resampled apart
+    intervals, _ = report.bootstrap(
+        estimate, lambda rng: {c: rng.integers(0, n, n) for c, n in draw.items()}, REPLICATES, ps=(5, 50, 95)
+    )
+    out["bootstrap"] = {"replicates": REPLICATES, "intervals": intervals}
+    out["decision"] = decide(intervals, reference, SAVING_TARGET)
+    out["saving_target"] = SAVING_TARGET
+    out["per_seed"] = {c: [per_seed(r, target, axes) for r in configs[c]] for c in order}
     return out
 
 
 def cost_estimate(configs: dict, reference: str, axes: dict):
-    """The report's estimate on a resample of each configuration's seeds, drawn apart (draw: {config: the positions
-    of its seeds}): per configuration the cost (median x over the resampled seeds) to reach the reference's final
-    median accuracy and 90% of it, recomputed from the reference's resample; the saving against the reference; and
-    the median accuracy and pass@k at the reference's final compute (equal compute), on the compute axes."""
+    """The estimate on a resample of each configuration's seeds (draw: {config: the positions of its seeds}): per
+    configuration the cost (median x over the resampled seeds) to reach the reference's final median accuracy and 90%
+    of it, recomputed from the reference's resample; the saving against the reference; and the median accuracy and
+    pass@k at the last evaluation within the reference's final compute (equal compute), on the compute axes."""
     arrays = {}  # per configuration: its runs' accuracy, pass@k and x values at the evaluations all share
     for c, rs in configs.items():
         k = f"eval/pass@{rs[0]['cfg']['pass_k']}"
         columns = {"acc": lambda e: e["eval/greedy_acc"], "pass@k": lambda e, k=k: e.get(k, np.nan), **axes}
         arrays[c] = report.at_shared_steps(rs, columns)
-    equal_axes = [axis for axis in axes if axis != "tokens"]
 
     def estimate(draw: dict) -> dict:
         drawn = {c: {name: v[draw[c]] for name, v in a.items()} for c, a in arrays.items()}
-        ref = drawn[reference]
+        ref, out = drawn[reference], {}
         level = float(np.median(ref["acc"][:, -1]))
-        budget = {axis: float(np.median(ref[axis][:, -1])) for axis in axes}
-        cost, at_equal = {}, {}
         for c, a in drawn.items():
             med, x = np.median(a["acc"], axis=0), {axis: np.median(a[axis], axis=0) for axis in axes}
-            cost[c] = {
-                axis: {f: report.first_reach(x[axis], med, v * level) for f, v in FRACS.items()} for axis in axes
+            cost = {axis: {f: report.first_reach(x[axis], med, v * level) for f, v in FRACS.items()} for axis in axes}
+            out[c] = {"cost": cost, "at_equal": {}}
+            for axis in AXES[1:]:
+                within = np.nonzero(x[axis] <= float(np.median(ref[axis][:, -1])) + 1e-6)[0]
+                pick = {w: float(np.median(a[w][:, within[-1]])) if len(within) else np.nan for w in ("acc", "pass@k")}
+                out[c]["at_equal"][axis] = pick
+        for c, row in out.items():
+            saving = {
+                ax: {f: report.saving(row["cost"][ax][f], out[reference]["cost"][ax][f]) for f in FRACS} for ax in axes
             }
-            at_equal[c] = {}
-            for axis in equal_axes:  # at the last evaluation within the reference's final compute
-                within = np.nonzero(x[axis] <= budget[axis] + 1e-6)[0]
-                at_equal[c][axis] = {
-                    what: float(np.median(a[what][:, within[-1]])) if len(within) else np.nan
-                    for what in ("acc", "pass@k")
-                }
-        return {
-            c: {
-                "cost": cost[c],
-                "saving": {
-                    axis: {f: report.saving(cost[c][axis][f], cost[reference][axis][f]) for f in FRACS} for axis in axes
-                },
-                "at_equal": at_equal[c],
-            }
-            for c in arrays
-        }
+            out[c] = {"cost": row["cost"], "saving": saving, "at_equal": row["at_equal"]}
+        return out
 
     return estimate
 
 
 def decide(intervals: dict, reference: str, saving_target: float) -> dict:
-    """The decision on the saving target, per axis from the saving's interval (report.interval_verdict) and on both:
-    met when both are, not met when either is not."""
+    """Per configuration, each axis's verdict from the saving's interval (report.interval_verdict), and both: met
+    when both are, not met when either is not."""
     decision = {}
     for c, iv in intervals.items():
-        if c == reference:
-            continue
         axes = ("tokens", "compute_paper_mu")
         verdicts = [
             report.interval_verdict(lo, hi, saving_target) for lo, _, hi in (iv["saving"][a]["target"] for a in axes)
         ]
         both = "met" if verdicts == ["met", "met"] else "not met" if "not met" in verdicts else "not resolvable"
         decision[c] = {**dict(zip(axes, verdicts)), "both": both}
+    decision.pop(reference)
     return decision
 
 
-def bucket_order(label: str) -> int:
-    """'0', '1', '2-3', '4-7', '8+' (replay_grpo.STALENESS_BUCKETS) in staleness order."""
-    return int(label.split("-")[0].rstrip("+"))
-
-
 def staleness_buckets(rs: list[dict]) -> dict | None:
-    """The records' metrics by staleness over every step and seed of a configuration: per bucket, its share of
-    the trained rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token (the ESS of
-    the token ratios over the tokens: 1 when every ratio is equal). None: runs that did not log them."""
+    """The metrics by staleness over every step and seed of a configuration: per bucket, its share of the trained
+    rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token. None: none logged."""
     sums = {}  # bucket -> rollouts, tokens, and over its tokens: the clipped ones, |log ratio| summed, the ESS
-    for r in rs:
-        for rec in r["records"]:
-            for label, b in rec.get("by_staleness", {}).items():
-                add = [
-                    b["rollouts"],
-                    b["tokens"],
-                    b["clip_frac"] * b["tokens"],
-                    b["abs_log_ratio"] * b["tokens"],
-                    b["ess"],
-                ]
-                sums[label] = [total + x for total, x in zip(sums.get(label, [0, 0, 0.0, 0.0, 0.0]), add)]
-    if not sums:
-        return None
+    for rec in (rec for r in rs for rec in r["records"]):
+        for label, b in rec.get("by_staleness", {}).items():
+            add = [b["rollouts"], b["tokens"], b["clip_frac"] * b["tokens"], b["abs_log_ratio"] * b["tokens"], b["ess"]]
+            sums[label] = [total + x for total, x in zip(sums.get(label, [0, 0, 0.0, 0.0, 0.0]), add)]
     rollouts = sum(t[0] for t in sums.values())
-    out = {}
-    for label in sorted(sums, key=bucket_order):
-        n, tokens, clipped, abs_log_ratio, ess = sums[label]
-        out[label] = {
+    return {
+        label: {
             "share": n / rollouts,
-            "clip_frac": clipped / tokens,
-            "abs_log_ratio": abs_log_ratio / tokens,
+            "clip_frac": clip / tokens,
+            "abs_log_ratio": lr / tokens,
             "ess_per_token": ess / tokens,
         }
-    return out
+        for label, (n, tokens, clip, lr, ess) in sorted(sums.items(), key=lambda kv: bucket_order(kv[0]))
+    } or None
 
 
 def staleness_counts(run: dict) -> Counter:
     """How many rollouts a run trained on at each staleness, over its steps."""
-    counts = Counter()
-    for rec in run["records"]:
-        counts.update({int(k): v for k, v in rec.get("staleness_hist", {}).items()})
-    return counts
+    return sum(
+        (Counter({int(k): v for k, v in rec.get("staleness_hist", {}).items()}) for rec in run["records"]), Counter()
+    )
 
 
 def per_seed(run: dict, target: float, axes: dict) -> dict:
     """One run's numbers: the warm start, the final accuracies, and its cost to the target on each axis."""
     first, last = run["records"][0], evals(run)[-1]
     reach = next((r for r in evals(run) if r["eval/greedy_acc"] >= target - 1e-9), None)
-    return {
+    out = {
         "seed": run["seed"],
         "name": run["name"],
-        "warmstart_reached": first.get("warmstart_reached"),
-        "warmstart_pass@k": first.get("warmstart_pass@k"),
-        "greedy_acc_start": first.get("eval/greedy_acc"),
-        "greedy_acc_final": last["eval/greedy_acc"],
-        "pass@1_final": last["eval/pass@1"],
-        **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()},
+        **{k: first.get(k) for k in ("warmstart_reached", "warmstart_pass@k")},
     }
+    out |= {"greedy_acc_start": first.get("eval/greedy_acc"), "greedy_acc_final": last["eval/greedy_acc"]}
+    out["pass@1_final"] = last["eval/pass@1"]
+    return out | {f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()}
 
 
 def table_md(s: dict) -> str:
     """The study's table.md from its summary (summary.json's content)."""
 
-    def bootstrap(q, one) -> str:
-        """A bootstrap [5th, 50th, 95th] percentile triple as 'median [5th, 95th]' ("—" where it is undefined)."""
+    def bootstrap(q, one) -> str:  # a [5th, 50th, 95th] percentile triple as 'median [5th, 95th]'
         return "—" if q[1] is None else fmt.interval(q[1], q, one)
 
     ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
@@ -399,54 +339,53 @@ def table_md(s: dict) -> str:
         "",
         *fmt.table(head + ["compute (paper) to target", "saving"], rows),
     ]
-    if ref is not None and s["configs"][ref]["tokens_to_target"] == 0:
+    if s["configs"][ref]["tokens_to_target"] == 0:
         lines += [
             "",
             f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
             "so the savings are undefined: train longer or with a weaker warm start.",
         ]
-    if "bootstrap" in s:
-        iv = s["bootstrap"]["intervals"]
-        rows = []
-        for c in s["configs"]:
-            for f in ("target", "90% of target"):
-                cells = [c, f]
-                for axis in AXES:
-                    saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
-                    cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
-                rows.append(cells)
-        equal = [
-            [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
-            for c in s["configs"]
-        ]
-        target_pct = f"{s['saving_target']:g}%"
-        cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
-        equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
-        lines += [
-            "",
-            f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
-            "",
-            f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
-            "configuration; the target recomputed from each resample of the reference). 'never': not reached "
-            "within the run. Saving = 1 − ours / reference's.",
-            "",
-            *fmt.table(["config", "reaches", *cost_head], rows),
-            "",
-            f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
-            "",
-            "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
-            "",
-            *fmt.table(["config", *equal_head], equal),
-            "",
-            f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
-            f"compute at the paper's mu, to {ref}'s final median accuracy",
-            "",
-            "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
-            "below it; not resolvable: the interval straddles it (or the target was not reached).",
-            "",
-        ]
-        for c, d in s["decision"].items():
-            lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
+    iv = s["bootstrap"]["intervals"]
+    rows = []
+    for c in s["configs"]:
+        for f in ("target", "90% of target"):
+            cells = [c, f]
+            for axis in AXES:
+                saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
+                cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
+            rows.append(cells)
+    equal = [
+        [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
+        for c in s["configs"]
+    ]
+    target_pct = f"{s['saving_target']:g}%"
+    cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
+    equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
+    lines += [
+        "",
+        f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
+        "",
+        f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
+        "configuration; the target recomputed from each resample of the reference). 'never': not reached "
+        "within the run. Saving = 1 − ours / reference's.",
+        "",
+        *fmt.table(["config", "reaches", *cost_head], rows),
+        "",
+        f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
+        "",
+        "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
+        "",
+        *fmt.table(["config", *equal_head], equal),
+        "",
+        f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
+        f"compute at the paper's mu, to {ref}'s final median accuracy",
+        "",
+        "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+        "below it; not resolvable: the interval straddles it (or the target was not reached).",
+        "",
+    ]
+    for c, d in s["decision"].items():
+        lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
         rows = [
             [c, label, f"{b['share']:.3f}", *(f"{b[k]:.4f}" for k in ("clip_frac", "abs_log_ratio", "ess_per_token"))]
@@ -465,20 +404,21 @@ def table_md(s: dict) -> str:
             "",
             *fmt.table(head, rows),
         ]
-    if s.get("per_seed"):
-        rows = [
-            [c, r["seed"], r["warmstart_reached"]]
-            + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
-            for c, runs in s["per_seed"].items()
-            for r in runs
-        ]
-        head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
-        lines += ["", "## Seeds", "", *fmt.table(head, rows)]
+    rows = [
+        [c, r["seed"], r["warmstart_reached"]]
+        + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
+        for c, runs in s["per_seed"].items()
+        for r in runs
+    ]
+    head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
+    lines += ["", "## Seeds", "", *fmt.table(head, rows)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
-        chosen = "on the same seeds it is reported on:"
-        if tuned:
-            chosen = f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
+        chosen = (
+            f"on seeds {', '.join(map(str, tuned))}, which are not reported:"
+            if tuned
+            else "on the same seeds it is reported on:"
+        )
         lines += [
             "",
             "## Learning rate (*)",
@@ -487,11 +427,9 @@ def table_md(s: dict) -> str:
             f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
             "",
         ]
-        for c in s["configs"]:
-            if c in s["lr_choice"]:
-                note = s["lr_choice"][c]
-                tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
-                lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
+        for c, note in ((c, s["lr_choice"][c]) for c in s["configs"] if c in s["lr_choice"]):
+            tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
+            lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
     return "\n".join(lines) + "\n"
 
 
@@ -501,72 +439,62 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator
 
     plt = report.pyplot()
-
-    runs, ref, target = s["_runs"], s["reference"], s["target_greedy_acc"]
+    runs, ref, target, written = s["_runs"], s["reference"], s["target_greedy_acc"], []
     palette = iter(plt.get_cmap("tab10").colors)
     color = {c: "black" if c == ref else next(palette) for c in runs}
     label = {c: c + (f" (lr {s['configs'][c]['lr']:g})" if c in s["lr_choice"] else "") for c in runs}
     style = {c: {"color": color[c], "lw": 2.2 if c == ref else 1.4, "label": label[c]} for c in runs}
-    greedy, acc, written = "eval/greedy_acc", "held-out greedy accuracy", []
 
     def save(fig, name, legend=None):
         if legend is not None:
             legend.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
         written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
-    def lines(ax, y, x, xlabel, ylabel):
-        """Median and IQR over seeds of y (a record's key, or the key as a function of the configuration) against
-        x, at the evaluations for an evaluation's key; the target on the greedy accuracy."""
-        for c, rs in runs.items():
-            key = y(c) if callable(y) else y
-            cv = curve(rs, key, x, eval_only=key.startswith("eval/"))
-            ax.plot(cv["x"], cv["median"], **style[c])
-            ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
-        if y == greedy and target is not None:
-            ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
-        report.label_axes(ax, xlabel=xlabel, ylabel=ylabel)
-
-    def step_of(r):
+    def steps(r):
         return r["step"]
 
-    def pass_k(c):
-        return f"eval/pass@{s['configs'][c]['k']}"
+    def tokens(r):
+        return r.get("total_generated_tokens", 0)
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    lines(a, greedy, step_of, "gradient steps", acc)
-    lines(b, pass_k, step_of, "gradient steps", "held-out pass@k (k samples, temperature 1)")
-    fig.suptitle("Held-out accuracy vs gradient steps (median, IQR over seeds)")
-    save(fig, "accuracy_vs_steps.png", legend=b)
+    acc, by_steps, G = "held-out greedy accuracy", "gradient steps", "eval/greedy_acc"
+    mus = {"measured on this machine": s["mu_measured"], "the paper's": s["paper_mu"]}
+    computes = [(partial(compute, mu=mu), f"mu = {mu:.2f} ({what})") for what, mu in mus.items()]
+    figures = {  # per figure, each panel's y (a record's key; None: pass@k), x, x label, y label and title
+        "accuracy_vs_steps.png": [(G, steps, by_steps, acc, ""), (None, steps, by_steps, PASS_K, "")],
+        "accuracy_vs_tokens.png": [(G, tokens, "generated tokens", acc, "Held-out accuracy vs generated tokens")],
+        "accuracy_vs_compute.png": [(G, x, "compute = trained + mu x generated rollouts", acc, t) for x, t in computes],
+        "entropy.png": [("entropy", steps, by_steps, "policy entropy on the batch (nats/token)", "Training entropy")],
+    }
+    for name, panels in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(11, 4) if len(panels) > 1 else (7, 4), squeeze=False)
+        for ax, (y, x, xlabel, ylabel, panel_title) in zip(axes[0], panels):
+            for c, rs in runs.items():
+                key = y or f"eval/pass@{s['configs'][c]['k']}"
+                cv = curve(rs, key, x, eval_only=key.startswith("eval/"))
+                ax.plot(cv["x"], cv["median"], **style[c])
+                ax.fill_between(cv["x"], cv["q25"], cv["q75"], color=color[c], alpha=0.15, lw=0)
+            if y == "eval/greedy_acc":
+                ax.axhline(target, color="grey", ls=":", lw=1, label=f"target: {ref} final median")
+            report.label_axes(ax, xlabel=xlabel, ylabel=ylabel, title=panel_title)
+        if name in TITLES:
+            fig.suptitle(TITLES[name])
+        save(fig, name, legend=axes[0, -1])
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    lines(ax, greedy, lambda r: r.get("total_generated_tokens", 0), "generated tokens", acc)
-    ax.set_title("Held-out accuracy vs generated tokens")
-    save(fig, "accuracy_vs_tokens.png", legend=ax)
+    def replays(r):
+        return Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()})
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (mu, what) in zip(axes, [(s["mu_measured"], "measured on this machine"), (s["paper_mu"], "the paper's")]):
-        lines(ax, greedy, lambda r, mu=mu: compute(r, mu), "compute = trained + mu x generated rollouts", acc)
-        ax.set_title(f"mu = {mu:.2f} ({what})")
-    fig.suptitle("Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)")
-    save(fig, "accuracy_vs_compute.png", legend=axes[1])
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    lines(ax, "entropy", step_of, "gradient steps", "policy entropy on the batch (nats/token)")
-    ax.set_title("Training entropy")
-    save(fig, "entropy.png", legend=ax)
-
-    def hists(name, title, xlabel, counts_of):
-        n = len(runs)
-        ncol = min(4, n)
-        nrow = math.ceil(n / ncol)
+    n = len(runs)
+    ncol, nrow = min(4, n), math.ceil(n / min(4, n))
+    for name, xlabel, counts_of in [
+        ("staleness_hist.png", "staleness (optimizer steps)", staleness_counts),
+        ("replay_ratio_hist.png", "uses", replays),
+    ]:
         fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 2.7 * nrow), squeeze=False, sharex=True, sharey=True)
         for ax, (c, rs) in zip(axes.flat, runs.items()):
             counts = sum((counts_of(r) for r in rs), Counter())
-            total = sum(counts.values()) or 1
-            xs = sorted(counts)
+            total, xs = sum(counts.values()) or 1, sorted(counts)
             ax.bar(xs, [counts[x] / total for x in xs], width=0.85, color=color[c])
-            mean = sum(x * counts[x] for x in xs) / total
-            ax.set_title(f"{label[c]}\nmean {mean:.2f}", fontsize=9)
+            ax.set_title(f"{label[c]}\nmean {sum(x * counts[x] for x in xs) / total:.2f}", fontsize=9)
             ax.set_xlabel(xlabel, fontsize=8)
             ax.grid(alpha=0.3, axis="y")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -575,21 +503,8 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction")
         for ax in list(axes.flat)[n:]:
             ax.axis("off")
-        fig.suptitle(title)
+        fig.suptitle(TITLES[name])
         save(fig, name)
-
-    hists(
-        "staleness_hist.png",
-        "Staleness of each use (steps since generation), all steps and seeds",
-        "staleness (optimizer steps)",
-        staleness_counts,
-    )
-    hists(
-        "replay_ratio_hist.png",
-        "Replay ratio per rollout: times each evicted rollout was trained on",
-        "uses",
-        lambda r: Counter({int(u): n for u, n in r["records"][-1].get("replay_hist", {}).items()}),
-    )
 
     by_config = {c: s["configs"][c]["by_staleness"] for c in runs if s["configs"][c].get("by_staleness")}
     if by_config:  # runs that logged the metrics by staleness
@@ -606,6 +521,13 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+PASS_K = "held-out pass@k (k samples, temperature 1)"
+TITLES = {
+    "accuracy_vs_steps.png": "Held-out accuracy vs gradient steps (median, IQR over seeds)",
+    "accuracy_vs_compute.png": "Held-out accuracy vs compute (training a rollout = 1 unit, generating one = mu units)",
+    "staleness_hist.png": "Staleness of each use (steps since generation), all steps and seeds",
+    "replay_ratio_hist.png": "Replay ratio per rollout: times each evicted rollout was trained on",
+}
 BUCKET_PANELS = [
     ("share", "share of trained rollouts"),
     ("clip_frac", "clip fraction"),
@@ -614,22 +536,23 @@ BUCKET_PANELS = [
 ]
 
 
-def analyse(runs: list[dict], args: Args) -> dict:
-    """The summary, on the seeds that did not choose a learning rate (args.tune_seeds, or those sweep.json records)."""
-    sweep_json = Path(args.out_dir) / "sweep.json"  # the tune seeds that `run` used
-    tune_seeds = args.tune_seeds
-    if not tune_seeds and sweep_json.exists():
-        tune_seeds = runner.read_sweep_json(sweep_json)["tune_seeds"]
-    s = summarize(runs, args, tune_seeds)
-    if not s["configs"]:
-        raise SystemExit(
-            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
-        )
-    return s
+# What the report reads of a run, records.json keeps: records' keys (and eval/pass@k at the run's k) and settings
+KEYS = runner.RECORD_KEYS + ("eval/pass@1", "replay_ratio", "staleness_hist", "replay_hist", "by_staleness")
+KEYS += ("warmstart_reached", "warmstart_pass@k")
+SETTINGS = (*runner.CONFIG_KEYS, "publish_every", "asymre_delta_v")
+
+
+def compact(runs: list[dict], tune_seeds: list[int]) -> dict:
+    """records.json's content: the tune seeds, and each run cut to what the report reads (runner.compact_run)."""
+    keys = [KEYS + (f"eval/pass@{r['cfg']['pass_k']}",) for r in runs]
+    return {"tune_seeds": tune_seeds, "runs": [runner.compact_run(r, k, SETTINGS) for r, k in zip(runs, keys)]}
 
 
 def write(args: Args) -> dict:
-    return report.study_report(args, "study", analyse, private="_runs", table_md=table_md, plot=plot)
+    def records(runs, out):
+        return compact(runs, args.tune_seeds or runner.tune_seeds(out))
+
+    return report.study_report(args, "study", analyse, private="_runs", table_md=table_md, plot=plot, compact=records)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -9,15 +9,8 @@
     python tools/sweep.py run --grid pareto --out-dir runs/pareto --seeds 0 1 2  # the Pareto study (report: pareto.py)
     python tools/sweep.py run --grid compute --out-dir runs/compute --seeds 20 21  # report: compute_study.py
 
-Every run is `replay_grpo.main([...])`, in this process (or one subprocess each with --subprocess, and
-always for a run whose generator may be vLLM), named after its configuration: onpolicy-s0, N512-R32-grpo-s0,
-N512-R32-asymre-s0, N512-R32-grpo-d0.2-s0, N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ...
-`run` skips finished runs (checkpoint at total_steps), continues interrupted ones from their
-checkpoint (--resume) and deletes and restarts ones that died before their first checkpoint. Several `run`
-processes may share a folder: each run is claimed by the one that trains it (.sweep_locks/), the others skip it.
-
-`report` is the replay study's (replay_study.py): per configuration over seeds, its best learning rate, and the
-savings against on-policy GRPO. Every study's table.md is rendered from its summary.json's content alone (`render`).
+Each run (runner.execute) is named after its configuration: onpolicy-s0, N512-R32-grpo-s0, N512-R32-grpo-d0.2-s0,
+N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ... `report` is the replay study's (replay_study.py).
 """
 
 from __future__ import annotations
@@ -35,10 +28,17 @@ import corrections_study
 import pareto
 import replay_study
 import tyro
-from replay_study import BUCKET_PANELS, bucket_order, is_on_policy, pick_variants
+from replay_study import BUCKET_PANELS, is_on_policy, pick_variants
 from studylib import runner
-from studylib.report import label_axes, pyplot, save_figure
+from studylib.report import bucket_order, label_axes, pyplot, save_figure
 from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, read_metrics, run_status
+
+# A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
+# field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
+# the derived run name.
+GRIDS = dict(study=replay_study.STUDY_GRID, cpu=replay_study.DEFAULT_GRID, smoke=replay_study.SMOKE_GRID)
+GRIDS |= {"variants": replay_study.VARIANTS_GRID, "pareto": pareto.PARETO_GRID, "compute": compute_study.COMPUTE_GRID}
+GRIDS |= {"compute-replication": compute_study.REPLICATION_GRID, "corrections": corrections_study.CORRECTIONS_GRID}
 
 
 @dataclass
@@ -53,14 +53,8 @@ class RunArgs:
     """seeds on which every learning rate (and AsymRE delta_V) of a configuration is tried; only the best one
     (median final greedy accuracy) is then run on --seeds, so the reported seeds never choose their own
     learning rate. Empty: every variant runs on --seeds."""
-    grid: Literal["study", "cpu", "smoke", "variants", "pareto", "compute", "compute-replication", "corrections"] = (
-        "study"
-    )
-    """which grid of GRIDS, each defined in its study's module (study: the replay study on --preset cpu-study;
-    cpu: the first study, on --preset cpu; smoke: 2 tiny configs; variants: the buffer's rules against uniform
-    sampling, on cpu-study; pareto: on-policy against replay on --preset cpu at three lrs, at equal generated
-    rollouts; compute: the compute study's, at equal compute at the paper's mu; compute-replication: its H1 on
-    other seeds, with a lower lr; corrections: the stale-data corrections at high staleness)."""
+    grid: Literal[*GRIDS] = "study"
+    """which grid of GRIDS, each defined in its study's module (cpu: the first study's; smoke: 2 tiny configs)."""
     only: list[str] = field(default_factory=list)
     """only configurations whose name contains one of these strings (none given: all)."""
     subprocess: bool = False
@@ -73,8 +67,7 @@ class RunArgs:
 
 @dataclass
 class RenderArgs:
-    """table.md rendered again from a study's summary.json (any study report's),
-    e.g. after a change to the table's layout: the table is a function of the summary alone."""
+    """table.md rendered again from a study's summary.json (any study report's): a function of the summary alone."""
 
     summary: tyro.conf.Positional[str]
     """the report's summary.json."""
@@ -84,8 +77,7 @@ class RenderArgs:
 
 @dataclass
 class PlotArgs:
-    """One run's curves against steps and generated tokens (curves_vs_steps.png, curves_vs_tokens.png), written
-    into its folder."""
+    """One run's curves against steps and generated tokens (curves_vs_*.png), written into its folder."""
 
     run_folder: tyro.conf.Positional[str]
     """the run folder (runs/NAME)."""
@@ -93,8 +85,7 @@ class PlotArgs:
 
 @dataclass
 class RecordsArgs:
-    """The finished runs of a folder in compact form (runner.compact_runs: each run's names, seed, settings and the
-    records the reports read), e.g. to commit a study's runs so far and pool them with later seeds."""
+    """The finished runs of a folder as records.json (runner.compact_runs), e.g. to pool with later seeds."""
 
     out_dir: tyro.conf.Positional[str]
     """the sweep's folder."""
@@ -104,21 +95,6 @@ class RecordsArgs:
     """only these seeds (default: every finished run's)."""
     pool_records: str | None = None
     """an earlier records.json whose runs are written with these (it may be --to itself); a run in both stops."""
-
-
-# A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
-# field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
-# the derived run name.
-GRIDS = {
-    "study": replay_study.STUDY_GRID,
-    "cpu": replay_study.DEFAULT_GRID,
-    "smoke": replay_study.SMOKE_GRID,
-    "variants": replay_study.VARIANTS_GRID,
-    "pareto": pareto.PARETO_GRID,
-    "compute": compute_study.COMPUTE_GRID,
-    "compute-replication": compute_study.REPLICATION_GRID,
-    "corrections": corrections_study.CORRECTIONS_GRID,
-}
 
 
 def flags(entry: dict) -> list[str]:
@@ -147,14 +123,8 @@ def config_name(cfg: dict) -> str:
     return name
 
 
-RULE_TAGS = {
-    "sampling": "",
-    "max_age": "age",
-    "max_uses": "uses",
-    "priority_alpha": "a",
-    "priority_tau": "tau",
-    "ratio_level": "",
-}  # replay_grpo's rule flags, and their tags in a configuration's name
+# replay_grpo's rule flags, and their tags in a configuration's name
+RULE_TAGS = dict(sampling="", max_age="age", max_uses="uses", priority_alpha="a", priority_tau="tau", ratio_level="")
 
 
 VARIED = {"lr": "lr", "asymre_delta_v": "dv"}  # grid keys that may hold a list of values to try
@@ -171,9 +141,8 @@ def variants(entry: dict):
 
 
 def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None = None) -> list[dict]:
-    """Every (configuration, variant, seed) of the grid: its name, configuration, variant, trainer
-    argv and total steps. seeds: default --tune-seeds, or --seeds without them. picks: only the
-    picked variant of each configuration ({config: variant tag})."""
+    """Every (configuration, variant, seed) of the grid as runner.execute's run. seeds: default --tune-seeds, or
+    --seeds without them. picks: only the picked variant of each configuration ({config: variant tag})."""
     import replay_grpo
 
     base, entries = GRIDS[args.grid]
@@ -192,22 +161,18 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
             if picks is not None and picks.get(config) != tag:
                 continue
             if owner.setdefault(config + tag, i) != i:
+                name = config + tag
                 raise SystemExit(
-                    f"error: grid entries {owner[config + tag]} and {i} are both named "
-                    f"{config + tag!r}: give one a 'name'"
+                    f"error: grid entries {owner[name]} and {i} are both named {name!r}: give one a 'name'"
                 )
-            for seed in seeds:
-                name = f"{config}{tag}-s{seed}"
-                runs.append(
-                    {
-                        "name": name,
-                        "run_dir": Path(args.out_dir) / name,
-                        "planned": {"config": config, "variant": tag, "seed": seed},
-                        "total_steps": cfg.total_steps,
-                        "generator": cfg.generator,
-                        "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
-                    }
-                )
+            for seed, name in ((seed, f"{config}{tag}-s{seed}") for seed in seeds):
+                run = {
+                    "name": name,
+                    "run_dir": Path(args.out_dir) / name,
+                    "planned": {"config": config, "variant": tag, "seed": seed},
+                }
+                run |= {"total_steps": cfg.total_steps, "generator": cfg.generator}
+                runs.append(run | {"argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
     return runs
 
 
@@ -246,25 +211,23 @@ def run(args: RunArgs) -> None:
     if done["failed"]:
         raise SystemExit(f"error: {len(done['failed'])} run(s) failed: {', '.join(done['failed'])} (rerun to retry)")
     others = others_still_train(runs, done)
+    then = " (then the variants are picked and --seeds run)" if args.tune_seeds else ""
     if others:
-        print(
-            f"{len(others)} run(s) are another process's, not finished yet: {', '.join(others)}; run this again "
-            f"when it ends{' (then the variants are picked and --seeds run)' if args.tune_seeds else ''}"
+        names = ", ".join(others)
+        return print(
+            f"{len(others)} run(s) are another process's, not finished yet: {names}; run this again when it ends{then}"
         )
-        return
     print(f"all runs finished in {args.out_dir}; next: python tools/sweep.py report --out-dir {args.out_dir}")
 
 
 def others_still_train(runs: list[dict], done: dict) -> list[str]:
     """The runs execute skipped as another process's that are not finished now."""
-    return [
-        r["name"] for r in runs if r["name"] in done["skipped"] and run_status(r["run_dir"], r["total_steps"]) != "done"
-    ]
+    skipped = [r for r in runs if r["name"] in done["skipped"]]
+    return [r["name"] for r in skipped if run_status(r["run_dir"], r["total_steps"]) != "done"]
 
 
 def render(summary_path: Path, table_path: Path) -> None:
-    """table.md rendered again from a study's summary.json (replay_study.py's, pareto.py's, compute_study.py's or
-    corrections_study.py's): the same bytes its report wrote, as the table is a function of the summary alone."""
+    """table.md rendered again from any study's summary.json: the same bytes its report wrote."""
     try:
         summary = read_json(summary_path)
     except Damaged as e:
@@ -278,21 +241,11 @@ def render(summary_path: Path, table_path: Path) -> None:
     print("wrote", table_path)
 
 
-def save_run_figure(fig, title: str, out: Path) -> Path:
-    """Title and write one of plot_run's figures; an unwritable folder stops with one line."""
-    fig.suptitle(title, fontsize=10)
-    try:
-        return save_figure(fig, out, dpi=100)
-    except OSError as e:
-        raise SystemExit(f"error: {out.parent}: cannot write {out.name} ({e.strerror or e})") from None
-
-
 def plot_run(run_dir: Path) -> list[Path]:
     """<run>/curves_vs_steps.png and curves_vs_tokens.png from <run>/metrics.jsonl: held-out accuracy and
     pass@k, reward, entropy, response length and truncated fraction, staleness, replay ratio; and
     staleness_vs_steps.png, the metrics by staleness bucket (rollouts, clip fraction, |log ratio|, ESS)."""
-    plt = pyplot()
-    path = run_dir / "metrics.jsonl"
+    plt, path, written = pyplot(), run_dir / "metrics.jsonl", []
     if not path.is_file():
         raise SystemExit(
             f"error: {run_dir} has no metrics.jsonl: give a run folder (e.g. runs/NAME, written by replay_grpo.py)"
@@ -305,26 +258,29 @@ def plot_run(run_dir: Path) -> list[Path]:
     steps = [r for r in recs if r["step"] > 0]
     if not steps:
         raise SystemExit(f"error: {path} holds no training step yet")
-    k = cfg.get("pass_k", 8)
-    R = cfg.get("prompts_per_step", 0) * cfg.get("group_size", 0)
-    mu = steps[-1].get("mu")
+    k, R, mu = cfg.get("pass_k", 8), cfg.get("prompts_per_step", 0) * cfg.get("group_size", 0), steps[-1].get("mu")
     title = (
         f"{run_dir.name}: {cfg.get('loss', '?')}, N = {cfg.get('buffer_size', '?')}, "
         f"B = {cfg.get('batch_size', '?')}, R = {R or '?'}, k = {cfg.get('publish_every', '?')}, "
         f"lr {cfg.get('lr', '?')}" + (f"; measured mu = {mu:.2f}" if mu is not None else "")
     )
+
+    def save(fig, name: str) -> None:  # an unwritable folder stops with one line
+        fig.suptitle(title, fontsize=10)
+        try:
+            written.append(save_figure(fig, run_dir / name, dpi=100))
+        except OSError as e:
+            raise SystemExit(f"error: {run_dir}: cannot write {name} ({e.strerror or e})") from None
+
+    accuracy = [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"), (f"eval/pass@{k}", f"pass@{k} (T 1)")]
     panels = [
-        (
-            "held-out accuracy",
-            [("eval/greedy_acc", "greedy"), ("eval/pass@1", "pass@1 (T 0.1)"), (f"eval/pass@{k}", f"pass@{k} (T 1)")],
-        ),
+        ("held-out accuracy", accuracy),
         ("reward", [("reward", "fresh rollouts"), ("reward_batch", "trained batch")]),
         ("entropy (nats/token)", [("entropy", "trained tokens")]),
         ("response length (tokens)", [("response_length", "mean"), ("truncated_frac", "truncated fraction (right)")]),
         ("staleness (steps)", [("staleness_mean", "mean"), ("staleness_max", "max")]),
         ("replay ratio", [("replay_ratio", "trained / generated rollouts")]),
     ]
-    written = []
     for xname, xkey, xlabel in (
         ("steps", "step", "gradient steps"),
         ("tokens", "total_generated_tokens", "generated tokens"),
@@ -336,16 +292,14 @@ def plot_run(run_dir: Path) -> list[Path]:
                 fraction = key == "truncated_frac"  # on its own axis, at the right
                 target = ax.twinx() if fraction else ax
                 if pts:
-                    marker = "o" if key.startswith("eval/") else None
-                    target.plot(
-                        *zip(*pts), marker=marker, ms=3, label=label, color="grey" if fraction else None, lw=1.4
-                    )
+                    marker, color = "o" if key.startswith("eval/") else None, "grey" if fraction else None
+                    target.plot(*zip(*pts), marker=marker, ms=3, label=label, color=color, lw=1.4)
                 if fraction:
                     target.set_ylim(0, 1)
                     target.legend(loc="upper right", fontsize=8, frameon=False)
             label_axes(ax, xlabel=xlabel, ylabel=ylabel)
             ax.legend(loc="upper left", fontsize=8, frameon=False)
-        written.append(save_run_figure(fig, title, run_dir / f"curves_vs_{xname}.png"))
+        save(fig, f"curves_vs_{xname}.png")
     with_buckets = [r for r in steps if r.get("by_staleness")]
     if with_buckets:  # the metrics by staleness: one line per bucket
         buckets = sorted({b for r in with_buckets for b in r["by_staleness"]}, key=bucket_order)
@@ -357,7 +311,7 @@ def plot_run(run_dir: Path) -> list[Path]:
                 ax.plot(*zip(*pts), lw=1.2, label=f"staleness {b}")
             label_axes(ax, xlabel="gradient steps", ylabel=ylabel)
         axes[0].legend(loc="upper left", fontsize=8, frameon=False)
-        written.append(save_run_figure(fig, title, run_dir / "staleness_vs_steps.png"))
+        save(fig, "staleness_vs_steps.png")
     print("wrote", ", ".join(map(str, written)))
     return written
 

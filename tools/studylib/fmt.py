@@ -18,30 +18,22 @@ def amount(x) -> str:
 
 
 def cost(x) -> str:
-    """A cost to a level, as amount: never reached is "never"."""
     return "never" if x in ("never", math.inf) else amount(x)
 
 
 def saving(x, digits: int = 0) -> str:
-    """A saving in percent with its sign: never reached is "never", undefined "—"."""
-    if x is None or x != x:  # None or nan
+    """A saving in percent with its sign: never reached is "never", undefined (None or nan) "—"."""
+    if x is None or x != x:
         return "—"
     return "never" if x in ("never", -math.inf) else f"{x:+.{digits}f}%"
 
 
-def acc(x) -> str:
-    """An accuracy (or another value in [0, 1]): 0.815."""
-    return "—" if x is None else f"{x:.3f}"
+def number(spec: str):
+    """A formatter of a number by a format spec, "—" for None."""
+    return lambda x: "—" if x is None else format(x, spec)
 
 
-def mu(x) -> str:
-    """A generation/training cost ratio mu: 1.37."""
-    return "—" if x is None else f"{x:.2f}"
-
-
-def diff(x) -> str:
-    """A difference of accuracies, with its sign: +0.012."""
-    return "—" if x is None else f"{x:+.3f}"
+acc, mu, diff = number(".3f"), number(".2f"), number("+.3f")  # an accuracy 0.815, a cost ratio mu 1.37, a difference
 
 
 def quartiles(q) -> str:
@@ -55,17 +47,13 @@ def bracket(ci, one) -> str:
 
 
 def interval(value, ci, one) -> str:
-    """A value and its bootstrap interval [5th, 95th percentile] as 'value [5th, 95th]', each formatted by `one`."""
     return f"{one(value)} {bracket(ci, one)}"
-
-
-def row(cells) -> str:
-    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def table(head: list, rows) -> list[str]:
     """A markdown table's lines: the header, the rule under it and one line per row (each cell as str())."""
-    return [row(head), "|" + "---|" * len(head), *map(row, rows)]
+    lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in [head, *rows]]
+    return [lines[0], "|" + "---|" * len(head), *lines[1:]]
 
 
 def config_table(configs: dict, x_column: tuple, n_over_r: bool = False) -> list[str]:

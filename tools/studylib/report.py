@@ -1,13 +1,13 @@
-"""report.py: the engine of the study reports (replay_study.py, pareto.py, compute_study.py): the runs as arrays, the
-estimators, the bootstrap over seeds, the decision rules, and how a report is written. A report's summary (what is
-computed from the runs) is written as summary.json; table.md is rendered from that JSON alone (its formatters:
-fmt.py), so that `sweep.py render` gives the same bytes again; the figures are drawn from the summary and the runs.
+"""report.py: the engine of every study report: the runs as arrays, the estimators, the bootstrap over seeds, the
+decision rules, and how a report is written: summary.json, table.md rendered from that JSON alone (fmt.py) so that
+`sweep.py render` gives the same bytes again, the figures, and records.json, the runs' records it was computed from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +16,17 @@ from studylib import runner
 
 PAPER_MU = 5.28  # the paper's generation/training cost ratio (Qwen2.5-7B)
 
-# ----------------------------------------------------------------------------------------------
-# The runs as arrays
-# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Args:
+    """What every study report reads and where it writes (a study's Args adds its own)."""
+
+    out_dir: str = "runs/study"
+    """folder of the run folders (`sweep.py run --grid ...`)."""
+    report_dir: str | None = None
+    """where table.md, summary.json, records.json and the figures go (default: --out-dir)."""
+    records: str | None = None
+    """a records.json (as the report writes beside it) to recompute the report from, instead of the run folders."""
 
 
 def evals(run: dict) -> list[dict]:
@@ -30,17 +38,14 @@ def final(runs: list[dict], key: str) -> list[float]:
 
 
 def compute(rec: dict, mu: float) -> float:
-    """Paper units: training a rollout costs 1, generating one costs mu."""
+    """The paper's units: training a rollout costs 1, generating one costs mu."""
     return rec.get("trained_rollouts", 0) + mu * rec.get("generated_rollouts", 0)
 
 
 def x_of(axis: str, mus: dict):
     """A record's cost so far on one axis: its generated tokens or rollouts, or its compute at mus[axis]."""
-    if axis == "tokens":
-        return lambda r: r.get("total_generated_tokens", 0)
-    if axis == "rollouts":
-        return lambda r: r.get("generated_rollouts", 0)
-    return lambda r: compute(r, mus[axis])
+    key = {"tokens": "total_generated_tokens", "rollouts": "generated_rollouts"}.get(axis)
+    return (lambda r: r.get(key, 0)) if key else (lambda r: compute(r, mus[axis]))
 
 
 def measured_mu(runs: list[dict]) -> float:
@@ -58,11 +63,8 @@ def at_shared_steps(runs: list[dict], columns: dict, records=evals) -> dict:
 
 def curve(runs: list[dict], y: str, x, eval_only: bool = True) -> dict:
     """Over seeds at each step all of them logged y: median x, and median / IQR of y."""
-
-    def logged(run):
-        return [r for r in (evals(run) if eval_only else run["records"]) if y in r]
-
-    a = at_shared_steps(runs, {"x": x, "y": lambda r: r[y]}, records=logged)
+    pick = evals if eval_only else (lambda run: run["records"])
+    a = at_shared_steps(runs, {"x": x, "y": lambda r: r[y]}, records=lambda run: [r for r in pick(run) if y in r])
     q = np.percentile(a["y"], [25, 50, 75], axis=0)
     return {"x": np.median(a["x"], axis=0), "q25": q[0], "median": q[1], "q75": q[2]}
 
@@ -81,16 +83,13 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
             raise SystemExit(f"error: {config} at lr {lr:g} has several runs of one seed: keep one variant per lr")
     seeds = sorted(set.intersection(*(set(v) for v in seeds_of.values()))) if seeds_of else []
     for (config, lr), have in sorted(seeds_of.items()):
-        if set(have) - set(seeds):
-            print(
-                f"report: {config} lr {lr:g}: seeds {sorted(set(have) - set(seeds))} left out (not every cell has them)"
-            )
+        if out := sorted(set(have) - set(seeds)):
+            print(f"report: {config} lr {lr:g}: seeds {out} left out (not every cell has them)")
     if not seeds:
         raise SystemExit("error: no seed has finished runs of every configuration and learning rate")
     kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
-    mu = measured_mu(kept)
+    mu, cells = measured_mu(kept), {}
     mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
-    cells: dict[str, dict] = {}
     for config in dict.fromkeys(r["config"] for r in kept):
         rs = [r for r in kept if r["config"] == config]
         a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
@@ -99,39 +98,30 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
         cell = cells[config] = {"x": {ax: np.median(a[ax], axis=0) for ax in axes}, "lrs": {}}
         for lr in dict.fromkeys(r["cfg"]["lr"] for r in rs):
             at = [i for i, r in enumerate(rs) if r["cfg"]["lr"] == lr]
+            columns = {"entropy": lambda rec: rec["entropy"], "x": lambda rec: rec.get("generated_rollouts", 0)}
             trained = at_shared_steps(
-                [rs[i] for i in at],
-                {"entropy": lambda rec: rec["entropy"], "x": lambda rec: rec.get("generated_rollouts", 0)},
-                records=lambda r: [rec for rec in r["records"] if "entropy" in rec],
+                [rs[i] for i in at], columns, records=lambda r: [e for e in r["records"] if "entropy" in e]
             )
-            cell["lrs"][lr] = {
-                "cfg": rs[at[0]]["cfg"],
-                "mu": float(np.median([rs[i]["records"][-1].get("mu", math.nan) for i in at])),
-                "acc": a["acc"][at],
-                "entropy": trained["entropy"],
-                "entropy_x": np.median(trained["x"], axis=0),
-            }
+            mu_at = float(np.median([rs[i]["records"][-1].get("mu", math.nan) for i in at]))
+            cell["lrs"][lr] = {"cfg": rs[at[0]]["cfg"], "mu": mu_at, "acc": a["acc"][at], "entropy": trained["entropy"]}
+            cell["lrs"][lr]["entropy_x"] = np.median(trained["x"], axis=0)
     return cells, seeds, mu
 
 
 def config_row(cell: dict) -> dict:
     """A configuration's schedule, its evaluations' generated rollouts and its measured mu (median over its lrs)."""
     cfg = next(iter(cell["lrs"].values()))["cfg"]
-    return {
-        "N": cfg["buffer_size"],
-        "B": cfg["batch_size"],
-        "R": cfg["prompts_per_step"] * cfg["group_size"],
-        "steps": cfg["total_steps"],
-        "eval_every": cfg["eval_every"],
-        "lrs": sorted(cell["lrs"]),
+    row = {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": cfg["prompts_per_step"] * cfg["group_size"]}
+    row |= {"steps": cfg["total_steps"], "eval_every": cfg["eval_every"], "lrs": sorted(cell["lrs"])}
+    return row | {
         "eval_rollouts": cell["x"]["rollouts"].tolist(),
         "mu": float(np.median([at["mu"] for at in cell["lrs"].values()])),
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Estimators
-# ----------------------------------------------------------------------------------------------
+def bucket_order(label: str) -> int:
+    """'0', '1', '2-3', '4-7', '8+' (replay_grpo.STALENESS_BUCKETS) in staleness order."""
+    return int(label.split("-")[0].rstrip("+"))
 
 
 def quartiles(values) -> tuple[float, float, float]:
@@ -167,11 +157,9 @@ def first_crossing(x: np.ndarray, f: np.ndarray, level: float) -> float:
     """The x where a non-decreasing frontier f first reaches level, linear between the evaluations around it;
     x's last value (the run's final compute) when it never does."""
     hit = np.nonzero(f >= level)[0]
-    if not len(hit):
-        return float(x[-1])
-    i = int(hit[0])
-    if i == 0:
-        return float(x[0])
+    i = int(hit[0]) if len(hit) else None
+    if not i:  # never reached (None), or at the first evaluation (0)
+        return float(x[-1] if i is None else x[0])
     return float(x[i - 1] + (level - f[i - 1]) / (f[i] - f[i - 1]) * (x[i] - x[i - 1]))
 
 
@@ -192,11 +180,6 @@ def level_saving(costs: list[float], reference_costs: list[float]) -> float:
     return float(100 * (1 - np.exp(np.mean(np.log(c / r)))))
 
 
-# ----------------------------------------------------------------------------------------------
-# The bootstrap over seeds, and the decision rules
-# ----------------------------------------------------------------------------------------------
-
-
 def bootstrap(estimate, draw, replicates: int, *, seed: int = 0, ps: tuple = (5, 95)) -> tuple[dict, dict]:
     """estimate (a nested dict of numbers) on `replicates` resamples of the seeds: the percentiles ps of each number
     over the replicates, and the replicates as arrays. draw(rng): a resample's positions of the seeds (which may
@@ -215,21 +198,14 @@ def stack(trees: list):
     return np.array(trees, dtype=float)
 
 
-def percentiles(values, ps: tuple) -> list:
-    """The percentiles ps of a bootstrap quantity's replicates, each one of the replicates (method "nearest"); the
-    replicates where it is undefined (nan) are left out, and where every one is, each percentile is None."""
-    v = np.asarray(values, dtype=float)
-    v = v[~np.isnan(v)]
-    if not len(v):
-        return [None] * len(ps)
-    return [float(np.percentile(v, p, method="nearest")) for p in ps]
-
-
 def intervals_of(tree, ps: tuple):
-    """The nesting of `tree` (dicts), each sequence of replicate values replaced by its percentiles ps."""
+    """The nesting of `tree` (dicts), each array of replicates replaced by its percentiles ps (method "nearest"), over
+    the replicates where it is defined (not nan); None for each where none is."""
     if isinstance(tree, dict):
         return {k: intervals_of(v, ps) for k, v in tree.items()}
-    return percentiles(tree, ps)
+    v = np.asarray(tree, dtype=float)
+    v = v[~np.isnan(v)]
+    return [float(np.percentile(v, p, method="nearest")) for p in ps] if len(v) else [None] * len(ps)
 
 
 def meets(saving: float, low: float | None, target: float) -> bool:
@@ -243,11 +219,6 @@ def interval_verdict(low: float | None, high: float | None, target: float) -> st
     if low is None:
         return "not resolvable"
     return "met" if low >= target else "not met" if high < target else "not resolvable"
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing a report (its table's formatters: fmt.py)
-# ----------------------------------------------------------------------------------------------
 
 
 def strict_json(x):
@@ -314,21 +285,22 @@ def write_report(dest: Path, s: dict, *, private: str, table_md, plot, records=N
         (dest / "records.json").write_text(json.dumps(records, separators=(",", ":")) + "\n")
 
 
-def study_report(args, grid: str, analyse, *, private: str, table_md, plot) -> dict:
-    """A study report's main after its arguments: the finished runs in args.out_dir (made by `run --grid grid`),
-    analysed, and the report written into args.report_dir (default: args.out_dir). A study with a `records`
-    argument reads the runs' compact records from that file instead, and writes every run's beside the report:
-    enough to recompute it."""
-    out = Path(args.out_dir)
-    if getattr(args, "records", None):
-        runs = runner.load_records(Path(args.records))
+def study_report(args, grid: str, analyse, *, private, table_md, plot, compact=None, keys=runner.RUN_KEYS) -> dict:
+    """A study report's main after its arguments. Its input is the runs' compact records: compact(runs, out_dir) of
+    the finished runs in args.out_dir (made by `run --grid grid`; default: runner.compact_runs), or args.records (a
+    records.json, its runs holding keys) as it is; args.pool_records (where a study has it) adds the runs of another.
+    analyse(records, args) is the summary; the report and records.json go into args.report_dir (default: out_dir)."""
+    out, pooled = Path(args.out_dir), getattr(args, "pool_records", None)
+    if args.records:
+        data = runner.read_records(Path(args.records), keys)
     else:
-        runs = runner.load_runs(out) if out.is_dir() else []
-    if getattr(args, "pool_records", None):
-        runs = runner.pool(runner.load_records(Path(args.pool_records)), runs, args.pool_records, out)
-    if not runs:
+        data = {"runs": runner.load_runs(out) if out.is_dir() else []}
+    if pooled:
+        data["runs"] = runner.pool(runner.load_records(Path(pooled)), data["runs"], pooled, out)
+    if not data["runs"]:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
-    s = analyse(runs, args)
-    records = runner.compact_runs(runs) if hasattr(args, "records") else None
-    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot, records=records)
+    if pooled or not args.records:
+        data = compact(data["runs"], out) if compact else runner.compact_runs(data["runs"])
+    s = analyse(data, args)
+    write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot, records=data)
     return s

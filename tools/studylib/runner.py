@@ -76,25 +76,17 @@ def claim(path: Path, wait: bool = False) -> int | None:
     return fd
 
 
-STATUS_LINES = {
-    "new": "start",
-    "done": "finished, skipped",
-    "partial": "resume from its checkpoint",
-    "broken": "no checkpoint: delete and restart",
-    "restart": "delete and run again from nothing",
-}
+STATUS_LINES = {"new": "start", "done": "finished, skipped", "partial": "resume from its checkpoint"}
+STATUS_LINES |= {"broken": "no checkpoint: delete and restart", "restart": "delete and run again from nothing"}
 
 
 def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
-    """The runner of every study tool: each run not done is trained, resumed from its checkpoint (partial), or
-    deleted and trained from nothing (broken, restart), under its claim, so that two runner processes on one folder
-    never both handle a run (one another process claims, or whose folder a trainer holds, is skipped). A run: name,
-    run_dir, argv (replay_grpo.py's flags; --out-dir and --run-name name run_dir), total_steps for run_status or
-    status(run) in its place; optionally planned (written to run_dir/sweep_run.json) and clear (more paths deleted
-    before training from nothing, e.g. a warm-start cache). A failed run does not stop the others; Ctrl-C does.
-    in_subprocess: each run is `python replay_grpo.py ...` (quiet: without its stdout), else replay_grpo.main here.
-    on_trained(run, seconds): called under the claim after each run trained without error. Returns the names of the
-    failed runs and of those skipped as another process's."""
+    """Each run not done trained, resumed from its checkpoint (partial), or deleted and trained from nothing (broken,
+    restart), under its claim: one another process claims, or whose folder a trainer holds, is skipped. A run: name,
+    run_dir, argv (replay_grpo.py's flags), total_steps for run_status or status(run); optionally planned (written to
+    sweep_run.json) and clear (more paths deleted before training from nothing). A failed run does not stop the
+    others; Ctrl-C does. in_subprocess: `python replay_grpo.py ...` (quiet: without stdout), else replay_grpo.main.
+    on_trained(run, seconds): called under the claim after a run trained. Returns the failed and skipped names."""
     import replay_grpo
 
     failed, skipped = [], []
@@ -184,19 +176,9 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 # config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
-CONFIG_KEYS = {
-    "seed": int,
-    "lr": (int, float),
-    "total_steps": int,
-    "eval_every": int,
-    "buffer_size": int,
-    "batch_size": int,
-    "prompts_per_step": int,
-    "group_size": int,
-    "pass_k": int,
-    "loss": str,
-    "positive_bias": (int, float),
-}
+CONFIG_KEYS = {"seed": int, "lr": (int, float), "total_steps": int, "eval_every": int, "buffer_size": int}
+CONFIG_KEYS |= {"batch_size": int, "prompts_per_step": int, "group_size": int, "pass_k": int, "loss": str}
+CONFIG_KEYS["positive_bias"] = (int, float)
 
 
 def read_run(run_dir: Path, state: dict | None) -> dict | None:
@@ -226,14 +208,8 @@ def read_run(run_dir: Path, state: dict | None) -> dict | None:
     else:  # a folder from before sweep_run.json: its name says it
         m = RUN_NAME.fullmatch(run_dir.name)
         planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
-    return {
-        "name": run_dir.name,
-        "config": planned["config"],
-        "variant": planned["variant"],
-        "seed": cfg["seed"],
-        "cfg": cfg,
-        "records": records,
-    }
+    names = {"name": run_dir.name, "config": planned["config"], "variant": planned["variant"]}
+    return names | {"seed": cfg["seed"], "cfg": cfg, "records": records}
 
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
@@ -256,48 +232,45 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     return runs
 
 
-# What the compute and Pareto reports read of a run's records: a study's records.json keeps these (and the settings of
-# CONFIG_KEYS), enough to recompute its report and to pool new seeds with it
-RECORD_KEYS = (
-    "step",
-    "eval/greedy_acc",
-    "generated_rollouts",
-    "trained_rollouts",
-    "total_generated_tokens",
-    "entropy",
-    "mu",
-)
+# What the compute and Pareto reports read of a run's records: records.json keeps these and the settings of CONFIG_KEYS
+RECORD_KEYS = ("step", "eval/greedy_acc", "generated_rollouts", "trained_rollouts", "total_generated_tokens")
+RECORD_KEYS += ("entropy", "mu")
+RUN_KEYS = ("name", "config", "variant", "seed", "cfg", "records")  # what a run of compact_runs holds
 
 
-def compact_runs(runs: list[dict]) -> dict:
-    """Finished runs (load_runs's) as records.json keeps them: each run's names, seed, settings and records cut to
-    RECORD_KEYS."""
-    return {
-        "runs": [
-            {k: run[k] for k in ("name", "config", "variant", "seed")}
-            | {"cfg": {k: run["cfg"][k] for k in CONFIG_KEYS if k in run["cfg"]}}
-            | {"records": [{k: r[k] for k in RECORD_KEYS if k in r} for r in run["records"]]}
-            for run in runs
-        ]
+def compact_run(run: dict, keys=RECORD_KEYS, settings=tuple(CONFIG_KEYS)) -> dict:
+    """A finished run (load_runs's) as records.json keeps it: its names, seed, settings and records cut to keys."""
+    return {k: run[k] for k in RUN_KEYS[:4]} | {
+        "cfg": {k: run["cfg"][k] for k in settings if k in run["cfg"]},
+        "records": [{k: r[k] for k in keys if k in r} for r in run["records"]],
     }
 
 
-def load_records(path: Path) -> list[dict]:
-    """The runs of a records.json (compact_runs's), as load_runs returns runs; a damaged file stops with one line."""
+def compact_runs(runs: list[dict]) -> dict:
+    return {"runs": [compact_run(r) for r in runs]}
+
+
+def read_records(path: Path, keys=RUN_KEYS) -> dict:
+    """A study's records.json ({"runs": [...]}, each run holding keys); a damaged one stops with one line."""
     try:
-        runs = read_json(path)["runs"]
-        keys = {"name", "config", "variant", "seed", "cfg", "records"}
-        if not isinstance(runs, list) or not all(isinstance(r, dict) and keys <= set(r) for r in runs):
-            raise Damaged(f"{path}: not a study's records.json (a list of runs with settings and records)")
-    except (Damaged, KeyError) as e:
-        raise SystemExit(f"error: --records {path}: {e if isinstance(e, Damaged) else 'no list of runs'}") from None
-    return runs
+        data = read_json(path)
+    except Damaged as e:
+        raise SystemExit(f"error: --records {e}") from None
+    if not isinstance(data.get("runs"), list):
+        raise SystemExit(f"error: --records {path}: not a study's records.json (no list of runs)")
+    if not all(isinstance(r, dict) and set(keys) <= set(r) for r in data["runs"]):
+        raise SystemExit(f"error: --records {path}: not a study's records.json (a run lacks {sorted(keys)})")
+    return data
+
+
+def load_records(path: Path) -> list[dict]:
+    """The runs of a records.json of compact_runs, as load_runs returns runs."""
+    return read_records(path)["runs"]
 
 
 def pool(kept: list[dict], runs: list[dict], path, out_dir) -> list[dict]:
-    """The runs of a records.json (kept) with finished run folders (runs), in load_runs's order (by name), so that a
-    report from the pooled records.json is the report from all the folders. A run in both, or a configuration whose
-    settings (CONFIG_KEYS but the seed) differ between the two, stops with one line."""
+    """The runs of a records.json (kept) with finished run folders (runs), in load_runs's order (by name). A run in
+    both, or a configuration whose settings (CONFIG_KEYS but the seed) differ between the two, stops with one line."""
     settings = {}
     for source, rs in ((path, kept), (out_dir, runs)):
         for r in rs:
@@ -326,6 +299,16 @@ def read_sweep_json(path: Path) -> dict:
     if not all(isinstance(x, list) and all(type(s) is int for s in x) for x in (seeds, tune_seeds)):
         raise SystemExit(f"error: {path}: seeds and tune_seeds are not lists of integers; {keep}")
     return {**recorded, "seeds": seeds, "tune_seeds": tune_seeds}
+
+
+def tune_seeds(out_dir: Path, required: bool = False) -> list[int]:
+    """The tune seeds out_dir/sweep.json records ([] without one, unless required)."""
+    path = out_dir / "sweep.json"
+    if path.exists():
+        return read_sweep_json(path)["tune_seeds"]
+    if required:
+        raise SystemExit(f"error: {path} is missing: it records the tune seeds, which the report leaves out")
+    return []
 
 
 def cli(main) -> None:
