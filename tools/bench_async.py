@@ -66,8 +66,9 @@ def main() -> None:
         raise SystemExit(2)
     out = Path(a.out_dir).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    # the task and the warm start's length pinned: two revisions on either side of a preset change run the same flags
-    preset = ["--preset", "cpu", "--arith-max-operand", "49", "--sft-warmup-steps", "650"]
+    # the task, the warm start's length and the lr pinned: two revisions on either side of a preset change run
+    # the same flags
+    preset = ["--preset", "cpu", "--arith-max-operand", "49", "--sft-warmup-steps", "650", "--lr", "3e-6"]
     flags = preset + ["--mode", "async", "--num-generators", "2", "--seed", str(a.seed)]
     flags += ["--total-steps", str(a.steps), "--out-dir", str(out)]
     # the warm start, cached under --out-dir for both sides (its key leaves out where generation runs)

@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import replay_grpo
 
 # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses; each in its own --out-dir, so each
-# trains its warm start (a run's records depend on its flags and seed only, cached warm start or not). The task and
-# the warm start's length are pinned: two revisions on either side of a change to the preset run the same flags.
+# trains its warm start (a run's records depend on its flags and seed only, cached warm start or not). The task,
+# the warm start's length and the lr are pinned: two revisions on either side of a change to the preset run the
+# same flags.
 REPLAY = (
-    "--preset cpu --arith-max-operand 49 --sft-warmup-steps 650 --total-steps 60 --buffer-size 512 "
+    "--preset cpu --arith-max-operand 49 --sft-warmup-steps 650 --lr 3e-6 --total-steps 60 --buffer-size 512 "
     "--prompts-per-step 2 --seed 3"
 )
 COMMANDS = [REPLAY.split(), (REPLAY + " --loss asymre --positive-bias 0.25").split()]
