@@ -265,8 +265,11 @@ class ReplayBuffer:
             raise ValueError(
                 f"positive bias {positive_bias} protects all {capacity} slots: none is left for fresh rollouts"
             )
-        self.sampling, self.max_age, self.max_uses = sampling, max_age, max_uses
-        self.priority_alpha, self.priority_tau = priority_alpha, priority_tau
+        self.sampling = sampling
+        self.max_age = max_age
+        self.max_uses = max_uses
+        self.priority_alpha = priority_alpha
+        self.priority_tau = priority_tau
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)

@@ -156,7 +156,8 @@ def analyse(data: dict, args: Args) -> dict:
     """Per configuration (the variant picked on the tune seeds, args.tune_seeds or those sweep.json records, reported
     on the others): final metrics over seeds, cost to the reference's accuracy, bootstrap intervals, accuracy at
     equal compute."""
-    runs, tune_seeds, configs, lr_choice = data["runs"], args.tune_seeds or data.get("tune_seeds", []), {}, {}
+    runs, tune_seeds = data["runs"], args.tune_seeds or data.get("tune_seeds", [])
+    configs, lr_choice = {}, {}
     for config, p in pick_variants(runs, tune_seeds).items():
         kept = [
             r for r in runs if r["seed"] not in tune_seeds and (r["config"], r["variant"]) == (config, p["variant"])
@@ -186,11 +187,17 @@ def analyse(data: dict, args: Args) -> dict:
     for config, rs in configs.items():
         cfg, last = rs[0]["cfg"], [r["records"][-1] for r in rs]
         stale = sum((staleness_counts(r) for r in rs), Counter())
-        row = rows[config] = {"lr": cfg["lr"], "seeds": [r["seed"] for r in rs], "steps": cfg["total_steps"]}
-        row |= {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": cfg["prompts_per_step"] * cfg["group_size"]}
-        row |= {k: quartiles(final(rs, f"eval/{k}")) for k in ("greedy_acc", "pass@1")}
-        row |= {"k": cfg["pass_k"], "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}"))}
-        row |= {
+        row = rows[config] = {
+            "lr": cfg["lr"],
+            "seeds": [r["seed"] for r in rs],
+            "steps": cfg["total_steps"],
+            "N": cfg["buffer_size"],
+            "B": cfg["batch_size"],
+            "R": cfg["prompts_per_step"] * cfg["group_size"],
+            "greedy_acc": quartiles(final(rs, "eval/greedy_acc")),
+            "pass@1": quartiles(final(rs, "eval/pass@1")),
+            "k": cfg["pass_k"],
+            "pass@k": quartiles(final(rs, f"eval/pass@{cfg['pass_k']}")),
             "generated_tokens": float(np.median([rec.get("total_generated_tokens", 0) for rec in last])),
             "mu": float(np.median([rec["mu"] for rec in last])) if all("mu" in rec for rec in last) else None,
             "replay_ratio": float(np.mean([rec.get("replay_ratio", 0) for rec in last])),

@@ -77,8 +77,13 @@ def claim(path: Path, wait: bool = False) -> int | None:
     return fd
 
 
-STATUS_LINES = {"new": "start", "done": "finished, skipped", "partial": "resume from its checkpoint"}
-STATUS_LINES |= {"broken": "no checkpoint: delete and restart", "restart": "delete and run again from nothing"}
+STATUS_LINES = {
+    "new": "start",
+    "done": "finished, skipped",
+    "partial": "resume from its checkpoint",
+    "broken": "no checkpoint: delete and restart",
+    "restart": "delete and run again from nothing",
+}
 
 
 def execute(runs: list[dict], *, in_subprocess: bool, quiet: bool = False, on_trained=None) -> dict:
@@ -177,9 +182,19 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 # config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
-CONFIG_KEYS = {"seed": int, "lr": (int, float), "total_steps": int, "eval_every": int, "buffer_size": int}
-CONFIG_KEYS |= {"batch_size": int, "prompts_per_step": int, "group_size": int, "pass_k": int, "loss": str}
-CONFIG_KEYS["positive_bias"] = (int, float)
+CONFIG_KEYS = {
+    "seed": int,
+    "lr": (int, float),
+    "total_steps": int,
+    "eval_every": int,
+    "buffer_size": int,
+    "batch_size": int,
+    "prompts_per_step": int,
+    "group_size": int,
+    "pass_k": int,
+    "loss": str,
+    "positive_bias": (int, float),
+}
 
 
 def read_run(run_dir: Path, state: dict | None) -> dict | None:
@@ -209,8 +224,14 @@ def read_run(run_dir: Path, state: dict | None) -> dict | None:
     else:  # a folder from before sweep_run.json: its name says it
         m = RUN_NAME.fullmatch(run_dir.name)
         planned = {"config": m["config"] if m else run_dir.name, "variant": m["variant"] if m else ""}
-    names = {"name": run_dir.name, "config": planned["config"], "variant": planned["variant"]}
-    return names | {"seed": cfg["seed"], "cfg": cfg, "records": records}
+    return {
+        "name": run_dir.name,
+        "config": planned["config"],
+        "variant": planned["variant"],
+        "seed": cfg["seed"],
+        "cfg": cfg,
+        "records": records,
+    }
 
 
 def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
