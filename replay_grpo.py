@@ -663,7 +663,8 @@ def train(cfg: Args) -> dict:
     if state is not None:  # an optimizer state of another model raises ValueError: named
         run_folder.read_checkpoint_file(ckpt, "optimizer.pt", lambda _: optimizer.load_state_dict(state["optimizer"]))
         buffer.load_state_dict(state["buffer"])
-        published = state.get("generator_weights") or published  # saved between publishes: the generator lagged
+        if state.get("generator_weights") is not None:  # saved between publishes: the generator lagged
+            published = state["generator_weights"]
         generator.load_weights(published or model.state_dict(), state["generator_version"])
         task_rng.setstate(state["task_rng"])
         if lagged is not None:
@@ -2205,9 +2206,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
         return train(cfg)
-    except (UserError, PipelineError) as e:  # PipelineError: --mode async, a generator died; every rank stops
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(e, UserError) else 1)
+        raise SystemExit(2)
+    except PipelineError as e:  # --mode async: a generator died; every rank stops
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
     except KeyboardInterrupt:
         print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)

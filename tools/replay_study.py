@@ -209,9 +209,16 @@ def analyse(data: dict, args: Args) -> dict:
                 value = point[config][what][axis]["target"]
                 row[f"{axis}_{suffix}"] = value if math.isfinite(value) else None
     order = sorted(configs, key=lambda c: (c != reference, rows[c]["N"], -rows[c]["R"], c))
-    out = {"reference": reference, "target_greedy_acc": target, "mu_measured": mu, "paper_mu": PAPER_MU}
-    out |= {"lr_choice": lr_choice, "configs": {c: rows[c] for c in order}, "tune_seeds": sorted(tune_seeds)}
-    out["_runs"] = {c: configs[c] for c in order}
+    out = {
+        "reference": reference,
+        "target_greedy_acc": target,
+        "mu_measured": mu,
+        "paper_mu": PAPER_MU,
+        "lr_choice": lr_choice,
+        "configs": {c: rows[c] for c in order},
+        "tune_seeds": sorted(tune_seeds),
+        "_runs": {c: configs[c] for c in order},
+    }
     draw = {c: len(rs) for c, rs in configs.items()}  # each configuration's seeds resampled apart
     intervals, _ = report.bootstrap(
         estimate, lambda rng: {c: rng.integers(0, n, n) for c, n in draw.items()}, REPLICATES, ps=(5, 50, 95)
@@ -302,14 +309,16 @@ def per_seed(run: dict, target: float, axes: dict) -> dict:
     """One run's numbers: the warm start, the final accuracies, and its cost to the target on each axis."""
     first, last = run["records"][0], evals(run)[-1]
     reach = next((r for r in evals(run) if r["eval/greedy_acc"] >= target - 1e-9), None)
-    out = {
+    return {
         "seed": run["seed"],
         "name": run["name"],
-        **{k: first.get(k) for k in ("warmstart_reached", "warmstart_pass@k")},
+        "warmstart_reached": first.get("warmstart_reached"),
+        "warmstart_pass@k": first.get("warmstart_pass@k"),
+        "greedy_acc_start": first.get("eval/greedy_acc"),
+        "greedy_acc_final": last["eval/greedy_acc"],
+        "pass@1_final": last["eval/pass@1"],
+        **{f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()},
     }
-    out |= {"greedy_acc_start": first.get("eval/greedy_acc"), "greedy_acc_final": last["eval/greedy_acc"]}
-    out["pass@1_final"] = last["eval/pass@1"]
-    return out | {f"{axis}_to_target": (x(reach) if reach else None) for axis, x in axes.items()}
 
 
 def table_md(s: dict) -> str:
@@ -544,8 +553,16 @@ BUCKET_PANELS = [
 
 
 # What the report reads of a run, records.json keeps: records' keys (and eval/pass@k at the run's k) and settings
-KEYS = runner.RECORD_KEYS + ("eval/pass@1", "replay_ratio", "staleness_hist", "replay_hist", "by_staleness")
-KEYS += ("warmstart_reached", "warmstart_pass@k")
+KEYS = (
+    *runner.RECORD_KEYS,
+    "eval/pass@1",
+    "replay_ratio",
+    "staleness_hist",
+    "replay_hist",
+    "by_staleness",
+    "warmstart_reached",
+    "warmstart_pass@k",
+)
 SETTINGS = (*runner.CONFIG_KEYS, "publish_every", "asymre_delta_v")
 
 

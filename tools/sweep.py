@@ -36,9 +36,16 @@ from studylib.runner import Damaged, claim, cli, execute, load_runs, read_json, 
 # A grid is (flags for every run, configurations), each configuration a dict of replay_grpo flags (replay_grpo Args
 # field names). "lr" may be a list: each lr is run and the report keeps the best per configuration. "name" overrides
 # the derived run name.
-GRIDS = dict(study=replay_study.STUDY_GRID, cpu=replay_study.DEFAULT_GRID, smoke=replay_study.SMOKE_GRID)
-GRIDS |= {"variants": replay_study.VARIANTS_GRID, "pareto": pareto.PARETO_GRID, "compute": compute_study.COMPUTE_GRID}
-GRIDS |= {"compute-replication": compute_study.REPLICATION_GRID, "corrections": corrections_study.CORRECTIONS_GRID}
+GRIDS = {
+    "study": replay_study.STUDY_GRID,
+    "cpu": replay_study.DEFAULT_GRID,
+    "smoke": replay_study.SMOKE_GRID,
+    "variants": replay_study.VARIANTS_GRID,
+    "pareto": pareto.PARETO_GRID,
+    "compute": compute_study.COMPUTE_GRID,
+    "compute-replication": compute_study.REPLICATION_GRID,
+    "corrections": corrections_study.CORRECTIONS_GRID,
+}
 
 
 @dataclass
@@ -165,14 +172,18 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                 raise SystemExit(
                     f"error: grid entries {owner[name]} and {i} are both named {name!r}: give one a 'name'"
                 )
-            for seed, name in ((seed, f"{config}{tag}-s{seed}") for seed in seeds):
-                run = {
-                    "name": name,
-                    "run_dir": Path(args.out_dir) / name,
-                    "planned": {"config": config, "variant": tag, "seed": seed},
-                }
-                run |= {"total_steps": cfg.total_steps, "generator": cfg.generator}
-                runs.append(run | {"argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir]})
+            for seed in seeds:
+                name = f"{config}{tag}-s{seed}"
+                runs.append(
+                    {
+                        "name": name,
+                        "run_dir": Path(args.out_dir) / name,
+                        "planned": {"config": config, "variant": tag, "seed": seed},
+                        "total_steps": cfg.total_steps,
+                        "generator": cfg.generator,
+                        "argv": argv + ["--seed", str(seed), "--run-name", name, "--out-dir", args.out_dir],
+                    }
+                )
     return runs
 
 

@@ -102,18 +102,26 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
             trained = at_shared_steps(
                 [rs[i] for i in at], columns, records=lambda r: [e for e in r["records"] if "entropy" in e]
             )
-            mu_at = float(np.median([rs[i]["records"][-1].get("mu", math.nan) for i in at]))
-            cell["lrs"][lr] = {"cfg": rs[at[0]]["cfg"], "mu": mu_at, "acc": a["acc"][at], "entropy": trained["entropy"]}
-            cell["lrs"][lr]["entropy_x"] = np.median(trained["x"], axis=0)
+            cell["lrs"][lr] = {
+                "cfg": rs[at[0]]["cfg"],
+                "mu": float(np.median([rs[i]["records"][-1].get("mu", math.nan) for i in at])),
+                "acc": a["acc"][at],
+                "entropy": trained["entropy"],
+                "entropy_x": np.median(trained["x"], axis=0),
+            }
     return cells, seeds, mu
 
 
 def config_row(cell: dict) -> dict:
     """A configuration's schedule, its evaluations' generated rollouts and its measured mu (median over its lrs)."""
     cfg = next(iter(cell["lrs"].values()))["cfg"]
-    row = {"N": cfg["buffer_size"], "B": cfg["batch_size"], "R": cfg["prompts_per_step"] * cfg["group_size"]}
-    row |= {"steps": cfg["total_steps"], "eval_every": cfg["eval_every"], "lrs": sorted(cell["lrs"])}
-    return row | {
+    return {
+        "N": cfg["buffer_size"],
+        "B": cfg["batch_size"],
+        "R": cfg["prompts_per_step"] * cfg["group_size"],
+        "steps": cfg["total_steps"],
+        "eval_every": cfg["eval_every"],
+        "lrs": sorted(cell["lrs"]),
         "eval_rollouts": cell["x"]["rollouts"].tolist(),
         "mu": float(np.median([at["mu"] for at in cell["lrs"].values()])),
     }
@@ -157,9 +165,11 @@ def first_crossing(x: np.ndarray, f: np.ndarray, level: float) -> float:
     """The x where a non-decreasing frontier f first reaches level, linear between the evaluations around it;
     x's last value (the run's final compute) when it never does."""
     hit = np.nonzero(f >= level)[0]
-    i = int(hit[0]) if len(hit) else None
-    if not i:  # never reached (None), or at the first evaluation (0)
-        return float(x[-1] if i is None else x[0])
+    if not len(hit):
+        return float(x[-1])
+    i = int(hit[0])
+    if i == 0:
+        return float(x[0])
     return float(x[i - 1] + (level - f[i - 1]) / (f[i] - f[i - 1]) * (x[i] - x[i - 1]))
 
 

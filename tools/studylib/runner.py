@@ -255,8 +255,15 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
 
 
 # What the compute and Pareto reports read of a run's records: records.json keeps these and the settings of CONFIG_KEYS
-RECORD_KEYS = ("step", "eval/greedy_acc", "generated_rollouts", "trained_rollouts", "total_generated_tokens")
-RECORD_KEYS += ("entropy", "mu")
+RECORD_KEYS = (
+    "step",
+    "eval/greedy_acc",
+    "generated_rollouts",
+    "trained_rollouts",
+    "total_generated_tokens",
+    "entropy",
+    "mu",
+)
 RUN_KEYS = ("name", "config", "variant", "seed", "cfg", "records")  # what a run of compact_runs holds
 
 
