@@ -112,6 +112,7 @@ class Args:
     sft_check_prompts: int = 50  # held-out prompts of each warm-start check of pass@k (more: less noise)
     sft_lr: float = 1e-3  # learning rate of the supervised warm start
     sft_lr_decay: bool = False  # decay --sft-lr linearly to 0 over --sft-warmup-steps (the warm start settles)
+    sft_imitation: float = 0.0  # at its end, held-out greedy answers the demonstrator gives must reach this share
     # --- the run ---
     seed: int = 0  # seed for model init, data order, buffer sampling and generation
     total_steps: int = 200  # optimizer steps to run
@@ -1684,6 +1685,8 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
     """Step 0's record: the held-out evaluation and the warm start's (steps, pass@k reached, target reached)."""
     metrics, samples = evaluate(generator, tok, task, cfg, seed=cfg.seed)
     warm_start = {f"warmstart_{k}": warm[k] for k in ("steps", "pass@k", "reached")} if warm is not None else {}
+    if warm and warm.get("imitation"):  # --sft-imitation's last check
+        warm_start["warmstart_imitation"] = warm["imitation"][-1]
     rule = {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}  # the buffer's rules and the ratio's level
     runlog.log({"step": 0, **metrics, **warm_start, "rule": rule}, samples)
     print_eval(print, 0, metrics, samples)
@@ -1939,7 +1942,8 @@ def validate(cfg: Args) -> None:
         (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
         (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("arith_demo_error", "sft_target", "vllm_gpu_memory_utilization"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("arith_demo_error", "sft_target", "sft_imitation"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("vllm_gpu_memory_utilization",), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
         (("max_uses", "max_prompt_tokens"), lambda v: v is None or v >= 1, ">= 1"),
         (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),

@@ -560,6 +560,40 @@ def test_warm_start_stops_at_the_target_pass_k(tmp_path, monkeypatch, capsys):
     assert "below --sft-target 0.9" in capsys.readouterr().out
 
 
+def test_sft_imitation_trains_more_rounds_only_while_the_check_falls_short(tmp_path, monkeypatch, capsys):
+    """The check at the warm start's end: met, it changes nothing (the weights and random streams of a warm start
+    without it); short, SKILL_ROUNDS rounds of half the steps from half the lr, decaying, and a warning. Its answers
+    are the demonstrator's: the gold, or the gold + 1."""
+    cpu, results = torch.device("cpu"), {}
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)
+    for name, flags in (("off", []), ("met", ["--sft-imitation", "0.9"])):
+        cfg = rg.parse_args(small_args(tmp_path / name, "--sft-warmup-steps", "4", "--sft-lr-decay", *flags))
+        rg.run_folder.seed_everything(cfg.seed)
+        model, _, _, info = warm_start.train_and_cache(cfg, cpu, rg.make_task(cfg), tmp_path / name / "cache")
+        results[name] = (model.state_dict(), rg.run_folder.rng_state()["torch"], info)
+    (w_off, rng_off, info_off), (w_met, rng_met, info_met) = results["off"], results["met"]
+    assert info_off["steps"] == info_met["steps"] == 4 and (info_off["imitation"], info_met["imitation"]) == ([], [1])
+    assert torch.equal(rng_off, rng_met) and all(torch.equal(w_off[k], w_met[k]) for k in w_off)
+
+    asked, lrs, step = [], [], torch.optim.AdamW.step
+    monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: asked.append(gold))  # None: never right
+
+    def recording_step(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    args = small_args(tmp_path, "--sft-warmup-steps", "4", "--sft-lr-decay", "--sft-imitation", "0.5")
+    run_main([*args, "--total-steps", "1", "--run-name", "short"])
+    first = metrics(tmp_path / "short")[0]
+    assert first["warmstart_steps"] == 4 + 2 * warm_start.SKILL_ROUNDS and first["warmstart_imitation"] == 0
+    warm, rounds = [1e-3, 7.5e-4, 5e-4, 2.5e-4], [5e-4, 2.5e-4] * warm_start.SKILL_ROUNDS  # half of --sft-lr
+    assert lrs[: 4 + 2 * warm_start.SKILL_ROUNDS] == pytest.approx(warm + rounds)
+    gold = rg.make_task(rg.parse_args(args)).eval[0].answer
+    assert asked[:2] == [gold, str(int(gold) + 1)]  # the demonstrator's two answers (--arith-demo-error 0.75)
+    assert "below --sft-imitation 0.5" in capsys.readouterr().out
+
+
 def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_path, monkeypatch):
     seen = []
     step = torch.optim.AdamW.step

@@ -7,7 +7,11 @@ also gets a systematic error that RL has to unlearn, as an LLM before RL has (gr
 pass@k high). The warm start stops once held-out pass@k reaches --sft-target (checked every CHECK_EVERY
 steps), so every seed starts RL with the skill; at most --sft-warmup-steps steps. Or, with --sft-lr-decay and
 no target, it takes all its steps with the learning rate decaying linearly to 0, so that every seed settles on
-what it imitates (a run of noisy pass@k checks stops each seed at another point). Its result is cached in
+what it imitates (a run of noisy pass@k checks stops each seed at another point). With --sft-imitation it ends on
+a check of that: the share of held-out problems whose greedy answer is one the demonstrator gives (the gold, or
+the gold + 1); while the share falls short, up to SKILL_ROUNDS more rounds of half the steps, from half the lr
+(a seed whose warm start settled on answers off by other amounts, from which RL gains little, is trained on
+instead of handed to RL). Its result is cached in
 <out-dir>/.warmstart/<key>, the key hashing every flag that can change it, and shared by every run
 (configuration, learning rate) of the same seed.
 """
@@ -33,6 +37,9 @@ from run_folder import UserError
 
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
+SKILL_ROUNDS = 2  # --sft-imitation: at most this many more rounds of training while the check falls short
+SKILL_ROUND_STEPS = 0.5  # a round's steps, as a share of --sft-warmup-steps
+SKILL_ROUND_LR = 0.5  # a round's starting lr, as a share of --sft-lr (decaying to 0 with --sft-lr-decay)
 STREAMS = "rng_state.pt"  # in a cache: the random streams' state at the warm start's end (run_folder.rng_state)
 CACHE_FILES = ("warmstart.json", STREAMS, "config.json", "tokenizer_config.json", "model.safetensors")
 # The flags the warm start reads (the task and its held-out split, the base model, the supervised schedule and its
@@ -52,6 +59,7 @@ WARM_START_FLAGS = (
     "sft_check_prompts",
     "sft_lr",
     "sft_lr_decay",
+    "sft_imitation",
     "seed",
     "pass_k",
 )
@@ -116,39 +124,43 @@ def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
 
 def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     """Teacher forcing on gold solutions (at --sft-lr, decaying with --sft-lr-decay) until held-out pass@k reaches
-    --sft-target, if set; returns what it reached."""
+    --sft-target, if set; then, with --sft-imitation, SKILL_ROUNDS more rounds while the held-out greedy answers
+    fall short of the demonstrator's. Returns what it reached."""
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    schedule = None
-    if cfg.sft_lr_decay:  # linearly, to sft_lr / steps at the last step
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: 1 - done / cfg.sft_warmup_steps)
-    info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k}
-    checker = rg.HFGenerator(model, tok) if cfg.sft_target else None  # gets the weights at each check
+    info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k, "imitation": []}
+    checker = rg.HFGenerator(model, tok) if cfg.sft_target or cfg.sft_imitation else None  # weights: at each check
     streak = 0  # checks in a row at the target
-    since, since_step = time.perf_counter(), 0  # without a terminal: a progress line at least this often
+    progress = {"since": time.perf_counter(), "step": 0}  # without a terminal: a progress line at least this often
     model.train()
 
     @functools.cache  # a few thousand distinct problems, drawn again and again: each tokenized once
     def encode(prompt: str, solution: str) -> tuple[list[int], list[int]]:
         return rg.render_prompt(tok, prompt), tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    for step in range(1, cfg.sft_warmup_steps + 1):
-        seqs = [encode(ex.prompt, ex.solution) for ex in task.sample(rng, BATCH_SIZE)]
-        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if schedule is not None:
-            schedule.step()
-        info["steps"] = step
-        seconds = time.perf_counter() - since
-        if not sys.stdout.isatty() and seconds >= rg.PROGRESS_SECONDS:
-            print(
-                f"warm start: step {step}/{cfg.sft_warmup_steps}, loss {loss.item():.3f}, "
-                f"{seconds / (step - since_step):.2f} s/step",
-                flush=True,
-            )
-            since, since_step = time.perf_counter(), step
+    def train_steps(steps: int, lr: float):
+        """`steps` supervised steps at `lr` (decaying linearly to lr / steps with --sft-lr-decay), one at a time."""
+        last = info["steps"] + steps
+        for done in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr * (1 - done / steps) if cfg.sft_lr_decay else lr
+            seqs = [encode(ex.prompt, ex.solution) for ex in task.sample(rng, BATCH_SIZE)]
+            loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            info["steps"] += 1
+            seconds = time.perf_counter() - progress["since"]
+            if not sys.stdout.isatty() and seconds >= rg.PROGRESS_SECONDS:
+                print(
+                    f"warm start: step {info['steps']}/{last}, loss {loss.item():.3f}, "
+                    f"{seconds / (info['steps'] - progress['step']):.2f} s/step",
+                    flush=True,
+                )
+                progress.update(since=time.perf_counter(), step=info["steps"])
+            yield info["steps"]
+
+    for step in train_steps(cfg.sft_warmup_steps, cfg.sft_lr):
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
             check, _ = rg.evaluate(
@@ -165,7 +177,35 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
             if streak >= cfg.sft_patience:
                 break
     info["reached"] = not cfg.sft_target or streak >= cfg.sft_patience
+    for round_ in range(SKILL_ROUNDS + 1 if cfg.sft_imitation else 0):
+        checker.load_weights(model.state_dict(), info["steps"])
+        info["imitation"].append(imitation(checker, tok, task, cfg))
+        model.train()
+        print(
+            f"warm start: step {info['steps']}, held-out greedy answers the demonstrator gives: "
+            f"{info['imitation'][-1]:.3f} (--sft-imitation {cfg.sft_imitation})",
+            flush=True,
+        )
+        if info["imitation"][-1] >= cfg.sft_imitation or round_ == SKILL_ROUNDS:
+            break
+        for _ in train_steps(int(SKILL_ROUND_STEPS * cfg.sft_warmup_steps), SKILL_ROUND_LR * cfg.sft_lr):
+            pass
     return info
+
+
+def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
+    """The share of held-out problems whose greedy answer is one the demonstrator gives: the gold, or with
+    --arith-demo-error the gold + 1. On forked random streams, as an evaluation: checking changes no later draw."""
+    verifier = rg.VERIFIERS[task.verifier]
+    with run_folder.forked_rng(cfg.seed):
+        prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
+        groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
+    hits = 0
+    for group, ex in zip(groups, task.eval):
+        text = tok.decode(group[0].completion_ids, skip_special_tokens=True)
+        golds = [ex.answer] + ([str(int(ex.answer) + 1)] if cfg.arith_demo_error else [])
+        hits += any(rg.score(verifier, text, gold)[0] for gold in golds)
+    return hits / len(task.eval)
 
 
 def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
@@ -173,7 +213,7 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
     or trained from --model and cached. Either way the random streams leave here as a cold start leaves them
     (the cache holds their state at the warm start's end): a run's records depend on its flags and seed only. A
     damaged cache is trained again and replaced, said in one line."""
-    root = Path(cfg.out_dir) / ".warmstart"
+    root = Path(cfg.out_dir) / run_folder.WARM_START_FOLDER
     cache = root / warm_start_key(cfg, device)
     before = run_folder.rng_state()  # a cold start's streams, which a retrained warm start draws from
     remove_leftovers(root)
@@ -314,5 +354,11 @@ def train_and_cache(cfg: rg.Args, device: torch.device, task: rg.Task, cache: Pa
         print(
             f"warning: the warm start stopped at pass@{cfg.pass_k} {info['pass@k']:.3f} after {info['steps']} steps, "
             f"below --sft-target {cfg.sft_target}: raise --sft-warmup-steps"
+        )
+    if cfg.sft_imitation and info["imitation"][-1] < cfg.sft_imitation:
+        print(
+            f"warning: after {info['steps']} steps the warm start's held-out greedy answers are the demonstrator's "
+            f"on {info['imitation'][-1]:.3f} of the problems, below --sft-imitation {cfg.sft_imitation}: raise "
+            "--sft-warmup-steps"
         )
     return model, tok, str(cache), info
