@@ -112,7 +112,7 @@ class Args:
     sft_check_prompts: int = 50  # held-out prompts of each warm-start check of pass@k (more: less noise)
     sft_lr: float = 1e-3  # learning rate of the supervised warm start
     sft_lr_decay: bool = False  # decay --sft-lr linearly to 0 over --sft-warmup-steps (the warm start settles)
-    sft_imitation: float = 0.0  # at its end, held-out greedy answers the demonstrator gives must reach this share
+    sft_imitation: float = 0.0  # at its end, this share of held-out greedy answers must be the demonstrator's usual one
     # --- the run ---
     seed: int = 0  # seed for model init, data order, buffer sampling and generation
     total_steps: int = 200  # optimizer steps to run
@@ -155,12 +155,18 @@ TOY = dict(generator="hf", arith_demo_error=0.75)  # the CPU presets: HF generat
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 GPU |= dict(max_prompt_tokens=1024)  # the memory plan's bound on a MATH or GSM8K prompt (longer ones are skipped)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
-    # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that
-    # answers a+b+1 three times in four, for 650 steps with --sft-lr decaying to 0, so that every seed settles on
-    # the skill and the systematic error (greedy accuracy low, pass@8 high), as an LLM before RL; then on-policy
-    # GRPO (the defaults: N = B = R = 8 x 16) for 150 steps at lr 1e-5 (docs/cpu_seeds.md: how these were chosen).
+    # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that answers
+    # a+b+1 three times in four (650 steps, --sft-lr decaying to 0; a round more if under 3/4 of its greedy answers are
+    # a+b+1), then on-policy GRPO (N = B = R = 8 x 16) for 150 steps at lr 1e-5 (docs/cpu_seeds.md: how, and why).
     "cpu": Args(
-        arith_max_operand=49, sft_warmup_steps=650, sft_lr_decay=True, max_new_tokens=6, lr=1e-5, total_steps=150, **TOY
+        arith_max_operand=49,
+        sft_warmup_steps=650,
+        sft_lr_decay=True,
+        sft_imitation=0.75,
+        max_new_tokens=6,
+        lr=1e-5,
+        total_steps=150,
+        **TOY,
     ),
     # The replay study: sums of 5 one-digit numbers answered step by step ('3+5=8, 8+7=15, 15+2=17, 17+9=26',
     # ~32 tokens), so generation is the expensive part as on GPUs; the same kind of warm start, to pass@8 0.75;
@@ -328,8 +334,7 @@ class ReplayBuffer:
                 log_w -= (step - r.policy_version) / self.priority_tau
             e = -math.log(1.0 - self.rng.random())
             keys.append(log_w - math.log(e) if e > 0 else math.inf)
-        # Efraimidis-Spirakis: the k largest u^(1/w), here log w - log(-log u) in the same order, are successive
-        # draws proportional to w, without replacement
+        # Efraimidis-Spirakis: the k largest u^(1/w) (log w - log(-log u)) are k draws proportional to w, unreplaced
         order = sorted(range(len(pool)), key=keys.__getitem__, reverse=True)
         return [pool[j] for j in order[:k]]
 

@@ -8,10 +8,10 @@ pass@k high). The warm start stops once held-out pass@k reaches --sft-target (ch
 steps), so every seed starts RL with the skill; at most --sft-warmup-steps steps. Or, with --sft-lr-decay and
 no target, it takes all its steps with the learning rate decaying linearly to 0, so that every seed settles on
 what it imitates (a run of noisy pass@k checks stops each seed at another point). With --sft-imitation it ends on
-a check of that: the share of held-out problems whose greedy answer is one the demonstrator gives (the gold, or
-the gold + 1); while the share falls short, up to SKILL_ROUNDS more rounds of half the steps, from half the lr
-(a seed whose warm start settled on answers off by other amounts, from which RL gains little, is trained on
-instead of handed to RL). Its result is cached in
+a check of that: the share of held-out problems whose greedy answer is the demonstrator's most frequent one (the
+gold + 1 when it errs more often than not); while the share falls short, up to SKILL_ROUNDS more rounds of half
+the steps, from half the lr (a seed whose warm start has not settled on the demonstrator's answer, from which RL
+gains less, is trained on instead of handed to RL). Its result is cached in
 <out-dir>/.warmstart/<key>, the key hashing every flag that can change it, and shared by every run
 (configuration, learning rate) of the same seed.
 """
@@ -37,7 +37,7 @@ from run_folder import UserError
 
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
-SKILL_ROUNDS = 2  # --sft-imitation: at most this many more rounds of training while the check falls short
+SKILL_ROUNDS = 1  # --sft-imitation: at most this many more rounds of training while the check falls short
 SKILL_ROUND_STEPS = 0.5  # a round's steps, as a share of --sft-warmup-steps
 SKILL_ROUND_LR = 0.5  # a round's starting lr, as a share of --sft-lr (decaying to 0 with --sft-lr-decay)
 STREAMS = "rng_state.pt"  # in a cache: the random streams' state at the warm start's end (run_folder.rng_state)
@@ -182,7 +182,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
         info["imitation"].append(imitation(checker, tok, task, cfg))
         model.train()
         print(
-            f"warm start: step {info['steps']}, held-out greedy answers the demonstrator gives: "
+            f"warm start: step {info['steps']}, held-out greedy answers that are the demonstrator's: "
             f"{info['imitation'][-1]:.3f} (--sft-imitation {cfg.sft_imitation})",
             flush=True,
         )
@@ -194,8 +194,9 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
 
 
 def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
-    """The share of held-out problems whose greedy answer is one the demonstrator gives: the gold, or with
-    --arith-demo-error the gold + 1. On forked random streams, as an evaluation: checking changes no later draw."""
+    """The share of held-out problems whose greedy answer is the one the demonstrator gives most often: the gold + 1
+    when --arith-demo-error is above 0.5, else the gold. On forked random streams, as an evaluation: checking
+    changes no later draw."""
     verifier = rg.VERIFIERS[task.verifier]
     with run_folder.forked_rng(cfg.seed):
         prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
@@ -203,8 +204,7 @@ def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
     hits = 0
     for group, ex in zip(groups, task.eval):
         text = tok.decode(group[0].completion_ids, skip_special_tokens=True)
-        golds = [ex.answer] + ([str(int(ex.answer) + 1)] if cfg.arith_demo_error else [])
-        hits += any(rg.score(verifier, text, gold)[0] for gold in golds)
+        hits += rg.score(verifier, text, str(int(ex.answer) + 1) if cfg.arith_demo_error > 0.5 else ex.answer)[0]
     return hits / len(task.eval)
 
 

@@ -41,7 +41,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", REPLAY_GRPO_REQU
 def small_args(out_dir, *extra):
     return [
         *(
-            "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+            "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
             "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 3 --eval-every 0 "
             "--loss asymre --out-dir"
         ).split(),

@@ -36,7 +36,7 @@ ENV = dict(
     PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]),
 )
 SMALL = (
-    "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+    "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
     "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 4 --eval-every "
     "0 --loss asymre --lr 1e-3"
 ).split()

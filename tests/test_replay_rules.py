@@ -47,7 +47,7 @@ def small_args(out_dir, *extra):
     """A few-second configuration of the real CLI: tiny random model, G=4, R=B=8, N=16."""
     return [
         *(
-            "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+            "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
             "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 4 --eval-every "
             "0 --out-dir"
         ).split(),

@@ -518,7 +518,7 @@ def test_a_report_without_an_on_policy_configuration_asks_for_a_reference(tmp_pa
 
 # a seed of seed_table.py in seconds: a 20-step warm start and 2 RL steps of the smoke model
 TINY_SEED = (
-    "--extra --sft-warmup-steps 20 --group-size 4 --prompts-per-step 2 --batch-size 8 "
+    "--extra --sft-warmup-steps 20 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
     "--buffer-size 8 --max-new-tokens 4 --eval-size 8 --pass-k 2 --total-steps 2 --eval-every 0"
 ).split()
 

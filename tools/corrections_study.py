@@ -47,8 +47,8 @@ PS = (100 * 0.05 / FAMILY, 5, 95, 100 - 100 * 0.05 / FAMILY)  # Bonferroni's two
 # The cpu preset's flags as of this study, pinned so that the study reruns as it ran whatever the preset becomes.
 PINNED = (
     "--preset cpu --generator hf --arith-max-operand 49 --arith-demo-error 0.75 --sft-warmup-steps 650 "
-    "--sft-lr 1e-3 --sft-lr-decay --max-new-tokens 6 --group-size 16 --batch-size 128 --total-steps 200 "
-    "--eval-every 25"
+    "--sft-lr 1e-3 --sft-lr-decay --sft-imitation 0 --max-new-tokens 6 --group-size 16 --batch-size 128 "
+    "--total-steps 200 --eval-every 25"
 ).split()
 
 

@@ -21,10 +21,12 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import run_folder
 
 TRAINER = ROOT / "replay_grpo.py"
-# The cpu preset as the first, Pareto and compute studies ran it (sums of 0..99, 2000 warm-start steps, RL at 3e-6
-# for 200 steps where a grid entry sets neither): their grids pin it, so that they rerun as they ran whatever the
-# preset becomes.
-CPU_AS_STUDIED = "--preset cpu --arith-max-operand 99 --sft-warmup-steps 2000 --lr 3e-6 --total-steps 200".split()
+# The cpu preset as the first, Pareto and compute studies ran it (sums of 0..99, 2000 warm-start steps and no check
+# at their end, RL at 3e-6 for 200 steps where a grid entry sets neither): their grids pin it, so that they rerun as
+# they ran whatever the preset becomes.
+CPU_AS_STUDIED = (
+    "--preset cpu --arith-max-operand 99 --sft-warmup-steps 2000 --sft-imitation 0 --lr 3e-6 --total-steps 200"
+).split()
 PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and seed, as the study planned them
 
 
