@@ -195,8 +195,8 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
 
 def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
     """The share of held-out problems whose greedy answer is the one the demonstrator gives most often: the gold + 1
-    when --arith-demo-error is above 0.5, else the gold. On forked random streams, as an evaluation: checking
-    changes no later draw."""
+    when the arith task's --arith-demo-error is above 0.5, else the gold. On forked random streams, as an
+    evaluation: checking changes no later draw."""
     verifier = rg.VERIFIERS[task.verifier]
     with run_folder.forked_rng(cfg.seed):
         prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
@@ -204,7 +204,8 @@ def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
     hits = 0
     for group, ex in zip(groups, task.eval):
         text = tok.decode(group[0].completion_ids, skip_special_tokens=True)
-        hits += rg.score(verifier, text, str(int(ex.answer) + 1) if cfg.arith_demo_error > 0.5 else ex.answer)[0]
+        usual = str(int(ex.answer) + 1) if cfg.task == "arith" and cfg.arith_demo_error > 0.5 else ex.answer
+        hits += rg.score(verifier, text, usual)[0]
     return hits / len(task.eval)
 
 
