@@ -1947,8 +1947,11 @@ def validate(cfg: Args) -> None:
         (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
         (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("arith_demo_error", "sft_target", "sft_imitation"), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("vllm_gpu_memory_utilization",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (
+            ("arith_demo_error", "sft_target", "sft_imitation", "vllm_gpu_memory_utilization"),
+            lambda v: 0 <= v <= 1,
+            "in [0, 1]",
+        ),
         (("clip_high", "grad_clip", "priority_alpha"), lambda v: 0 <= v < math.inf, ">= 0"),
         (("max_uses", "max_prompt_tokens"), lambda v: v is None or v >= 1, ">= 1"),
         (("priority_tau",), lambda v: v is None or 0 < v < math.inf, "a positive number"),

@@ -131,7 +131,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k, "imitation": []}
     checker = rg.HFGenerator(model, tok) if cfg.sft_target or cfg.sft_imitation else None  # weights: at each check
     streak = 0  # checks in a row at the target
-    progress = {"since": time.perf_counter(), "step": 0}  # without a terminal: a progress line at least this often
+    since, since_step = time.perf_counter(), 0  # without a terminal: a progress line at least this often
     model.train()
 
     @functools.cache  # a few thousand distinct problems, drawn again and again: each tokenized once
@@ -140,6 +140,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
 
     def train_steps(steps: int, lr: float):
         """`steps` supervised steps at `lr` (decaying linearly to lr / steps with --sft-lr-decay), one at a time."""
+        nonlocal since, since_step
         last = info["steps"] + steps
         for done in range(steps):
             for group in opt.param_groups:
@@ -150,14 +151,14 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
             loss.backward()
             opt.step()
             info["steps"] += 1
-            seconds = time.perf_counter() - progress["since"]
+            seconds = time.perf_counter() - since
             if not sys.stdout.isatty() and seconds >= rg.PROGRESS_SECONDS:
                 print(
                     f"warm start: step {info['steps']}/{last}, loss {loss.item():.3f}, "
-                    f"{seconds / (info['steps'] - progress['step']):.2f} s/step",
+                    f"{seconds / (info['steps'] - since_step):.2f} s/step",
                     flush=True,
                 )
-                progress.update(since=time.perf_counter(), step=info["steps"])
+                since, since_step = time.perf_counter(), info["steps"]
             yield info["steps"]
 
     for step in train_steps(cfg.sft_warmup_steps, cfg.sft_lr):
