@@ -66,3 +66,17 @@ def test_a_missed_speed_target_is_a_measured_row_not_a_failure(monkeypatch, caps
     monkeypatch.setattr(gpu_check, "targets_met", lambda **kw: real(**kw) | {"logp": False})
     gpu_check.check_kernels("cpu", smoke=True)
     assert [r[3] for r in gpu_check.ROWS[2:]] == ["FAIL", "FAIL"], gpu_check.ROWS
+
+
+def test_without_vllm_the_async_check_is_skipped_not_failed(monkeypatch, tmp_path):
+    """--mode async runs on `vllm serve`: where vLLM does not import, the row says so instead of failing the run."""
+    import gpu_check
+
+    def unavailable():
+        raise gpu_check.rg.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
+
+    monkeypatch.setattr(gpu_check, "ROWS", [])
+    monkeypatch.setattr(gpu_check.rg, "import_vllm", unavailable)
+    gpu_check.check_async(tmp_path, smoke=True)
+    assert [(r[0], r[3]) for r in gpu_check.ROWS] == [("async", "skipped")], gpu_check.ROWS
+    assert not any(tmp_path.iterdir())  # no run was started

@@ -19,7 +19,8 @@ checks and runs the others in fp32 (a CPU without bf16 instructions multiplies b
              compute, fp32 masters, >= 99% of the weights moved, update norm within 10% of fp32's
   learns     the cpu preset on the GPU (bf16 compute) gains >= 25 points of held-out greedy accuracy
   eval-rng   evaluating every step or never gives the same training records (CUDA generators and
-             numpy forked), with HF generate and, when vLLM imports, with the vLLM engine
+             numpy forked; under torch's deterministic algorithms), with HF generate and, when vLLM
+             imports, with the vLLM engine
   qwen-0.5b  a Qwen2 built in code at Qwen2.5-0.5B's width (hidden 896, 24 layers, 14 heads, vocab
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
@@ -44,6 +45,7 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what torch's deterministic algorithms ask of cuBLAS
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
@@ -115,6 +117,23 @@ def training_records(run_dir: Path) -> list[dict]:
     ]
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Two GPU trainings of one seed differ in the last digits without torch's deterministic algorithms (measured on
+    an H200: from step 2, cuDNN attention's backward), so the checks that compare two trainings run under them."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+DETERMINISTIC_MAIN = "import sys, torch, replay_grpo; torch.use_deterministic_algorithms(True, warn_only=True); "
+DETERMINISTIC_MAIN += (
+    "replay_grpo.main(sys.argv[1:])"  # a training in a process of its own, as deterministic_algorithms
+)
+
+
 def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     # the cpu preset, on whatever device the run picks (the GPU here)
     args = ["--preset", "cpu", "--out-dir", str(out), "--run-name", "learns"]
@@ -140,8 +159,9 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
         ).split(),
         str(out),
     ]
-    rg.main(common + ["--eval-every", "1", "--run-name", "often"])
-    rg.main(common + ["--eval-every", "0", "--run-name", "never"])
+    with deterministic_algorithms():
+        rg.main(common + ["--eval-every", "1", "--run-name", "often"])
+        rg.main(common + ["--eval-every", "0", "--run-name", "never"])
     same = training_records(out / "often") == training_records(out / "never")
     row("eval-rng: --eval-every 1 vs 0", "training records " + ("identical" if same else "DIFFER"), "identical", same)
 
@@ -154,7 +174,7 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     else:
         for every, name in (("1", "often-vllm"), ("0", "never-vllm")):
             argv = common + ["--generator", "vllm", "--eval-every", every, "--run-name", name]
-            subprocess.run([sys.executable, str(ROOT / "replay_grpo.py"), *argv], cwd=ROOT, check=True)
+            subprocess.run([sys.executable, "-c", DETERMINISTIC_MAIN, *argv], cwd=ROOT, check=True)
         same = training_records(out / "often-vllm") == training_records(out / "never-vllm")
         row(
             "eval-rng (vLLM): --eval-every 1 vs 0",
@@ -342,6 +362,11 @@ def async_run(out: Path, name: str, extra: tuple = ()) -> tuple[int, list[dict],
 def check_async(out: Path, smoke: bool) -> None:
     """One GPU: the trainer and its server share it (disk publishes), the evaluations on the server; two or more:
     the server on a GPU of its own, publishes by NCCL broadcast, each checked against the trainer's log-probs."""
+    try:
+        rg.import_vllm()  # --mode async launches `vllm serve` processes
+    except rg.VLLMUnavailable as e:
+        row("async", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
+        return
     code, records, left, log = async_run(out, "async")
     recs = [r for r in records if r["step"] > 0]
     newest = [max(r["fresh_versions"]) for r in recs if r.get("fresh_versions")]
