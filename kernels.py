@@ -560,6 +560,8 @@ def token_logprobs(
 # Bytes a train step needs on each trainer's device, estimated before the first step from the model's shapes and the
 # run's settings (`plan_memory`), printed as a table and checked against the device (`check_memory_plan`):
 #   states       fp32 masters 4, gradients 4, Adam's two moments 8 bytes a parameter (per rank: its FSDP2 shard)
+#   fresh grad   sync: the largest parameter's new fp32 gradient, live beside its .grad until autograd adds it (a
+#                second micro-batch, or a tied embedding's second use: 0.51 GiB of the 0.5B-width peak on an H200)
 #   copies       the compute-dtype weights the forward and backward use: autocast's casts of every weight (sync);
 #                FSDP2's all-gathered root (embeddings, head, final norm) and two decoder layers, and fp32 gradients
 #                of the root and two layers before their reduce-scatter (async)
@@ -593,6 +595,7 @@ NCCL_COMMUNICATOR_BYTES = 2**28
 # vllm.distributed.weight_transfer.packed_tensor (vLLM 0.32): DEFAULT_PACKED_BUFFER_SIZE_BYTES (1 GiB) x
 # DEFAULT_PACKED_NUM_BUFFERS (2), the nccl route's broadcast buffers; written out, as vLLM is optional
 PACKED_BROADCAST_BYTES = 2 * 2**30
+FRESH_GRADIENT_ROW = "fresh gradient (largest parameter)"
 PUBLISHER_ROW, RESERVE_ROW = "publisher (nccl: gathered copy, buffers)", "reserve (CUDA context, NCCL, fragmentation)"
 
 
@@ -648,6 +651,8 @@ def plan_memory(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
     rows = {"fp32 masters": 4 * mine, "fp32 gradients": 4 * mine, "Adam moments (fp32)": 8 * mine}
+    if cfg.mode == "sync":  # async: FSDP2's unsharded fp32 gradients are in its compute copies' row
+        rows[FRESH_GRADIENT_ROW] = 4 * max(p.numel() for p in params)
     if cfg.mode == "sync":
         rows["compute copies"] = c * P if c < 4 else 0
     else:

@@ -70,8 +70,12 @@ def test_parameter_gradient_and_adam_bytes_are_exact(width):
     cfg = rg.parse_args(ARGS + ["--micro-batch-size", "3"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model.train()
+    fresh = []  # each gradient autograd makes before adding it to .grad
+    hooks = [p.register_hook(lambda g: fresh.append(g.nbytes)) for p in model.parameters()]
     rg.train_step(model, opt, batch(), cfg, tok.pad_token_id, version=0)
+    [h.remove() for h in hooks]
     rows = kernels.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
+    assert rows[kernels.FRESH_GRADIENT_ROW] == max(fresh)
     assert rows["fp32 masters"] == sum(p.nbytes for p in model.parameters())
     assert rows["fp32 gradients"] == sum(p.grad.nbytes for p in model.parameters())
     moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
