@@ -1208,13 +1208,10 @@ def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
     """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
     it, -100 elsewhere (no prompt logits are ever built)."""
     length = max(len(p) + len(c) for p, c in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    targets = torch.full((len(seqs), length), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(seqs):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        mask[i, : len(p) + len(c)] = 1
-        targets[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c)
+    pads = [length - len(p) - len(c) for p, c in seqs]  # rows built as lists: one tensor each, not one per row
+    ids = torch.tensor([p + c + [pad_id] * n for (p, c), n in zip(seqs, pads)])
+    mask = torch.tensor([[1] * (length - n) + [0] * n for n in pads])
+    targets = torch.tensor([[-100] * (len(p) - 1) + c + [-100] * (n + 1) for (p, c), n in zip(seqs, pads)])
     return ids.to(device), mask.to(device), targets.to(device)
 
 
