@@ -128,9 +128,9 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(False)
 
 
-DETERMINISTIC_MAIN = "import sys, torch, replay_grpo; torch.use_deterministic_algorithms(True, warn_only=True); "
-DETERMINISTIC_MAIN += (
-    "replay_grpo.main(sys.argv[1:])"  # a training in a process of its own, as deterministic_algorithms
+DETERMINISTIC_MAIN = (  # `python -c` this: a training in a process of its own, under deterministic algorithms
+    "import sys, torch, replay_grpo; torch.use_deterministic_algorithms(True, warn_only=True); "
+    "replay_grpo.main(sys.argv[1:])"
 )
 
 
