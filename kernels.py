@@ -653,7 +653,6 @@ def plan_memory(
     rows = {"fp32 masters": 4 * mine, "fp32 gradients": 4 * mine, "Adam moments (fp32)": 8 * mine}
     if cfg.mode == "sync":  # async: FSDP2's unsharded fp32 gradients are in its compute copies' row
         rows[FRESH_GRADIENT_ROW] = 4 * max(p.numel() for p in params)
-    if cfg.mode == "sync":
         rows["compute copies"] = c * P if c < 4 else 0
     else:
         root = P - layer_P * len(layers)

@@ -73,7 +73,8 @@ def test_parameter_gradient_and_adam_bytes_are_exact(width):
     fresh = []  # each gradient autograd makes before adding it to .grad
     hooks = [p.register_hook(lambda g: fresh.append(g.nbytes)) for p in model.parameters()]
     rg.train_step(model, opt, batch(), cfg, tok.pad_token_id, version=0)
-    [h.remove() for h in hooks]
+    for hook in hooks:
+        hook.remove()
     rows = kernels.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
     assert rows[kernels.FRESH_GRADIENT_ROW] == max(fresh)
     assert rows["fp32 masters"] == sum(p.nbytes for p in model.parameters())
