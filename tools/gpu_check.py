@@ -67,6 +67,16 @@ def row(check: str, measured: str, target: str, ok: bool | str | None) -> None:
     print(f"  {check}: {measured} ({target}) -> {verdict}", flush=True)
 
 
+def without_vllm(check: str) -> bool:
+    """True, with a skipped row for `check`, where vLLM does not import (the checks that need an engine or a server)."""
+    try:
+        rg.import_vllm()
+    except rg.VLLMUnavailable as e:
+        row(check, f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
+        return True
+    return False
+
+
 def kernel_verdict(met: dict[str, bool]) -> bool | str:
     """False when a result is wrong (log-probs, gradients); MISSED when only a time or memory target is not met."""
     if not (met["logp"] and met["grad"]):
@@ -167,11 +177,7 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
 
     # with the vLLM engine as the generator too (the GPU runner samples from numpy's stream): each training builds
     # a sleep-mode engine, so each runs in its own process
-    try:
-        rg.import_vllm()
-    except rg.VLLMUnavailable:
-        row("eval-rng (vLLM)", "skipped: vLLM not installed or unusable here", "", None)
-    else:
+    if not without_vllm("eval-rng (vLLM)"):
         for every, name in (("1", "often-vllm"), ("0", "never-vllm")):
             argv = common + ["--generator", "vllm", "--eval-every", every, "--run-name", name]
             subprocess.run([sys.executable, "-c", DETERMINISTIC_MAIN, *argv], cwd=ROOT, check=True)
@@ -362,10 +368,7 @@ def async_run(out: Path, name: str, extra: tuple = ()) -> tuple[int, list[dict],
 def check_async(out: Path, smoke: bool) -> None:
     """One GPU: the trainer and its server share it (disk publishes), the evaluations on the server; two or more:
     the server on a GPU of its own, publishes by NCCL broadcast, each checked against the trainer's log-probs."""
-    try:
-        rg.import_vllm()  # --mode async launches `vllm serve` processes
-    except rg.VLLMUnavailable as e:
-        row("async", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
+    if without_vllm("async"):  # --mode async launches `vllm serve` processes
         return
     code, records, left, log = async_run(out, "async")
     recs = [r for r in records if r["step"] > 0]
@@ -401,10 +404,7 @@ def check_async(out: Path, smoke: bool) -> None:
 
 
 def check_vllm(out: Path, smoke: bool) -> None:
-    try:
-        rg.import_vllm()
-    except rg.VLLMUnavailable as e:
-        row("vllm", f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
+    if without_vllm("vllm"):
         return
     # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
     # on GPUs), sleep level 2 (what a colocated engine published every step uses)
