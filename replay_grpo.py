@@ -1994,25 +1994,35 @@ def validate(cfg: Args) -> None:
     need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
     need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
     need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    for owner, used, names in OWNED_FLAGS:  # the default, or the preset's own value, was not asked for
+        for name in names:
+            asked = getattr(cfg, name) not in (getattr(Args, name), getattr(PRESETS[cfg.preset], name))
+            need(used(cfg) or not asked, f"{flag(name)}: only {owner} reads it, so it would be ignored")
     validate_rules(cfg, need)
     validate_correction(cfg, need)
 
 
-CORRECTION_FLAGS = {"tis": ("tis_cap",), "seq-mask": ("seq_mask",), "m2po": ("m2po_tau",)}
-CORRECTION_FLAGS["decoupled"] = ("decoupled_cap", "prox_lag")
+# Flags that one setting alone reads (the setting, whether a run has it, the flags): given without it, refused
+OWNED_FLAGS = (
+    ("--correction tis", lambda cfg: cfg.correction == "tis", ("tis_cap",)),
+    ("--correction seq-mask", lambda cfg: cfg.correction == "seq-mask", ("seq_mask",)),
+    ("--correction m2po", lambda cfg: cfg.correction == "m2po", ("m2po_tau",)),
+    ("--correction decoupled", lambda cfg: cfg.correction == "decoupled", ("decoupled_cap", "prox_lag")),
+    ("--task arith", lambda cfg: cfg.task == "arith", ("arith_terms", "arith_max_operand", "arith_demo_error")),
+    (
+        "a warm start (--sft-warmup-steps > 0)",
+        lambda cfg: cfg.sft_warmup_steps > 0,
+        "sft_target sft_patience sft_check_prompts sft_lr sft_lr_decay sft_imitation arith_demo_error".split(),
+    ),
+)
 
 
 def validate_correction(cfg: Args, need) -> None:
-    """Refuse a correction's knob out of range, or given to another correction (it would be ignored)."""
+    """Refuse a correction's knob out of range, or a correction that cannot work with the loss or the loop."""
     low, high = cfg.seq_mask
     need(0 <= low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 <= low < 1 < high (a sequence's weight)")
     need(1 < cfg.decoupled_cap < math.inf, f"--decoupled-cap {cfg.decoupled_cap}: must be above 1 (a weight)")
     need(0 <= cfg.prox_lag <= 64, f"--prox-lag {cfg.prox_lag}: must be in [0, 64] (a host copy of each version)")
-    defaults = {f.name: f.default for f in dataclasses.fields(Args)}
-    for correction, names in CORRECTION_FLAGS.items():
-        for name in names:
-            ok = getattr(cfg, name) == defaults[name] or cfg.correction == correction
-            need(ok, f"--{name.replace('_', '-')}: only --correction {correction} uses it")
     if cfg.correction == "none":
         return
     need(

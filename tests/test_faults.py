@@ -428,12 +428,24 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--mode", "async", "--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
         (["--mode", "async", "--generator", "vllm"], "--generator: --mode async generates on vLLM servers"),
         (["--mode", "async", "--weight-transfer", "nccl"], "--weight-transfer nccl needs CUDA on the trainers"),
+        (["--sft-target", "0.5"], "--sft-target 0.5: only a warm start (--sft-warmup-steps > 0) reads it"),
+        (["--sft-imitation", "0.6"], "--sft-imitation 0.6: only a warm start (--sft-warmup-steps > 0) reads it"),
+        (["--task", "gsm8k", "--arith-terms", "3"], "--arith-terms 3: only --task arith reads it"),
+        (["--tis-cap", "3"], "--tis-cap 3.0: only --correction tis reads it"),
+        (["--correction", "tis", "--prox-lag", "1"], "--prox-lag 1: only --correction decoupled reads it"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, extra, needle):
     t0 = time.time()
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
     assert needle in err and time.time() - t0 < 20, err
+
+
+def test_a_flag_at_its_default_or_the_presets_value_passes_without_what_reads_it():
+    """The cpu preset's warm-start flags (--sft-imitation 0.75) and the defaults were not asked for: no refusal."""
+    for extra in ([], ["--sft-imitation", "0"], ["--sft-imitation", "0.75", "--arith-demo-error", "0.75"]):
+        rg.validate(rg.parse_args(["--preset", "cpu", "--sft-warmup-steps", "0", *extra]))
+    rg.validate(rg.parse_args(["--preset", "gsm8k-qwen2.5-0.5b", "--arith-terms", "2", "--tis-cap", "2"]))
 
 
 def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
