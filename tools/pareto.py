@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 from studylib import fmt, report, runner
-from studylib.report import PAPER_MU, first_reach, frontier, meets, save_figure, saving
+from studylib.report import PAPER_MU, costs, frontier, meets, save_figure, savings
+from studylib.runner import EVAL_ROLLOUTS
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -50,7 +51,6 @@ REFERENCE = "onpolicy"  # the configuration savings are measured against
 # and is evaluated every EVAL_ROLLOUTS of them (on-policy every 2 steps), so that all curves share their x values.
 PARETO_LRS = [1e-5, 3e-5, 1e-4]
 PARETO_ROLLOUTS = 3840  # on-policy: 30 steps of R = 128
-EVAL_ROLLOUTS = 256
 
 
 def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
@@ -94,29 +94,19 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
     for c, cell in cells.items():
         best = frontier(list(med[c].values()))  # the best median accuracy over lrs at cost <= each evaluation's
-        row = out["configs"][c] = {k: {} for k in ("cost", "saving", "same_lr_cost", "same_lr_saving")}
-        row |= {"best": float(best[-1]), "lrs": {}}
+        row = out["configs"][c] = {"cost": costs(cell["x"], best, LEVELS, target), "saving": {}, "same_lr_cost": {}}
+        if same_lr in cell["lrs"] and same_lr in cells[reference]["lrs"]:
+            row["same_lr_cost"] = costs(cell["x"], med[c][same_lr], LEVELS, same_target)
+        row |= {"same_lr_saving": {}, "best": float(best[-1]), "lrs": {}}
         row["best_minus_reference"] = row["best"] - target
         row["frontier"] = {axis: {f"{x:g}": float(y) for x, y in zip(cell["x"][axis], best)} for axis in AXES}
-        for axis in AXES:
-            x = cell["x"][axis]
-            row["cost"][axis] = {name: first_reach(x, best, f * target) for name, f in LEVELS.items()}
-            if same_lr in cell["lrs"] and same_lr in cells[reference]["lrs"]:
-                at = med[c][same_lr]
-                row["same_lr_cost"][axis] = {name: first_reach(x, at, f * same_target) for name, f in LEVELS.items()}
         for lr, at in cell["lrs"].items():
             ent = np.median(at["entropy"][idx], axis=0)
-            row["lrs"][lr] = {
-                "final": float(med[c][lr][-1]),
-                "best": float(med[c][lr].max()),
-                "entropy_end": float(ent[-1]),
-            }
-            row["lrs"][lr]["entropy_start"] = float(ent[0])
+            row["lrs"][lr] = {"final": float(med[c][lr][-1]), "best": float(med[c][lr].max())}
+            row["lrs"][lr] |= {"entropy_end": float(ent[-1]), "entropy_start": float(ent[0])}
     ref = out["configs"][reference]
     for row in out["configs"].values():
-        for cost, sv in (("cost", "saving"), ("same_lr_cost", "same_lr_saving")):
-            for axis, at in row[cost].items():
-                row[sv][axis] = {n: saving(at[n], ref[cost][axis][n]) for n in LEVELS}
+        row["saving"], row["same_lr_saving"] = (savings(row[k], ref[k]) for k in ("cost", "same_lr_cost"))
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
                 at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]

@@ -245,19 +245,14 @@ def cost_estimate(configs: dict, reference: str, axes: dict):
         drawn = {c: {name: v[draw[c]] for name, v in a.items()} for c, a in arrays.items()}
         ref, out = drawn[reference], {}
         level = float(np.median(ref["acc"][:, -1]))
+        x = {c: {axis: np.median(a[axis], axis=0) for axis in axes} for c, a in drawn.items()}
+        cost = {c: report.costs(x[c], np.median(a["acc"], axis=0), FRACS, level) for c, a in drawn.items()}
         for c, a in drawn.items():
-            med, x = np.median(a["acc"], axis=0), {axis: np.median(a[axis], axis=0) for axis in axes}
-            cost = {axis: {f: report.first_reach(x[axis], med, v * level) for f, v in FRACS.items()} for axis in axes}
-            out[c] = {"cost": cost, "at_equal": {}}
+            out[c] = {"cost": cost[c], "saving": report.savings(cost[c], cost[reference]), "at_equal": {}}
             for axis in AXES[1:]:
-                within = np.nonzero(x[axis] <= float(np.median(ref[axis][:, -1])) + 1e-6)[0]
+                within = np.nonzero(x[c][axis] <= float(np.median(ref[axis][:, -1])) + 1e-6)[0]
                 pick = {w: float(np.median(a[w][:, within[-1]])) if len(within) else np.nan for w in ("acc", "pass@k")}
                 out[c]["at_equal"][axis] = pick
-        for c, row in out.items():
-            saving = {
-                ax: {f: report.saving(row["cost"][ax][f], out[reference]["cost"][ax][f]) for f in FRACS} for ax in axes
-            }
-            out[c] = {"cost": row["cost"], "saving": saving, "at_equal": row["at_equal"]}
         return out
 
     return estimate

@@ -181,6 +181,16 @@ def saving(cost: float, reference_cost: float) -> float:
     return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
 
 
+def costs(x: dict, y: np.ndarray, levels: dict, target: float) -> dict:
+    """{axis: {level: first_reach on x[axis] of y to the level's fraction of target}}."""
+    return {axis: {name: first_reach(xs, y, f * target) for name, f in levels.items()} for axis, xs in x.items()}
+
+
+def savings(cost: dict, reference_cost: dict) -> dict:
+    """saving() of each cost ({axis: {level: cost}}) against the reference's at the same axis and level."""
+    return {axis: {n: saving(c, reference_cost[axis][n]) for n, c in at.items()} for axis, at in cost.items()}
+
+
 def level_saving(costs: list[float], reference_costs: list[float]) -> float:
     """1 - exp(mean log(cost / reference cost)), in percent; nan where a cost is 0 (a level reached before any
     training: the ratio says nothing)."""

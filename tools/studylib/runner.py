@@ -27,6 +27,7 @@ TRAINER = ROOT / "replay_grpo.py"
 CPU_AS_STUDIED = (
     "--preset cpu --arith-max-operand 99 --sft-warmup-steps 2000 --sft-imitation 0 --lr 3e-6 --total-steps 200"
 ).split()
+EVAL_ROLLOUTS = 256  # the Pareto and compute grids evaluate every 256 generated rollouts
 PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and seed, as the study planned them
 
 
