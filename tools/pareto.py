@@ -191,9 +191,26 @@ def table_md(s: dict) -> str:
     """The Pareto study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
     seeds = ", ".join(map(str, s["seeds"]))
-    lines = [
+    decision = []
+    for c, d in s["decision"].items():
+        sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
+        decision.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
+    end, d = [], "final_minus_reference"
+    for c, row in p["configs"].items():
+        for lr, at in row["lrs"].items():
+            aci = ci["configs"][c]["lrs"][lr]
+            delta = "—" if c == ref or "final_minus_reference" not in at else fmt.interval(at[d], aci[d], fmt.diff)
+            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
+            ent = f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"
+            end.append([c, f"{float(lr):g}", final, delta, best, ent])
+    best = [
+        [c, *(fmt.interval(row[k], ci["configs"][c][k], one) for k, one in BEST_COLUMNS)]
+        for c, row in p["configs"].items()
+    ]
+    start = [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]
+    blocks = [
         "# The Pareto study: replay against on-policy over a learning-rate sweep",
-        "",
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
@@ -202,74 +219,37 @@ def table_md(s: dict) -> str:
         f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
-        "",
         "## Configurations",
-        "",
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.",
-        "",
-        *fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
-        "",
+        fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
         "## Decision",
-        "",
         f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
         "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
         f"**{s['claim']}**.",
-        "",
-    ]
-    rows = []
-    for c, d in s["decision"].items():
-        sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
-        rows.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
-    head = ["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"]
-    lines += fmt.table(head, rows)
-    lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
-    lines += cost_table(p, ci, "cost", "saving")
-    lines += [
-        "",
+        fmt.table(["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"], decision),
+        "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)",
+        cost_table(p, ci, "cost", "saving"),
         f"## At one learning rate, {s['same_lr']:g}",
-        "",
         f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt.acc(p['same_lr_target'])}.",
-        "",
-    ]
-    lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
-    lines += [
-        "",
+        cost_table(p, ci, "same_lr_cost", "same_lr_saving"),
         "## The end point: final and best accuracy, entropy",
-        "",
         "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
         "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
         "the median over seeds of the policy's mean per-token entropy on the trained batch, at the first and "
         "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
         "maximum is: a resample cannot exceed the best value it draws from.",
-        "",
-    ]
-    rows, d = [], "final_minus_reference"
-    for c, row in p["configs"].items():
-        for lr, at in row["lrs"].items():
-            aci = ci["configs"][c]["lrs"][lr]
-            delta = "—" if c == ref or "final_minus_reference" not in at else fmt.interval(at[d], aci[d], fmt.diff)
-            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
-            ent = f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"
-            rows.append([c, f"{float(lr):g}", final, delta, best, ent])
-    head = ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"]
-    lines += fmt.table(head, rows)
-    rows = []
-    for c, row in p["configs"].items():
-        rows.append([c, *(fmt.interval(row[k], ci["configs"][c][k], one) for k, one in BEST_COLUMNS)])
-    lines += ["", *fmt.table(["config", "best over lrs", "− on-policy's best"], rows)]
-    lines += [
-        "",
+        fmt.table(
+            ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"], end
+        ),
+        fmt.table(["config", "best over lrs", "− on-policy's best"], best),
         "## Seeds",
-        "",
         "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
         "seed starts from the same warm start):",
-        "",
-        *fmt.table(["seed", *s["seeds"]], [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]),
+        fmt.table(["seed", *s["seeds"]], start),
     ]
-    return "\n".join(lines) + "\n"
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, dest: Path) -> list[Path]:

@@ -322,8 +322,8 @@ def table_md(s: dict) -> str:
     def bootstrap(q, one) -> str:  # a [5th, 50th, 95th] percentile triple as 'median [5th, 95th]'
         return "—" if q[1] is None else fmt.interval(q[1], q, one)
 
-    ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
-    target = fmt.acc(s["target_greedy_acc"])
+    ref, iv = s["reference"], s["bootstrap"]["intervals"]
+    target, target_pct = fmt.acc(s["target_greedy_acc"]), f"{s['saving_target']:g}%"
     rows = []
     for c, r in s["configs"].items():
         lr = f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else "")
@@ -335,68 +335,67 @@ def table_md(s: dict) -> str:
         rows.append(cells)
     head = ["config", "lr", "seeds", "steps", "greedy acc", "pass@1", "pass@k", "gen. tokens", "mu (meas.)"]
     head += ["replay ratio", "staleness", "tokens to target", "saving", "compute (meas.) to target", "saving"]
-    lines = [
-        "# Replay-GRPO study",
-        "",
-        f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
-        f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
-        f"{target} is the target: "
-        "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
-        "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
-        f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
-        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(mu)} (median of the runs' measured mu on this "
-        f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
-        "optimizer steps between a rollout's generation and its use, averaged over every use.",
-        "",
-        *fmt.table(head + ["compute (paper) to target", "saving"], rows),
-    ]
-    if s["configs"][ref]["tokens_to_target"] == 0:
-        lines += [
-            "",
-            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
-            "so the savings are undefined: train longer or with a weaker warm start.",
-        ]
-    iv = s["bootstrap"]["intervals"]
-    rows = []
+    costs = []
     for c in s["configs"]:
         for f in ("target", "90% of target"):
             cells = [c, f]
             for axis in AXES:
                 saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
                 cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
-            rows.append(cells)
+            costs.append(cells)
     equal = [
         [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
         for c in s["configs"]
     ]
-    target_pct = f"{s['saving_target']:g}%"
     cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
     equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
-    lines += [
-        "",
+    seeds = [
+        [c, r["seed"], r["warmstart_reached"]]
+        + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
+        for c, runs in s["per_seed"].items()
+        for r in runs
+    ]
+    blocks = [
+        "# Replay-GRPO study",
+        [
+            f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
+            f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
+            f"{target} is the target: "
+            "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
+            "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
+            f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
+            f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(s['mu_measured'])} (median of the runs' measured "
+            f"mu on this machine), 'paper' uses mu = {s['paper_mu']:g}. Replay ratio: trained / generated rollouts; "
+            "staleness: optimizer steps between a rollout's generation and its use, averaged over every use.",
+        ],
+        fmt.table(head + ["compute (paper) to target", "saving"], rows),
+    ]
+    if s["configs"][ref]["tokens_to_target"] == 0:
+        blocks.append(
+            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
+            "so the savings are undefined: train longer or with a weaker warm start."
+        )
+    blocks += [
         f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
-        "",
         f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
         "configuration; the target recomputed from each resample of the reference). 'never': not reached "
         "within the run. Saving = 1 − ours / reference's.",
-        "",
-        *fmt.table(["config", "reaches", *cost_head], rows),
-        "",
+        fmt.table(["config", "reaches", *cost_head], costs),
         f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
-        "",
         "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
-        "",
-        *fmt.table(["config", *equal_head], equal),
-        "",
+        fmt.table(["config", *equal_head], equal),
         f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
         f"compute at the paper's mu, to {ref}'s final median accuracy",
-        "",
-        "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
-        "below it; not resolvable: the interval straddles it (or the target was not reached).",
-        "",
+        [  # the rule, a blank line, and a verdict per configuration
+            "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+            "below it; not resolvable: the interval straddles it (or the target was not reached).",
+            "",
+            *(
+                f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**"
+                for c, d in s["decision"].items()
+            ),
+        ],
     ]
-    for c, d in s["decision"].items():
-        lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
         rows = [
             [c, label, f"{b['share']:.3f}", *(f"{b[k]:.4f}" for k in ("clip_frac", "abs_log_ratio", "ess_per_token"))]
@@ -404,25 +403,16 @@ def table_md(s: dict) -> str:
             for label, b in (r.get("by_staleness") or {}).items()
         ]
         head = ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"]
-        lines += [
-            "",
+        blocks += [
             "## What a step trains on, by staleness",
-            "",
             "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
             "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
             "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
             "w^2 over the tokens: 1 when all ratios are equal).",
-            "",
-            *fmt.table(head, rows),
+            fmt.table(head, rows),
         ]
-    rows = [
-        [c, r["seed"], r["warmstart_reached"]]
-        + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
-        for c, runs in s["per_seed"].items()
-        for r in runs
-    ]
     head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
-    lines += ["", "## Seeds", "", *fmt.table(head, rows)]
+    blocks += ["## Seeds", fmt.table(head, seeds)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
         chosen = (
@@ -430,18 +420,17 @@ def table_md(s: dict) -> str:
             if tuned
             else "on the same seeds it is reported on:"
         )
-        lines += [
-            "",
-            "## Learning rate (*)",
-            "",
-            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
-            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
-            "",
-        ]
+        picked = []
         for c, note in ((c, s["lr_choice"][c]) for c in s["configs"] if c in s["lr_choice"]):
             tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
-            lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
-    return "\n".join(lines) + "\n"
+            picked.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
+        blocks += [
+            "## Learning rate (*)",
+            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
+            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
+            picked,
+        ]
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:

@@ -50,6 +50,11 @@ def interval(value, ci, one) -> str:
     return f"{one(value)} {bracket(ci, one)}"
 
 
+def markdown(blocks: list) -> str:
+    """A document of blocks, one blank line apart: a heading or paragraph as a string, a table or list as its lines."""
+    return "\n\n".join(b if isinstance(b, str) else "\n".join(b) for b in blocks) + "\n"
+
+
 def table(head: list, rows) -> list[str]:
     """A markdown table's lines: the header, the rule under it and one line per row (each cell as str())."""
     lines = ["| " + " | ".join(map(str, cells)) + " |" for cells in [head, *rows]]
