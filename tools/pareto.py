@@ -132,7 +132,7 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
 
 
 def analyse(runs: list[dict], args: Args) -> dict:
-    cells, seeds, mu = report.cells_of(runs, PAPER_MU, axes=tuple(AXES))
+    cells, seeds, mu = report.cells_of(runs, PAPER_MU)
     for flag, name in (("", REFERENCE), ("--primary ", args.primary)):
         if name not in cells:
             raise SystemExit(f"error: {flag}{name}: no finished runs (have: {', '.join(cells)})")

@@ -1,13 +1,10 @@
 """replay_study.py: the replay study (docs/study) and the buffer's rules against uniform sampling
 (docs/study/variants): their grids, and their report (`sweep.py report`).
 
-The report reads every finished run under --out-dir (or --records: the records.json it writes beside itself), groups
-runs by configuration over seeds (median and IQR), keeps per configuration the learning rate with the best median
-final greedy accuracy, and measures savings against the on-policy GRPO configuration (N = B = R). Compute, in the
-paper's normalisation: training on one rollout costs 1 unit and generating one costs mu units, so compute after t
-steps = trained_rollouts + mu * generated_rollouts (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs
-B(1 + mu) per update). It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
-and with the paper's mu = 5.28 (Qwen2.5-7B).
+The report groups the finished runs by configuration over seeds (median and IQR), keeps per configuration the
+variant (learning rate, delta_V) with the best median final greedy accuracy on the tune seeds, and measures the cost
+to the on-policy GRPO configuration's accuracy (N = B = R) in generated tokens and in compute (report.compute) at the
+mu measured on this machine and at the paper's.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -450,12 +448,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             legend.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
         written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
-    def steps(r):
-        return r["step"]
-
-    def tokens(r):
-        return r.get("total_generated_tokens", 0)
-
+    steps, tokens = itemgetter("step"), report.x_of("tokens", {})
     acc, by_steps, G = "held-out greedy accuracy", "gradient steps", "eval/greedy_acc"
     mus = {"measured on this machine": s["mu_measured"], "the paper's": s["paper_mu"]}
     computes = [(partial(compute, mu=mu), f"mu = {mu:.2f} ({what})") for what, mu in mus.items()]

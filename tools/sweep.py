@@ -167,13 +167,13 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                 continue
             if picks is not None and picks.get(config) != tag:
                 continue
-            if owner.setdefault(config + tag, i) != i:
-                name = config + tag
+            variant = config + tag
+            if owner.setdefault(variant, i) != i:
                 raise SystemExit(
-                    f"error: grid entries {owner[name]} and {i} are both named {name!r}: give one a 'name'"
+                    f"error: grid entries {owner[variant]} and {i} are both named {variant!r}: give one a 'name'"
                 )
             for seed in seeds:
-                name = f"{config}{tag}-s{seed}"
+                name = f"{variant}-s{seed}"
                 runs.append(
                     {
                         "name": name,

@@ -69,7 +69,7 @@ def curve(runs: list[dict], y: str, x, eval_only: bool = True) -> dict:
     return {"x": np.median(a["x"], axis=0), "q25": q[0], "median": q[1], "q75": q[2]}
 
 
-def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measured_mu", "compute_paper_mu")):
+def cells_of(runs: list[dict], paper_mu: float):
     """The runs of a learning-rate sweep as arrays, on the seeds every (config, lr) finished: returns the cells, those
     seeds and the measured mu. A configuration's cell holds x[axis] [evaluation] (median over its runs, at the
     evaluations all of them made, so that its learning rates share their x values) and per learning rate: cfg, mu,
@@ -90,6 +90,7 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
     kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
     mu, cells = measured_mu(kept), {}
     mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
+    axes = ("rollouts", *mus)
     for config in dict.fromkeys(r["config"] for r in kept):
         rs = [r for r in kept if r["config"] == config]
         a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
