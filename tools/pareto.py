@@ -279,14 +279,12 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     lr = s["same_lr"]
-    for c, cell in cells.items():
-        if lr not in cell["lrs"]:
-            continue
-        q25, q50, q75 = np.percentile(cell["lrs"][lr]["acc"], [25, 50, 75], axis=0)
-        for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
-            ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
-            ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
-    for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
+    for ax, axis in zip(axes, DECISION_AXES):
+        for c, cell in cells.items():
+            if lr in cell["lrs"]:
+                q25, q50, q75 = np.percentile(cell["lrs"][lr]["acc"], [25, 50, 75], axis=0)
+                ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
+                ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
         report.label_axes(ax, xlabel=AXES[axis], ylabel="held-out greedy accuracy")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")

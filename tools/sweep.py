@@ -221,12 +221,11 @@ def run(args: RunArgs) -> None:
         done = execute(runs, in_subprocess=args.subprocess)
     if done["failed"]:
         raise SystemExit(f"error: {len(done['failed'])} run(s) failed: {', '.join(done['failed'])} (rerun to retry)")
-    others = others_still_train(runs, done)
-    then = " (then the variants are picked and --seeds run)" if args.tune_seeds else ""
-    if others:
-        names = ", ".join(others)
+    if others := others_still_train(runs, done):
+        then = " (then the variants are picked and --seeds run)" if args.tune_seeds else ""
         return print(
-            f"{len(others)} run(s) are another process's, not finished yet: {names}; run this again when it ends{then}"
+            f"{len(others)} run(s) are another process's, not finished yet: {', '.join(others)}; run this again "
+            f"when it ends{then}"
         )
     print(f"all runs finished in {args.out_dir}; next: python tools/sweep.py report --out-dir {args.out_dir}")
 
