@@ -24,8 +24,6 @@ the earlier study's rule (pareto.py: 90% of on-policy's best median, cost at the
 seeds, and an A/A check: on-policy's seeds in two halves compared by this statistic, where nothing differs.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from pathlib import Path

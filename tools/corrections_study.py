@@ -28,8 +28,6 @@ The report's input is every run's compact record (records.json: settings, evalua
 the report; --records recomputes the whole report from that file alone.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,8 +139,7 @@ def analyse(data: dict, args: Args) -> dict:
             raise SystemExit(f"error: {name} has several runs of one seed outside the tune seeds: keep one lr per seed")
     seeds = sorted(set.intersection(*(set(b) for b in by.values())))
     if args.seeds is not None:
-        missing = sorted(set(args.seeds) - set(seeds))
-        if missing:
+        if missing := sorted(set(args.seeds) - set(seeds)):
             raise SystemExit(f"error: --seeds: {missing} have not finished every configuration")
         seeds = sorted(args.seeds)
     if len(seeds) < 4:

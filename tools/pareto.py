@@ -24,8 +24,6 @@ compute at the paper's mu alike. The claim holds on this grid when the planner's
 (--primary: the one the paper's recipe picks for mu = 5.28 without seeing any run).
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from pathlib import Path

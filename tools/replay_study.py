@@ -7,8 +7,6 @@ to the on-policy GRPO configuration's accuracy (N = B = R) in generated tokens a
 mu measured on this machine and at the paper's.
 """
 
-from __future__ import annotations
-
 import math
 from collections import Counter
 from dataclasses import dataclass, field

@@ -13,8 +13,6 @@ Each run (runner.execute) is named after its configuration: onpolicy-s0, N512-R3
 N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ... `report` is the replay study's (replay_study.py).
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 import os

@@ -1,8 +1,6 @@
 """fmt.py: the pieces of a study's table.md. Each formatter takes a value as summary.json holds it: a number, "never"
 (a level never reached: +-inf) or None (undefined, or nan)."""
 
-from __future__ import annotations
-
 import math
 
 

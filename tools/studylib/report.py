@@ -3,8 +3,6 @@ decision rules, and how a report is written: summary.json, table.md rendered fro
 `sweep.py render` gives the same bytes again, the figures, and records.json, the runs' records it was computed from.
 """
 
-from __future__ import annotations
-
 import json
 import math
 from dataclasses import dataclass

@@ -2,8 +2,6 @@
 run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
 checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
 
-from __future__ import annotations
-
 import fcntl
 import json
 import os
