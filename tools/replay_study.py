@@ -65,24 +65,17 @@ SMOKE_GRID = (
 # R = 16. Runs with less generated per step get more steps, so that every configuration can generate
 # as many tokens as on-policy does, with evaluations at the same generated-token intervals.
 STUDY_LRS = [1e-5, 3e-5, 1e-4]
+N240 = dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80)  # the optimum for the paper's mu
 STUDY_GRID = (
     ["--preset", "cpu-study"],
     [
         dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
         dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
-        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+        dict(**N240, lr=STUDY_LRS),
         # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
         # accuracy 0.837 at lr 1e-5, against 0.825 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
-        dict(
-            buffer_size=240,
-            prompts_per_step=1,
-            total_steps=800,
-            eval_every=80,
-            loss="asymre",
-            lr=[1e-5, 3e-5],
-            asymre_delta_v=[-0.05, -0.1],
-        ),
-        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
+        dict(**N240, loss="asymre", lr=[1e-5, 3e-5], asymre_delta_v=[-0.05, -0.1]),
+        dict(**N240, positive_bias=0.2, lr=STUDY_LRS),
     ],
 )
 # The buffer's rules on --preset cpu-study, each against the default (uniform sampling) at one schedule: the
