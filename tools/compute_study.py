@@ -24,23 +24,21 @@ the earlier study's rule (pareto.py: 90% of on-policy's best median, cost at the
 seeds, and an A/A check: on-policy's seeds in two halves compared by this statistic, where nothing differs.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pareto
 import tyro
-from pareto import EVAL_ROLLOUTS
 from studylib import fmt, report, runner
 from studylib.report import PAPER_MU, first_crossing, frontier, frontier_at, iqm, level_saving, save_figure
+from studylib.runner import EVAL_ROLLOUTS
 
 REFERENCE, SAVING_TARGET = "onpolicy", 30.0  # the configuration savings are measured against; the decision's saving
 LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
 BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
 AXIS = "compute_paper_mu"
+OLD_AXES = ("rollouts", AXIS)  # the Pareto study's rule's axes (old_rule)
 LEVEL_NAMES = [f"{f:.0%}" for f in LEVELS]
 BUDGET_NAMES = [f"{b:g}" for b in BUDGETS]
 
@@ -181,75 +179,50 @@ def analyse(runs: list[dict], args: Args) -> dict:
         "decision": {h: decisions[c] for h, c in zip(("H1", "H2"), hypotheses)},
         "aa": {"seeds": [seeds[:h], seeds[h : 2 * h]], "point": aa_point["configs"]["second half"]["saving"]}
         | {"interval_90": aa_ci["configs"]["second half"]["saving"]},
-        "old_rule": old_rule(runs, seeds, args),
+        "old_rule": old_rule(cells, hypotheses, len(seeds), args.replicates),
         "configs": {c: {**report.config_row(cell), "x": arms[c]["x"].tolist()} for c, cell in cells.items()},
         "start_greedy_acc": {int(s): float(a) for s, a in zip(seeds, next(iter(ref["acc"].values()))[:, 0])},
         "_arms": arms,
     }
 
 
-def old_rule(runs: list[dict], seeds: list[int], args: Args) -> dict:
-    """pareto.py's rule on these seeds: the saving to 90% of on-policy's best median, read at the first evaluation
-    past it, in generated rollouts and compute at the paper's mu, with its verdict."""
-    old = pareto.Args(primary=args.h1, same_lr=1e-5, saving_target=SAVING_TARGET, replicates=args.replicates)
-    s = pareto.analyse([r for r in runs if r["seed"] in seeds and r["config"] in (REFERENCE, args.h1, args.h2)], old)
-    p, ci, axes = s["point"]["configs"], s["interval_90"]["configs"], pareto.DECISION_AXES
-    return {
-        c: {a: {"saving": p[c]["saving"][a]["90%"], "interval_90": ci[c]["saving"][a]["90%"]} for a in axes}
-        | {"verdict": s["decision"][c]["verdict"]}
-        for c in [h for h in (args.h1, args.h2) if h]
-    }
+def old_rule(cells: dict, hypotheses: list, n_seeds: int, replicates: int) -> dict:
+    """The Pareto study's rule (pareto.py) on these seeds: the saving to 90% of on-policy's best median accuracy, read
+    at the first evaluation past it, in generated rollouts and compute at the paper's mu (OLD_AXES); met when it is
+    at least the target with its interval's lower end above 0 on both."""
+
+    def estimate(idx: np.ndarray) -> dict:
+        best = {
+            c: frontier([np.median(at["acc"][idx], axis=0) for at in cell["lrs"].values()]) for c, cell in cells.items()
+        }
+        cost = {c: report.costs(cell["x"], best[c], {"90%": 0.9}, best[REFERENCE][-1]) for c, cell in cells.items()}
+        return {c: report.savings(cost[c], cost[REFERENCE]) for c in hypotheses}
+
+    point, (ci, _) = estimate(np.arange(n_seeds)), report.bootstrap(estimate, n_seeds, replicates)
+    out = {}
+    for c in hypotheses:
+        rows = {a: {"saving": point[c][a]["90%"], "interval_90": ci[c][a]["90%"]} for a in OLD_AXES}
+        met = all(report.meets(r["saving"], r["interval_90"][0], SAVING_TARGET) for r in rows.values())
+        out[c] = rows | {"verdict": "met" if met else "not met"}
+    return out
 
 
 def table_md(s: dict) -> str:
     """The compute study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
-    seeds = s["seeds"]
+    seeds, aa = s["seeds"], s["aa"]
     names = list(p["configs"][ref]["cost"])
-    lines = [
-        "# The compute study: replay against on-policy, the rule fixed before the runs",
-        "",
-        f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}); each number is on all of them, each [interval] the 5th and "
-        f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
-        "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
-        f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
-        f"On-policy's best IQM: **{p['best']:.3f}** {fmt.bracket(ci['best'], fmt.acc)}; the "
-        f"levels: {', '.join(names)} of it, computed again in each resample.",
-        "",
-        "## Configurations",
-        "",
-        "Final compute: at the paper's mu. Measured mu: this machine's generation/training cost ratio (median over "
-        "the configuration's runs), which the decision does not use.",
-        "",
-        *fmt.config_table(s["configs"], ("final compute", lambda k: fmt.amount(k["x"][-1]))),
-        "",
-        "## Decision",
-        "",
-        f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
-        "above 0." + (" H2 is tested only when H1 is met." if s["h2"] else ""),
-        "",
-    ]
-    rows = []
+    decision = []
     for h, c in zip(s["decision"], (s["h1"], s["h2"])):
         saving = fmt.interval(p["configs"][c]["saving"], ci["configs"][c]["saving"], lambda x: fmt.saving(x, 1))
-        rows.append([h, c, saving, f"**{s['decision'][h]}**"])
-    lines += fmt.table(["hypothesis", "config", "saving", "decision"], rows)
-    lines += [
-        "",
-        "## Cost to each level (compute at the first crossing, interpolated) and its ratio to on-policy's",
-        "",
-        "A level a frontier never reaches costs its run's final compute. Reached: whether the frontier on all seeds "
-        "reaches it, and in what share of the resamples.",
-        "",
-    ]
-    rows = []
+        decision.append([h, c, saving, f"**{s['decision'][h]}**"])
+    costs = []
     for c, row in p["configs"].items():
         for n in names:
             rci = ci["configs"][c]
             ratio = "—" if c == ref else fmt.interval(row["ratio"][n], rci["ratio"][n], fmt.amount)
             reached = f"{'yes' if row['reached'][n] else 'no'}; {rci['reached'][n]:.0%}"
-            rows.append([c, n, fmt.interval(row["cost"][n], rci["cost"][n], fmt.cost), ratio, reached])
-    lines += fmt.table(["config", "level", "cost", "ratio to on-policy", "reached: all seeds; resamples"], rows)
+            costs.append([c, n, fmt.interval(row["cost"][n], rci["cost"][n], fmt.cost), ratio, reached])
     gaps = [
         [c, *(fmt.interval(v, ci["configs"][c]["gap"][b], fmt.diff) for b, v in row["gap"].items())]
         for c, row in p["configs"].items()
@@ -257,48 +230,51 @@ def table_md(s: dict) -> str:
     ]
     old = []
     for c, o in s["old_rule"].items():
-        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
+        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in OLD_AXES]
         old.append([c, *by_axis, o["verdict"]])
-    lines += [
-        "",
+    lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
+    best = []
+    for c, row in p["configs"].items():
+        iqms, band = row["best_iqm"], ci["configs"][c]["best_iqm"]
+        best.append([c, *(fmt.interval(iqms[lr], band[lr], fmt.acc) if lr in iqms else "-" for lr in lrs)])
+    blocks = [
+        "# The compute study: replay against on-policy, the rule fixed before the runs",
+        f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}); each number is on all of them, each [interval] the 5th and "
+        f"95th percentiles over {s['replicates']} paired bootstrap resamples of the seeds. Accuracy: held-out greedy "
+        "accuracy, interquartile mean (IQM) over seeds; a frontier: the running maximum over evaluations of the "
+        f"maximum over learning rates. Compute = trained rollouts + {s['paper_mu']:g} x generated rollouts. "
+        f"On-policy's best IQM: **{p['best']:.3f}** {fmt.bracket(ci['best'], fmt.acc)}; the "
+        f"levels: {', '.join(names)} of it, computed again in each resample.",
+        "## Configurations",
+        "Final compute: at the paper's mu. Measured mu: this machine's generation/training cost ratio (median over "
+        "the configuration's runs), which the decision does not use.",
+        fmt.config_table(s["configs"], ("final compute", lambda k: fmt.amount(k["x"][-1]))),
+        "## Decision",
+        f"Met when the saving is at least {s['saving_target']:g}% and its interval's lower end (5th percentile) is "
+        "above 0." + (" H2 is tested only when H1 is met." if s["h2"] else ""),
+        fmt.table(["hypothesis", "config", "saving", "decision"], decision),
+        "## Cost to each level (compute at the first crossing, interpolated) and its ratio to on-policy's",
+        "A level a frontier never reaches costs its run's final compute. Reached: whether the frontier on all seeds "
+        "reaches it, and in what share of the resamples.",
+        fmt.table(["config", "level", "cost", "ratio to on-policy", "reached: all seeds; resamples"], costs),
         "## Reported without deciding",
-        "",
         "**The frontier gap at equal compute** (the paper's Fig. 4 reading): replay's frontier minus on-policy's, "
         "at fractions of on-policy's final compute.",
-        "",
-        *fmt.table(["config", *(f"at {b} of the compute" for b in p["configs"][ref]["gap"])], gaps),
-        "",
+        fmt.table(["config", *(f"at {b} of the compute" for b in p["configs"][ref]["gap"])], gaps),
         "**The earlier study's rule on these seeds** (pareto.py: the saving to 90% of on-policy's best median, read "
         "at the first evaluation past it; met when at least the target with the interval's lower end above 0 on "
         "both axes):",
-        "",
-        *fmt.table(["config", "generated rollouts", "compute at the paper's mu", "verdict"], old),
-    ]
-    aa = s["aa"]
-    lines += [
-        "",
+        fmt.table(["config", "generated rollouts", "compute at the paper's mu", "verdict"], old),
         f"**A/A check**: on-policy on seeds {aa['seeds'][1][0]}-{aa['seeds'][1][-1]} against on-policy on seeds "
         f"{aa['seeds'][0][0]}-{aa['seeds'][0][-1]} by the same statistic (paired by position): saving "
         f"{fmt.interval(aa['point'], aa['interval_90'], lambda x: fmt.saving(x, 1))}, where nothing differs.",
-        "",
         "## Best IQM per learning rate",
-        "",
-    ]
-    lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
-    rows = []
-    for c, row in p["configs"].items():
-        best, band = row["best_iqm"], ci["configs"][c]["best_iqm"]
-        rows.append([c, *(fmt.interval(best[lr], band[lr], fmt.acc) if lr in best else "-" for lr in lrs)])
-    lines += fmt.table(["config", *(f"lr {float(lr):g}" for lr in lrs)], rows)
-    lines += [
-        "",
+        fmt.table(["config", *(f"lr {float(lr):g}" for lr in lrs)], best),
         "## Seeds",
-        "",
         "Held-out greedy accuracy after the warm start (step 0, shared by every configuration of a seed):",
-        "",
-        *fmt.table(["seed", "step 0"], [[k, f"{s['start_greedy_acc'][str(k)]:.3f}"] for k in seeds]),
+        fmt.table(["seed", "step 0"], [[k, f"{s['start_greedy_acc'][str(k)]:.3f}"] for k in seeds]),
     ]
-    return "\n".join(lines) + "\n"
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, dest: Path) -> list[Path]:

@@ -28,8 +28,6 @@ The report's input is every run's compact record (records.json: settings, evalua
 the report; --records recomputes the whole report from that file alone.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,8 +139,7 @@ def analyse(data: dict, args: Args) -> dict:
             raise SystemExit(f"error: {name} has several runs of one seed outside the tune seeds: keep one lr per seed")
     seeds = sorted(set.intersection(*(set(b) for b in by.values())))
     if args.seeds is not None:
-        missing = sorted(set(args.seeds) - set(seeds))
-        if missing:
+        if missing := sorted(set(args.seeds) - set(seeds)):
             raise SystemExit(f"error: --seeds: {missing} have not finished every configuration")
         seeds = sorted(args.seeds)
     if len(seeds) < 4:
@@ -183,19 +180,16 @@ def table_md(s: dict) -> str:
         lrs = ", ".join(f"{lr:g}" for lr in cfg["lr"])
         configs.append([name, lrs, fmt.interval(cfg["score"][1], cfg["score"], fmt.acc), "; ".join(diag)])
     head = ["configuration", "lr", "score median [IQR]", "staleness buckets: corrected share / mean (log r)^2 / KL"]
-    lines = [
+    blocks = [
         f"Seeds {s['seeds'][0]}-{s['seeds'][-1]} ({len(s['seeds'])}; the lrs were picked on tune seeds "
         f"{s['tune_seeds']}). Score: held-out greedy accuracy averaged over the last {s['late_evals']} evaluations. "
         "Effect: mean over seeds of score(correction) - score(none), paired; interval: Bonferroni over "
         f"{s['family']} comparisons (two-sided 90%), from {s['replicates']} paired bootstrap resamples of the seeds.",
-        "",
-        *fmt.table(["setting", "correction", "effect", "interval (Bonferroni)", "90% interval", "decision"], rows),
-        "",
+        fmt.table(["setting", "correction", "effect", "interval (Bonferroni)", "90% interval", "decision"], rows),
         "Needs a correction: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in s["needs_correction"].items()),
-        "",
-        *fmt.table(head, configs),
+        fmt.table(head, configs),
     ]
-    return "\n".join(lines) + "\n"
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, dest: Path) -> list[Path]:

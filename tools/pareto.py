@@ -24,8 +24,6 @@ compute at the paper's mu alike. The claim holds on this grid when the planner's
 (--primary: the one the paper's recipe picks for mu = 5.28 without seeing any run).
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 from studylib import fmt, report, runner
-from studylib.report import PAPER_MU, first_reach, frontier, meets, save_figure, saving
+from studylib.report import PAPER_MU, costs, frontier, meets, save_figure, savings
+from studylib.runner import EVAL_ROLLOUTS
 
 AXES = {
     "rollouts": "generated rollouts",
@@ -50,7 +49,6 @@ REFERENCE = "onpolicy"  # the configuration savings are measured against
 # and is evaluated every EVAL_ROLLOUTS of them (on-policy every 2 steps), so that all curves share their x values.
 PARETO_LRS = [1e-5, 3e-5, 1e-4]
 PARETO_ROLLOUTS = 3840  # on-policy: 30 steps of R = 128
-EVAL_ROLLOUTS = 256
 
 
 def pareto_entry(buffer_size: int, prompts_per_step: int) -> dict:
@@ -94,29 +92,19 @@ def estimates(cells: dict, reference: str, idx: np.ndarray, same_lr: float) -> d
     out = {"target": target, "same_lr_target": same_target, "configs": {}}
     for c, cell in cells.items():
         best = frontier(list(med[c].values()))  # the best median accuracy over lrs at cost <= each evaluation's
-        row = out["configs"][c] = {k: {} for k in ("cost", "saving", "same_lr_cost", "same_lr_saving")}
-        row |= {"best": float(best[-1]), "lrs": {}}
+        row = out["configs"][c] = {"cost": costs(cell["x"], best, LEVELS, target), "saving": {}, "same_lr_cost": {}}
+        if same_lr in cell["lrs"] and same_lr in cells[reference]["lrs"]:
+            row["same_lr_cost"] = costs(cell["x"], med[c][same_lr], LEVELS, same_target)
+        row |= {"same_lr_saving": {}, "best": float(best[-1]), "lrs": {}}
         row["best_minus_reference"] = row["best"] - target
         row["frontier"] = {axis: {f"{x:g}": float(y) for x, y in zip(cell["x"][axis], best)} for axis in AXES}
-        for axis in AXES:
-            x = cell["x"][axis]
-            row["cost"][axis] = {name: first_reach(x, best, f * target) for name, f in LEVELS.items()}
-            if same_lr in cell["lrs"] and same_lr in cells[reference]["lrs"]:
-                at = med[c][same_lr]
-                row["same_lr_cost"][axis] = {name: first_reach(x, at, f * same_target) for name, f in LEVELS.items()}
         for lr, at in cell["lrs"].items():
             ent = np.median(at["entropy"][idx], axis=0)
-            row["lrs"][lr] = {
-                "final": float(med[c][lr][-1]),
-                "best": float(med[c][lr].max()),
-                "entropy_end": float(ent[-1]),
-            }
-            row["lrs"][lr]["entropy_start"] = float(ent[0])
+            row["lrs"][lr] = {"final": float(med[c][lr][-1]), "best": float(med[c][lr].max())}
+            row["lrs"][lr] |= {"entropy_end": float(ent[-1]), "entropy_start": float(ent[0])}
     ref = out["configs"][reference]
     for row in out["configs"].values():
-        for cost, sv in (("cost", "saving"), ("same_lr_cost", "same_lr_saving")):
-            for axis, at in row[cost].items():
-                row[sv][axis] = {n: saving(at[n], ref[cost][axis][n]) for n in LEVELS}
+        row["saving"], row["same_lr_saving"] = (savings(row[k], ref[k]) for k in ("cost", "same_lr_cost"))
         for lr, at in row["lrs"].items():
             if lr in ref["lrs"]:
                 at["final_minus_reference"] = at["final"] - ref["lrs"][lr]["final"]
@@ -142,7 +130,7 @@ def decide(point: dict, ci: dict, reference: str, saving_target: float, n_seeds:
 
 
 def analyse(runs: list[dict], args: Args) -> dict:
-    cells, seeds, mu = report.cells_of(runs, PAPER_MU, axes=tuple(AXES))
+    cells, seeds, mu = report.cells_of(runs, PAPER_MU)
     for flag, name in (("", REFERENCE), ("--primary ", args.primary)):
         if name not in cells:
             raise SystemExit(f"error: {flag}{name}: no finished runs (have: {', '.join(cells)})")
@@ -201,9 +189,26 @@ def table_md(s: dict) -> str:
     """The Pareto study's table.md from its summary (summary.json's content: lrs and seeds as keys are text)."""
     p, ci, ref = s["point"], s["interval_90"], s["reference"]
     seeds = ", ".join(map(str, s["seeds"]))
-    lines = [
+    decision = []
+    for c, d in s["decision"].items():
+        sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
+        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
+        decision.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
+    end, d = [], "final_minus_reference"
+    for c, row in p["configs"].items():
+        for lr, at in row["lrs"].items():
+            aci = ci["configs"][c]["lrs"][lr]
+            delta = "—" if c == ref or "final_minus_reference" not in at else fmt.interval(at[d], aci[d], fmt.diff)
+            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
+            ent = f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"
+            end.append([c, f"{float(lr):g}", final, delta, best, ent])
+    best = [
+        [c, *(fmt.interval(row[k], ci["configs"][c][k], one) for k, one in BEST_COLUMNS)]
+        for c, row in p["configs"].items()
+    ]
+    start = [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]
+    blocks = [
         "# The Pareto study: replay against on-policy over a learning-rate sweep",
-        "",
         f"Seeds {seeds} ({len(s['seeds'])}); each number is on all of them, each [interval] the 5th and 95th "
         f"percentiles over {s['replicates']} bootstrap resamples of the seeds. Accuracy: held-out greedy accuracy, "
         "median over seeds. A configuration's frontier: its best median accuracy at a cost, over its learning "
@@ -212,74 +217,37 @@ def table_md(s: dict) -> str:
         f"rollouts, at the measured mu = {fmt.mu(s['mu_measured'])} and at the paper's mu = {s['paper_mu']:g}. A point "
         "can lie outside its interval: a cost is the first evaluation where a median curve reaches a level, which "
         "jumps from one evaluation to the next.",
-        "",
         "## Configurations",
-        "",
         "A replay run's first step fills its buffer to B (B fresh rollouts), every later one adds R: its "
         "evaluations fall B − R generated rollouts after on-policy's, and its costs are read at its own.",
-        "",
-        *fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
-        "",
+        fmt.config_table(s["configs"], ("generated rollouts at the evaluations", eval_rollouts), n_over_r=True),
         "## Decision",
-        "",
         f"Met when the saving to 90% of the target is at least {s['saving_target']:g}% with the interval's lower end "
         "above 0, in generated rollouts and in compute at the paper's mu. The claim holds on this grid when "
         f"**{s['primary']}** (the planner's suggestion for mu = {s['paper_mu']:g}) meets it: "
         f"**{s['claim']}**.",
-        "",
-    ]
-    rows = []
-    for c, d in s["decision"].items():
-        sv, sci = p["configs"][c]["saving"], ci["configs"][c]["saving"]
-        by_axis = [fmt.interval(sv[a]["90%"], sci[a]["90%"], fmt.saving) for a in DECISION_AXES]
-        rows.append([f"**{c}**" if c == s["primary"] else c, *by_axis, d["verdict"]])
-    head = ["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"]
-    lines += fmt.table(head, rows)
-    lines += ["", "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)", ""]
-    lines += cost_table(p, ci, "cost", "saving")
-    lines += [
-        "",
+        fmt.table(["config", "saving to 90%: generated rollouts", "compute at the paper's mu", "verdict"], decision),
+        "## Cost to the target and to 90% of it, and the saving against on-policy (frontier over lrs)",
+        cost_table(p, ci, "cost", "saving"),
         f"## At one learning rate, {s['same_lr']:g}",
-        "",
         f"Target: {ref}'s best median accuracy at lr {s['same_lr']:g}, {fmt.acc(p['same_lr_target'])}.",
-        "",
-    ]
-    lines += cost_table(p, ci, "same_lr_cost", "same_lr_saving")
-    lines += [
-        "",
+        cost_table(p, ci, "same_lr_cost", "same_lr_saving"),
         "## The end point: final and best accuracy, entropy",
-        "",
         "At the end every configuration has generated about the same rollouts (see Configurations). Final: "
         "the median accuracy at the last evaluation; best: the highest median over the evaluations; entropy: "
         "the median over seeds of the policy's mean per-token entropy on the trained batch, at the first and "
         "the last step. The intervals of a best (a maximum) are lopsided, as a percentile bootstrap of a "
         "maximum is: a resample cannot exceed the best value it draws from.",
-        "",
-    ]
-    rows, d = [], "final_minus_reference"
-    for c, row in p["configs"].items():
-        for lr, at in row["lrs"].items():
-            aci = ci["configs"][c]["lrs"][lr]
-            delta = "—" if c == ref or "final_minus_reference" not in at else fmt.interval(at[d], aci[d], fmt.diff)
-            final, best = (fmt.interval(at[k], aci[k], fmt.acc) for k in ("final", "best"))
-            ent = f"{at['entropy_start']:.3f} → {at['entropy_end']:.3f}"
-            rows.append([c, f"{float(lr):g}", final, delta, best, ent])
-    head = ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"]
-    lines += fmt.table(head, rows)
-    rows = []
-    for c, row in p["configs"].items():
-        rows.append([c, *(fmt.interval(row[k], ci["configs"][c][k], one) for k, one in BEST_COLUMNS)])
-    lines += ["", *fmt.table(["config", "best over lrs", "− on-policy's best"], rows)]
-    lines += [
-        "",
+        fmt.table(
+            ["config", "lr", "final", "final − on-policy's at this lr", "best", "entropy first → last step"], end
+        ),
+        fmt.table(["config", "best over lrs", "− on-policy's best"], best),
         "## Seeds",
-        "",
         "Held-out greedy accuracy after the warm start (step 0; every configuration of a "
         "seed starts from the same warm start):",
-        "",
-        *fmt.table(["seed", *s["seeds"]], [["step 0", *(f"{s['start_greedy_acc'][str(k)]:.3f}" for k in s["seeds"])]]),
+        fmt.table(["seed", *s["seeds"]], start),
     ]
-    return "\n".join(lines) + "\n"
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, dest: Path) -> list[Path]:
@@ -309,14 +277,12 @@ def plot(s: dict, dest: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     lr = s["same_lr"]
-    for c, cell in cells.items():
-        if lr not in cell["lrs"]:
-            continue
-        q25, q50, q75 = np.percentile(cell["lrs"][lr]["acc"], [25, 50, 75], axis=0)
-        for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
-            ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
-            ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
-    for ax, axis in zip(axes, ("rollouts", "compute_paper_mu")):
+    for ax, axis in zip(axes, DECISION_AXES):
+        for c, cell in cells.items():
+            if lr in cell["lrs"]:
+                q25, q50, q75 = np.percentile(cell["lrs"][lr]["acc"], [25, 50, 75], axis=0)
+                ax.plot(cell["x"][axis], q50, color=colors[c], label=c)
+                ax.fill_between(cell["x"][axis], q25, q75, color=colors[c], alpha=0.15)
         report.label_axes(ax, xlabel=AXES[axis], ylabel="held-out greedy accuracy")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"At lr {lr:g}: median and IQR over seeds")

@@ -1,21 +1,17 @@
 """replay_study.py: the replay study (docs/study) and the buffer's rules against uniform sampling
 (docs/study/variants): their grids, and their report (`sweep.py report`).
 
-The report reads every finished run under --out-dir (or --records: the records.json it writes beside itself), groups
-runs by configuration over seeds (median and IQR), keeps per configuration the learning rate with the best median
-final greedy accuracy, and measures savings against the on-policy GRPO configuration (N = B = R). Compute, in the
-paper's normalisation: training on one rollout costs 1 unit and generating one costs mu units, so compute after t
-steps = trained_rollouts + mu * generated_rollouts (= t * B * (1 + mu * R / B) for a fixed schedule; on-policy costs
-B(1 + mu) per update). It is reported twice: with the mu measured on this machine (median of the runs' logged "mu")
-and with the paper's mu = 5.28 (Qwen2.5-7B).
+The report groups the finished runs by configuration over seeds (median and IQR), keeps per configuration the
+variant (learning rate, delta_V) with the best median final greedy accuracy on the tune seeds, and measures the cost
+to the on-policy GRPO configuration's accuracy (N = B = R) in generated tokens and in compute (report.compute) at the
+mu measured on this machine and at the paper's.
 """
-
-from __future__ import annotations
 
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -69,24 +65,17 @@ SMOKE_GRID = (
 # R = 16. Runs with less generated per step get more steps, so that every configuration can generate
 # as many tokens as on-policy does, with evaluations at the same generated-token intervals.
 STUDY_LRS = [1e-5, 3e-5, 1e-4]
+N240 = dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80)  # the optimum for the paper's mu
 STUDY_GRID = (
     ["--preset", "cpu-study"],
     [
         dict(buffer_size=64, prompts_per_step=4, lr=STUDY_LRS),  # on-policy GRPO: N = B = R = 64
         dict(buffer_size=224, prompts_per_step=2, total_steps=400, eval_every=40, lr=STUDY_LRS),  # optimum, measured mu
-        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, lr=STUDY_LRS),  # optimum, paper's mu
+        dict(**N240, lr=STUDY_LRS),
         # the paper's refinements at the better of the two buffers on the tune seeds (N = 240: median final greedy
         # accuracy 0.837 at lr 1e-5, against 0.825 for N = 224): AsymRE (delta_V scanned too) and positive bias 0.2
-        dict(
-            buffer_size=240,
-            prompts_per_step=1,
-            total_steps=800,
-            eval_every=80,
-            loss="asymre",
-            lr=[1e-5, 3e-5],
-            asymre_delta_v=[-0.05, -0.1],
-        ),
-        dict(buffer_size=240, prompts_per_step=1, total_steps=800, eval_every=80, positive_bias=0.2, lr=STUDY_LRS),
+        dict(**N240, loss="asymre", lr=[1e-5, 3e-5], asymre_delta_v=[-0.05, -0.1]),
+        dict(**N240, positive_bias=0.2, lr=STUDY_LRS),
     ],
 )
 # The buffer's rules on --preset cpu-study, each against the default (uniform sampling) at one schedule: the
@@ -245,19 +234,14 @@ def cost_estimate(configs: dict, reference: str, axes: dict):
         drawn = {c: {name: v[draw[c]] for name, v in a.items()} for c, a in arrays.items()}
         ref, out = drawn[reference], {}
         level = float(np.median(ref["acc"][:, -1]))
+        x = {c: {axis: np.median(a[axis], axis=0) for axis in axes} for c, a in drawn.items()}
+        cost = {c: report.costs(x[c], np.median(a["acc"], axis=0), FRACS, level) for c, a in drawn.items()}
         for c, a in drawn.items():
-            med, x = np.median(a["acc"], axis=0), {axis: np.median(a[axis], axis=0) for axis in axes}
-            cost = {axis: {f: report.first_reach(x[axis], med, v * level) for f, v in FRACS.items()} for axis in axes}
-            out[c] = {"cost": cost, "at_equal": {}}
+            out[c] = {"cost": cost[c], "saving": report.savings(cost[c], cost[reference]), "at_equal": {}}
             for axis in AXES[1:]:
-                within = np.nonzero(x[axis] <= float(np.median(ref[axis][:, -1])) + 1e-6)[0]
+                within = np.nonzero(x[c][axis] <= float(np.median(ref[axis][:, -1])) + 1e-6)[0]
                 pick = {w: float(np.median(a[w][:, within[-1]])) if len(within) else np.nan for w in ("acc", "pass@k")}
                 out[c]["at_equal"][axis] = pick
-        for c, row in out.items():
-            saving = {
-                ax: {f: report.saving(row["cost"][ax][f], out[reference]["cost"][ax][f]) for f in FRACS} for ax in axes
-            }
-            out[c] = {"cost": row["cost"], "saving": saving, "at_equal": row["at_equal"]}
         return out
 
     return estimate
@@ -327,8 +311,8 @@ def table_md(s: dict) -> str:
     def bootstrap(q, one) -> str:  # a [5th, 50th, 95th] percentile triple as 'median [5th, 95th]'
         return "—" if q[1] is None else fmt.interval(q[1], q, one)
 
-    ref, mu, pmu = s["reference"], s["mu_measured"], s["paper_mu"]
-    target = fmt.acc(s["target_greedy_acc"])
+    ref, iv = s["reference"], s["bootstrap"]["intervals"]
+    target, target_pct = fmt.acc(s["target_greedy_acc"]), f"{s['saving_target']:g}%"
     rows = []
     for c, r in s["configs"].items():
         lr = f"{r['lr']:g}" + ("*" if c in s["lr_choice"] else "")
@@ -340,68 +324,67 @@ def table_md(s: dict) -> str:
         rows.append(cells)
     head = ["config", "lr", "seeds", "steps", "greedy acc", "pass@1", "pass@k", "gen. tokens", "mu (meas.)"]
     head += ["replay ratio", "staleness", "tokens to target", "saving", "compute (meas.) to target", "saving"]
-    lines = [
-        "# Replay-GRPO study",
-        "",
-        f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
-        f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
-        f"{target} is the target: "
-        "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
-        "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
-        f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
-        f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(mu)} (median of the runs' measured mu on this "
-        f"machine), 'paper' uses mu = {pmu:g}. Replay ratio: trained / generated rollouts; staleness: "
-        "optimizer steps between a rollout's generation and its use, averaged over every use.",
-        "",
-        *fmt.table(head + ["compute (paper) to target", "saving"], rows),
-    ]
-    if s["configs"][ref]["tokens_to_target"] == 0:
-        lines += [
-            "",
-            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
-            "so the savings are undefined: train longer or with a weaker warm start.",
-        ]
-    iv = s["bootstrap"]["intervals"]
-    rows = []
+    costs = []
     for c in s["configs"]:
         for f in ("target", "90% of target"):
             cells = [c, f]
             for axis in AXES:
                 saving = "—" if c == ref else bootstrap(iv[c]["saving"][axis][f], fmt.saving)
                 cells += [bootstrap(iv[c]["cost"][axis][f], fmt.cost), saving]
-            rows.append(cells)
+            costs.append(cells)
     equal = [
         [c, *(bootstrap(iv[c]["at_equal"][a][w], fmt.acc) for a in AXES[1:] for w in ("acc", "pass@k"))]
         for c in s["configs"]
     ]
-    target_pct = f"{s['saving_target']:g}%"
     cost_head = ["gen. tokens", "saving", "compute (meas. mu)", "saving", "compute (paper mu)", "saving"]
     equal_head = ["greedy acc (meas. mu)", "pass@k (meas. mu)", "greedy acc (paper mu)", "pass@k (paper mu)"]
-    lines += [
-        "",
+    seeds = [
+        [c, r["seed"], r["warmstart_reached"]]
+        + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
+        for c, runs in s["per_seed"].items()
+        for r in runs
+    ]
+    blocks = [
+        "# Replay-GRPO study",
+        [
+            f"Final held-out accuracy as median [IQR] over seeds (greedy decoding; pass@1 at temperature 0.1, "
+            f"top-p 0.95; pass@k at temperature 1). Reference: **{ref}**, whose final median greedy accuracy "
+            f"{target} is the target: "
+            "'to target' is the generated tokens / compute at the first evaluation where a configuration's "
+            "median greedy accuracy reaches it (— never), 'saving' is 1 − ours / reference's.",
+            f"Compute units: training on a rollout costs 1, generating one costs mu; compute = trained rollouts "
+            f"+ mu × generated rollouts. 'meas.' uses mu = {fmt.mu(s['mu_measured'])} (median of the runs' measured "
+            f"mu on this machine), 'paper' uses mu = {s['paper_mu']:g}. Replay ratio: trained / generated rollouts; "
+            "staleness: optimizer steps between a rollout's generation and its use, averaged over every use.",
+        ],
+        fmt.table(head + ["compute (paper) to target", "saving"], rows),
+    ]
+    if s["configs"][ref]["tokens_to_target"] == 0:
+        blocks.append(
+            f"Note: {ref}'s median accuracy is at the target already at step 0 (before any RL), "
+            "so the savings are undefined: train longer or with a weaker warm start."
+        )
+    blocks += [
         f"## Cost to reach {ref}'s final median accuracy ({target}) and 90% of it",
-        "",
         f"Median and bootstrap 90% interval ({s['bootstrap']['replicates']} resamples of the seeds of each "
         "configuration; the target recomputed from each resample of the reference). 'never': not reached "
         "within the run. Saving = 1 − ours / reference's.",
-        "",
-        *fmt.table(["config", "reaches", *cost_head], rows),
-        "",
+        fmt.table(["config", "reaches", *cost_head], costs),
         f"## Accuracy at equal compute (the compute {ref} used in its whole run)",
-        "",
         "Median greedy accuracy and pass@k at the last evaluation within that compute, bootstrap 90% interval.",
-        "",
-        *fmt.table(["config", *equal_head], equal),
-        "",
+        fmt.table(["config", *equal_head], equal),
         f"## Decision: >= {target_pct} fewer generated tokens and >= {target_pct} less "
         f"compute at the paper's mu, to {ref}'s final median accuracy",
-        "",
-        "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
-        "below it; not resolvable: the interval straddles it (or the target was not reached).",
-        "",
+        [  # the rule, a blank line, and a verdict per configuration
+            "met: the whole 90% interval of the saving is at or above the target; not met: the whole interval is "
+            "below it; not resolvable: the interval straddles it (or the target was not reached).",
+            "",
+            *(
+                f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**"
+                for c, d in s["decision"].items()
+            ),
+        ],
     ]
-    for c, d in s["decision"].items():
-        lines.append(f"- {c}: tokens {d['tokens']}, compute at paper mu {d['compute_paper_mu']}: **{d['both']}**")
     if any(r.get("by_staleness") for r in s["configs"].values()):
         rows = [
             [c, label, f"{b['share']:.3f}", *(f"{b[k]:.4f}" for k in ("clip_frac", "abs_log_ratio", "ess_per_token"))]
@@ -409,25 +392,16 @@ def table_md(s: dict) -> str:
             for label, b in (r.get("by_staleness") or {}).items()
         ]
         head = ["config", "staleness", "share of rollouts", "clip fraction", "mean abs log ratio", "ESS per token"]
-        lines += [
-            "",
+        blocks += [
             "## What a step trains on, by staleness",
-            "",
             "Over every step and seed: the share of trained rollouts in each staleness bucket (optimizer steps "
             "since generation) and, weighted by tokens, the clip fraction, the mean |log ratio| to the "
             "behaviour policy and the effective sample size of the token ratios per token ((sum w)^2 / sum "
             "w^2 over the tokens: 1 when all ratios are equal).",
-            "",
-            *fmt.table(head, rows),
+            fmt.table(head, rows),
         ]
-    rows = [
-        [c, r["seed"], r["warmstart_reached"]]
-        + [fmt.acc(r[k]) for k in ("warmstart_pass@k", "greedy_acc_start", "greedy_acc_final")]
-        for c, runs in s["per_seed"].items()
-        for r in runs
-    ]
     head = ["config", "seed", "warm start reached", "pass@k after it", "greedy start", "greedy final"]
-    lines += ["", "## Seeds", "", *fmt.table(head, rows)]
+    blocks += ["## Seeds", fmt.table(head, seeds)]
     if s["lr_choice"]:
         tuned = s.get("tune_seeds")
         chosen = (
@@ -435,18 +409,17 @@ def table_md(s: dict) -> str:
             if tuned
             else "on the same seeds it is reported on:"
         )
-        lines += [
-            "",
-            "## Learning rate (*)",
-            "",
-            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
-            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
-            "",
-        ]
+        picked = []
         for c, note in ((c, s["lr_choice"][c]) for c in s["configs"] if c in s["lr_choice"]):
             tried = ", ".join(f"{label}: {acc:.3f}" for label, acc in note["median_final_greedy_acc"].items())
-            lines.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
-    return "\n".join(lines) + "\n"
+            picked.append(f"- {c}: {note['label']} picked (median final greedy accuracy {tried})")
+        blocks += [
+            "## Learning rate (*)",
+            "Configurations run with several learning rates (and delta_V) keep the one with the best median "
+            f"final greedy accuracy (ties: pass@1, then the smaller lr), chosen {chosen}",
+            picked,
+        ]
+    return fmt.markdown(blocks)
 
 
 def plot(s: dict, out_dir: Path) -> list[Path]:
@@ -466,12 +439,7 @@ def plot(s: dict, out_dir: Path) -> list[Path]:
             legend.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
         written.append(save_figure(fig, out_dir / name, bbox_inches="tight"))
 
-    def steps(r):
-        return r["step"]
-
-    def tokens(r):
-        return r.get("total_generated_tokens", 0)
-
+    steps, tokens = itemgetter("step"), report.x_of("tokens", {})
     acc, by_steps, G = "held-out greedy accuracy", "gradient steps", "eval/greedy_acc"
     mus = {"measured on this machine": s["mu_measured"], "the paper's": s["paper_mu"]}
     computes = [(partial(compute, mu=mu), f"mu = {mu:.2f} ({what})") for what, mu in mus.items()]

@@ -13,8 +13,6 @@ Each run (runner.execute) is named after its configuration: onpolicy-s0, N512-R3
 N512-R32-grpo-lr5e-05-s0 (when the grid entry tries several lrs), ... `report` is the replay study's (replay_study.py).
 """
 
-from __future__ import annotations
-
 import itertools
 import json
 import os
@@ -167,13 +165,13 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
                 continue
             if picks is not None and picks.get(config) != tag:
                 continue
-            if owner.setdefault(config + tag, i) != i:
-                name = config + tag
+            variant = config + tag
+            if owner.setdefault(variant, i) != i:
                 raise SystemExit(
-                    f"error: grid entries {owner[name]} and {i} are both named {name!r}: give one a 'name'"
+                    f"error: grid entries {owner[variant]} and {i} are both named {variant!r}: give one a 'name'"
                 )
             for seed in seeds:
-                name = f"{config}{tag}-s{seed}"
+                name = f"{variant}-s{seed}"
                 runs.append(
                     {
                         "name": name,
@@ -221,12 +219,11 @@ def run(args: RunArgs) -> None:
         done = execute(runs, in_subprocess=args.subprocess)
     if done["failed"]:
         raise SystemExit(f"error: {len(done['failed'])} run(s) failed: {', '.join(done['failed'])} (rerun to retry)")
-    others = others_still_train(runs, done)
-    then = " (then the variants are picked and --seeds run)" if args.tune_seeds else ""
-    if others:
-        names = ", ".join(others)
+    if others := others_still_train(runs, done):
+        then = " (then the variants are picked and --seeds run)" if args.tune_seeds else ""
         return print(
-            f"{len(others)} run(s) are another process's, not finished yet: {names}; run this again when it ends{then}"
+            f"{len(others)} run(s) are another process's, not finished yet: {', '.join(others)}; run this again "
+            f"when it ends{then}"
         )
     print(f"all runs finished in {args.out_dir}; next: python tools/sweep.py report --out-dir {args.out_dir}")
 

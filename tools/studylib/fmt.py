@@ -1,8 +1,6 @@
 """fmt.py: the pieces of a study's table.md. Each formatter takes a value as summary.json holds it: a number, "never"
 (a level never reached: +-inf) or None (undefined, or nan)."""
 
-from __future__ import annotations
-
 import math
 
 
@@ -48,6 +46,11 @@ def bracket(ci, one) -> str:
 
 def interval(value, ci, one) -> str:
     return f"{one(value)} {bracket(ci, one)}"
+
+
+def markdown(blocks: list) -> str:
+    """A document of blocks, one blank line apart: a heading or paragraph as a string, a table or list as its lines."""
+    return "\n\n".join(b if isinstance(b, str) else "\n".join(b) for b in blocks) + "\n"
 
 
 def table(head: list, rows) -> list[str]:

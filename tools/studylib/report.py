@@ -3,8 +3,6 @@ decision rules, and how a report is written: summary.json, table.md rendered fro
 `sweep.py render` gives the same bytes again, the figures, and records.json, the runs' records it was computed from.
 """
 
-from __future__ import annotations
-
 import json
 import math
 from dataclasses import dataclass
@@ -69,7 +67,7 @@ def curve(runs: list[dict], y: str, x, eval_only: bool = True) -> dict:
     return {"x": np.median(a["x"], axis=0), "q25": q[0], "median": q[1], "q75": q[2]}
 
 
-def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measured_mu", "compute_paper_mu")):
+def cells_of(runs: list[dict], paper_mu: float):
     """The runs of a learning-rate sweep as arrays, on the seeds every (config, lr) finished: returns the cells, those
     seeds and the measured mu. A configuration's cell holds x[axis] [evaluation] (median over its runs, at the
     evaluations all of them made, so that its learning rates share their x values) and per learning rate: cfg, mu,
@@ -90,6 +88,7 @@ def cells_of(runs: list[dict], paper_mu: float, axes=("rollouts", "compute_measu
     kept = sorted((r for r in runs if r["seed"] in seeds), key=lambda r: (r["seed"], r["cfg"]["lr"]))
     mu, cells = measured_mu(kept), {}
     mus = {"compute_measured_mu": mu, "compute_paper_mu": paper_mu}
+    axes = ("rollouts", *mus)
     for config in dict.fromkeys(r["config"] for r in kept):
         rs = [r for r in kept if r["config"] == config]
         a = at_shared_steps(rs, {"acc": lambda e: e["eval/greedy_acc"], **{ax: x_of(ax, mus) for ax in axes}})
@@ -179,6 +178,16 @@ def saving(cost: float, reference_cost: float) -> float:
     if not 0 < reference_cost < math.inf:
         return math.nan
     return -math.inf if cost == math.inf else 100 * (1 - cost / reference_cost)
+
+
+def costs(x: dict, y: np.ndarray, levels: dict, target: float) -> dict:
+    """{axis: {level: first_reach on x[axis] of y to the level's fraction of target}}."""
+    return {axis: {name: first_reach(xs, y, f * target) for name, f in levels.items()} for axis, xs in x.items()}
+
+
+def savings(cost: dict, reference_cost: dict) -> dict:
+    """saving() of each cost ({axis: {level: cost}}) against the reference's at the same axis and level."""
+    return {axis: {n: saving(c, reference_cost[axis][n]) for n, c in at.items()} for axis, at in cost.items()}
 
 
 def level_saving(costs: list[float], reference_costs: list[float]) -> float:

@@ -2,8 +2,6 @@
 run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
 checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
 
-from __future__ import annotations
-
 import fcntl
 import json
 import os
@@ -27,6 +25,7 @@ TRAINER = ROOT / "replay_grpo.py"
 CPU_AS_STUDIED = (
     "--preset cpu --arith-max-operand 99 --sft-warmup-steps 2000 --sft-imitation 0 --lr 3e-6 --total-steps 200"
 ).split()
+EVAL_ROLLOUTS = 256  # the Pareto and compute grids evaluate every 256 generated rollouts
 PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and seed, as the study planned them
 
 
