@@ -1,6 +1,8 @@
 """Every tool as printed in the docs: `python tools/NAME.py --help` from the root, and the committed study reports
-rendered again from their committed summaries, byte for byte."""
+rendered again from their committed summaries, and computed again from their committed per-run records, byte for
+byte."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -34,3 +36,28 @@ def test_each_tool_prints_its_usage_from_the_root(name):
 def test_a_committed_report_renders_again_from_its_summary_byte_for_byte(summary, tmp_path):
     sweep.main(["render", str(ROOT / summary), "--table", str(tmp_path / "table.md")])
     assert (tmp_path / "table.md").read_bytes() == (ROOT / summary).with_name("table.md").read_bytes()
+
+
+# Each committed records.json (a study's per-run records) and the report command that computed its folder from it
+FROM_RECORDS = {
+    "docs/study/compute/replication": ["compute_study", "--h2", "None", "--seeds", *map(str, range(300, 340))],
+    "docs/study/corrections": ["corrections_study"],
+}
+
+
+def test_every_committed_records_file_has_its_report_command():
+    assert {str(p.parent.relative_to(ROOT)) for p in (ROOT / "docs").glob("study*/**/records.json")} == set(
+        FROM_RECORDS
+    )
+
+
+@pytest.mark.parametrize("folder", sorted(FROM_RECORDS))
+def test_a_committed_report_is_computed_again_from_its_committed_records_byte_for_byte(folder, tmp_path):
+    tool, *argv = FROM_RECORDS[folder]
+    importlib.import_module(tool).main(
+        ["--records", str(ROOT / folder / "records.json"), "--report-dir", str(tmp_path)] + argv
+    )
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert {"table.md", "summary.json", "records.json"} <= set(written), written
+    for name in written:  # the figures too
+        assert (tmp_path / name).read_bytes() == (ROOT / folder / name).read_bytes(), name
