@@ -1352,12 +1352,9 @@ class HFGenerator:
         return out
 
     def _generate(self, prompts, n, max_new_tokens, temperature, top_p, logprobs):
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        width = max(map(len, prompts))  # left padding: every prompt ends where generation starts
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         if temperature > 0:  # top_k=0: no top-k cut, so the sampled distribution is the one the log-probs score
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         else:
