@@ -40,6 +40,7 @@ def test_a_committed_report_renders_again_from_its_summary_byte_for_byte(summary
 
 # Each committed records.json (a study's per-run records) and the report command that computed its folder from it
 FROM_RECORDS = {
+    "docs/study/compute": ["compute_study", "--seeds", *map(str, range(20, 60))],
     "docs/study/compute/replication": ["compute_study", "--h2", "None", "--seeds", *map(str, range(300, 340))],
     "docs/study/corrections": ["corrections_study"],
 }
