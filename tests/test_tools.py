@@ -43,6 +43,7 @@ FROM_RECORDS = {
     "docs/study/compute": ["compute_study", "--seeds", *map(str, range(20, 60))],
     "docs/study/compute/replication": ["compute_study", "--h2", "None", "--seeds", *map(str, range(300, 340))],
     "docs/study/corrections": ["corrections_study"],
+    "docs/study/pareto/rerun": ["pareto"],
 }
 
 
