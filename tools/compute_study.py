@@ -26,9 +26,11 @@ seeds, and an A/A check: on-policy's seeds in two halves compared by this statis
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pareto
 import tyro
 from studylib import fmt, report, runner
 from studylib.report import PAPER_MU, first_crossing, frontier, frontier_at, iqm, level_saving, save_figure
@@ -38,7 +40,6 @@ REFERENCE, SAVING_TARGET = "onpolicy", 30.0  # the configuration savings are mea
 LEVELS = np.linspace(0.84, 0.96, 7)  # fractions of on-policy's best IQM
 BUDGETS = (0.125, 0.25, 0.5, 1.0)  # fractions of on-policy's final compute where the frontier gap is read
 AXIS = "compute_paper_mu"
-OLD_AXES = ("rollouts", AXIS)  # the Pareto study's rule's axes (old_rule)
 LEVEL_NAMES = [f"{f:.0%}" for f in LEVELS]
 BUDGET_NAMES = [f"{b:g}" for b in BUDGETS]
 
@@ -187,23 +188,16 @@ def analyse(runs: list[dict], args: Args) -> dict:
 
 
 def old_rule(cells: dict, hypotheses: list, n_seeds: int, replicates: int) -> dict:
-    """The Pareto study's rule (pareto.py) on these seeds: the saving to 90% of on-policy's best median accuracy, read
-    at the first evaluation past it, in generated rollouts and compute at the paper's mu (OLD_AXES); met when it is
-    at least the target with its interval's lower end above 0 on both."""
-
-    def estimate(idx: np.ndarray) -> dict:
-        best = {
-            c: frontier([np.median(at["acc"][idx], axis=0) for at in cell["lrs"].values()]) for c, cell in cells.items()
-        }
-        cost = {c: report.costs(cell["x"], best[c], {"90%": 0.9}, best[REFERENCE][-1]) for c, cell in cells.items()}
-        return {c: report.savings(cost[c], cost[REFERENCE]) for c in hypotheses}
-
+    """The Pareto study's rule (pareto.estimates and pareto.decide) on these seeds: the saving to 90% of on-policy's
+    best median accuracy, read at the first evaluation past it, in generated rollouts and compute at the paper's mu
+    (pareto.DECISION_AXES); met when it is at least the target with its interval's lower end above 0 on both."""
+    estimate = partial(pareto.estimates, cells, REFERENCE, same_lr=None)
     point, (ci, _) = estimate(np.arange(n_seeds)), report.bootstrap(estimate, n_seeds, replicates)
-    out = {}
+    decision, out = pareto.decide(point, ci, REFERENCE, SAVING_TARGET, n_seeds), {}
     for c in hypotheses:
-        rows = {a: {"saving": point[c][a]["90%"], "interval_90": ci[c][a]["90%"]} for a in OLD_AXES}
-        met = all(report.meets(r["saving"], r["interval_90"][0], SAVING_TARGET) for r in rows.values())
-        out[c] = rows | {"verdict": "met" if met else "not met"}
+        sv, band = point["configs"][c]["saving"], ci["configs"][c]["saving"]
+        out[c] = {a: {"saving": sv[a]["90%"], "interval_90": band[a]["90%"]} for a in pareto.DECISION_AXES}
+        out[c]["verdict"] = decision[c]["verdict"]
     return out
 
 
@@ -230,7 +224,7 @@ def table_md(s: dict) -> str:
     ]
     old = []
     for c, o in s["old_rule"].items():
-        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in OLD_AXES]
+        by_axis = [fmt.interval(o[a]["saving"], o[a]["interval_90"], fmt.saving) for a in pareto.DECISION_AXES]
         old.append([c, *by_axis, o["verdict"]])
     lrs = list(dict.fromkeys(lr for row in p["configs"].values() for lr in row["best_iqm"]))  # an arm may run more
     best = []

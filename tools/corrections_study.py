@@ -82,20 +82,10 @@ class Args(report.Args):
     """paired bootstrap resamples of the seeds."""
 
 
-def gather(tables) -> dict[str, dict[str, list[float]]]:
-    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {key: [values]}}."""
-    out = {}
-    for table in tables:
-        for label, row in table.items():
-            for key, value in row.items():
-                out.setdefault(label, {}).setdefault(key, []).append(value)
-    return out
-
-
 def compact(run: dict) -> dict:
     """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
     rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
-    buckets = gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
+    buckets = report.gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
     diagnostics = {label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())}
     evals = [[r["step"], r.get("generated_rollouts", 0), r["eval/greedy_acc"]] for r in report.evals(run)]
     return {
@@ -156,7 +146,7 @@ def analyse(data: dict, args: Args) -> dict:
     for name in names:
         recs = [by[name][s] for s in seeds]
         accs = np.median([[e[2] for e in rec["evals"]] for rec in recs], axis=0)
-        diag = sorted(gather(rec["diagnostics"] for rec in recs).items(), key=lambda kv: bucket_order(kv[0]))
+        diag = sorted(report.gather(rec["diagnostics"] for rec in recs).items(), key=lambda kv: bucket_order(kv[0]))
         configs[name] = {"lr": sorted({rec["lr"] for rec in recs}), "score": list(report.quartiles(scores[name]))}
         configs[name]["curve"] = {str(e[0]): float(acc) for e, acc in zip(recs[0]["evals"], accs)}
         configs[name]["diagnostics"] = {k: {key: float(np.median(v)) for key, v in row.items()} for k, row in diag}

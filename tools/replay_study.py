@@ -265,21 +265,13 @@ def decide(intervals: dict, reference: str, saving_target: float) -> dict:
 def staleness_buckets(rs: list[dict]) -> dict | None:
     """The metrics by staleness over every step and seed of a configuration: per bucket, its share of the trained
     rollouts and, token-weighted, the clip fraction, mean |log ratio| and ESS per token. None: none logged."""
-    sums = {}  # bucket -> rollouts, tokens, and over its tokens: the clipped ones, |log ratio| summed, the ESS
-    for rec in (rec for r in rs for rec in r["records"]):
-        for label, b in rec.get("by_staleness", {}).items():
-            add = [b["rollouts"], b["tokens"], b["clip_frac"] * b["tokens"], b["abs_log_ratio"] * b["tokens"], b["ess"]]
-            sums[label] = [total + x for total, x in zip(sums.get(label, [0, 0, 0.0, 0.0, 0.0]), add)]
-    rollouts = sum(t[0] for t in sums.values())
-    return {
-        label: {
-            "share": n / rollouts,
-            "clip_frac": clip / tokens,
-            "abs_log_ratio": lr / tokens,
-            "ess_per_token": ess / tokens,
-        }
-        for label, (n, tokens, clip, lr, ess) in sorted(sums.items(), key=lambda kv: bucket_order(kv[0]))
-    } or None
+    by = report.gather(rec.get("by_staleness", {}) for r in rs for rec in r["records"])
+    rollouts, out = sum(sum(b["rollouts"]) for b in by.values()), {}
+    for label, b in sorted(by.items(), key=lambda kv: bucket_order(kv[0])):
+        tokens = sum(b["tokens"])
+        weighted = {k: sum(v * n for v, n in zip(b[k], b["tokens"])) / tokens for k in ("clip_frac", "abs_log_ratio")}
+        out[label] = {"share": sum(b["rollouts"]) / rollouts, **weighted, "ess_per_token": sum(b["ess"]) / tokens}
+    return out or None
 
 
 def staleness_counts(run: dict) -> Counter:

@@ -126,6 +126,16 @@ def config_row(cell: dict) -> dict:
     }
 
 
+def gather(tables) -> dict[str, dict[str, list[float]]]:
+    """Per-bucket tables ({staleness bucket: {diagnostic: value}}, one per step or run) as {bucket: {key: [values]}}."""
+    out = {}
+    for table in tables:
+        for label, row in table.items():
+            for key, value in row.items():
+                out.setdefault(label, {}).setdefault(key, []).append(value)
+    return out
+
+
 def bucket_order(label: str) -> int:
     """'0', '1', '2-3', '4-7', '8+' (replay_grpo.STALENESS_BUCKETS) in staleness order."""
     return int(label.split("-")[0].rstrip("+"))
