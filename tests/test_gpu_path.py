@@ -166,7 +166,7 @@ def test_server_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
 # --- defect: every rank read the full optimizer state on resume -----------------------------------
 
 OPTIMIZER_BROADCAST = r"""
-import copy, torch, torch.distributed as dist
+import copy, os, torch, torch.distributed as dist
 import async_pipeline as ap, replay_grpo as rg, warm_start
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from test_gpu_path import random_batch
@@ -198,9 +198,10 @@ if rank == 0:
     assert saved and after.keys() == uninterrupted.keys()
     worst = max((after[k] - uninterrupted[k]).abs().max().item() for k in after)
     assert worst == 0.0, worst
-    print("BROADCAST-OK")
+    print("BROADCAST-OK", flush=True)
 dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # no interpreter shutdown: a gloo thread still freeing the last work's tensors would abort it (SIGABRT)
 """
 
 
