@@ -202,10 +202,10 @@ def test_the_replication_grid_is_the_compute_grid_on_the_same_setting_with_a_low
 
 
 def test_the_report_recomputes_from_its_compact_records(tmp_path):
-    """records.json beside the report keeps what the statistic reads of every run: the report from it is the
+    """records.json.xz beside the report keeps what the statistic reads of every run: the report from it is the
     report from the runs, byte for byte, and so is a report from the records it writes in turn."""
     runs = runs_with({"fast": (25, 182, 0.9), "slow": (100, 100, 1.0)})
-    for r in runs:  # what a real record also holds, which records.json leaves out
+    for r in runs:  # what a real record also holds, which records.json.xz leaves out
         r["records"][1] |= {"loss": 0.1, "by_staleness": {"0": {"rollouts": 8}}}
     path = tmp_path / "in.json"
     path.write_text(json.dumps(runner.compact_runs(runs)))
@@ -215,13 +215,13 @@ def test_the_report_recomputes_from_its_compact_records(tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
     cs.main(["--records", str(path), "--report-dir", str(first), "--h1", "fast", "--h2", "slow", "--replicates", "100"])
     cs.main(
-        ["--records", str(first / "records.json"), "--report-dir", str(again), "--h1", "fast", "--h2", "slow"]
+        ["--records", str(first / "records.json.xz"), "--report-dir", str(again), "--h1", "fast", "--h2", "slow"]
         + ["--replicates", "100"]
     )
     for name in ("summary.json", "table.md"):
         assert (first / name).read_text() == (direct / name).read_text() == (again / name).read_text(), name
-    assert (first / "records.json").read_text() == (again / "records.json").read_text()
-    with pytest.raises(SystemExit, match="not a study's records.json"):
+    assert (first / "records.json.xz").read_bytes() == (again / "records.json.xz").read_bytes()
+    with pytest.raises(SystemExit, match="not a study's records file"):
         (tmp_path / "bad.json").write_text('{"runs": [1]}')
         cs.main(["--records", str(tmp_path / "bad.json"), "--report-dir", str(tmp_path / "x")])
 
@@ -240,7 +240,7 @@ def test_an_arm_with_an_extra_learning_rate_reports_and_draws(tmp_path):
 
 
 def test_records_committed_so_far_pool_with_the_seeds_run_later(tmp_path, monkeypatch):
-    """A study run over two sessions: the first session's records.json pooled with the later run folders gives the
+    """A study run over two sessions: the first session's records file pooled with the later run folders gives the
     report of all the runs, byte for byte; a run in both, or a configuration run with other settings, is one line."""
     runs = runs_with({"fast": (25, 182, 0.9), "slow": (100, 100, 1.0)})
     every, so_far, out = tmp_path / "every.json", tmp_path / "so_far.json", tmp_path / "runs"
@@ -252,8 +252,8 @@ def test_records_committed_so_far_pool_with_the_seeds_run_later(tmp_path, monkey
     common = ["--h1", "fast", "--h2", "slow", "--replicates", "100"]
     cs.main(["--records", str(every), "--report-dir", str(tmp_path / "all"), *common])
     cs.main(["--out-dir", str(out), "--pool-records", str(so_far), "--report-dir", str(tmp_path / "pooled"), *common])
-    for name in ("summary.json", "table.md", "records.json"):
-        assert (tmp_path / "pooled" / name).read_text() == (tmp_path / "all" / name).read_text(), name
+    for name in ("summary.json", "table.md", "records.json.xz"):
+        assert (tmp_path / "pooled" / name).read_bytes() == (tmp_path / "all" / name).read_bytes(), name
     later.append(next(r for r in runs if r["seed"] == 3))
     with pytest.raises(
         SystemExit, match=r"--pool-records .*so_far.json: onpolicy-lr1e-05-s3 also finished in .*runs: keep one$"

@@ -1,6 +1,6 @@
 """The corrections study's statistic (tools/corrections_study.py) on records whose answers are known: the score is the
 mean of the last 3 evaluations, the effect is paired against none in the same setting, the Bonferroni interval
-decides, the tune seeds are left out, and the report recomputes the same summary from its own records.json."""
+decides, the tune seeds are left out, and the report recomputes the same summary from its own records.json.xz."""
 
 import json
 
@@ -113,9 +113,9 @@ def test_report_recomputes_from_its_records(tmp_path):
     first = tmp_path / "first"
     cs.main(["--records", str(path), "--report-dir", str(first), "--replicates", "200"])
     again = tmp_path / "again"
-    cs.main(["--records", str(first / "records.json"), "--report-dir", str(again), "--replicates", "200"])
-    for name in ("summary.json", "table.md", "records.json"):
-        assert (first / name).read_text() == (again / name).read_text(), name
+    cs.main(["--records", str(first / "records.json.xz"), "--report-dir", str(again), "--replicates", "200"])
+    for name in ("summary.json", "table.md", "records.json.xz"):
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
     assert "| N256 | tis | +0.100 |" in (first / "table.md").read_text()
 
 

@@ -118,7 +118,7 @@ def test_each_run_folder_says_what_it_was_planned_as_and_the_report_reads_it(stu
 
 
 def test_records_write_the_finished_runs_of_the_seeds_asked_for_as_the_reports_read_them(study, tmp_path):
-    to = tmp_path / "records.json"
+    to = tmp_path / "records.json.xz"
     seeds = sorted({r["seed"] for r in sweep.load_runs(study["out"])})
     sweep.main(["records", str(study["out"]), "--to", str(to), "--seeds", str(seeds[0])])
     runs = runner.load_records(to)
@@ -129,6 +129,10 @@ def test_records_write_the_finished_runs_of_the_seeds_asked_for_as_the_reports_r
     assert runner.load_records(to) == runner.compact_runs([r for r in every if r["seed"] in seeds[:2]])["runs"]
     with pytest.raises(SystemExit, match="also finished in"):
         sweep.main(["records", str(study["out"]), "--to", str(to), "--seeds", str(seeds[1]), "--pool-records", str(to)])
+    assert to.read_bytes().startswith(b"\xfd7zXZ\x00")  # xz
+    for name, starts in (("records.json.gz", b"\x1f\x8b"), ("records.json", b'{"runs":')):  # gzip, plain JSON
+        sweep.main(["records", str(study["out"]), "--to", str(tmp_path / name), "--seeds", str(seeds[0])])
+        assert (tmp_path / name).read_bytes().startswith(starts) and runner.load_records(tmp_path / name) == runs
 
 
 def test_interrupted_run_is_resumed_not_restarted(study):
@@ -459,7 +463,7 @@ def test_bootstrap_intervals_and_decision_on_known_runs(tmp_path):
 
 
 def test_the_replay_report_recomputes_from_its_records(tmp_path, monkeypatch):
-    """records.json beside the replay study's report holds the tune seeds and what the report reads of every run: the
+    """records.json.xz beside the replay study's report holds the tune seeds and what the report reads of every run: the
     report from it is the report from the run folders, byte for byte (figures too), and the summary from the whole
     runs; records without a key the report reads give another summary."""
     out = tmp_path / "runs"
@@ -480,8 +484,8 @@ def test_the_replay_report_recomputes_from_its_records(tmp_path, monkeypatch):
     (out / "sweep.json").write_text(json.dumps({"grid": "smoke", "seeds": [1, 2, 3], "tune_seeds": [0]}))
     direct, again, whole = tmp_path / "direct", tmp_path / "again", tmp_path / "whole"
     sweep.main(["report", "--out-dir", str(out), "--report-dir", str(direct)])
-    sweep.main(["report", "--records", str(direct / "records.json"), "--report-dir", str(again)])
-    data = json.loads((direct / "records.json").read_text())
+    sweep.main(["report", "--records", str(direct / runner.RECORDS), "--report-dir", str(again)])
+    data = runner.read_records(direct / runner.RECORDS)
     assert data["tune_seeds"] == [0] and "loss" not in data["runs"][0]["records"][1]
     args = replay_study.Args(out_dir=str(out))
     s = replay_study.analyse({"runs": runner.load_runs(out), "tune_seeds": [0]}, args)
@@ -489,7 +493,7 @@ def test_the_replay_report_recomputes_from_its_records(tmp_path, monkeypatch):
     assert s["configs"]["onpolicy"]["seeds"] == [1, 2, 3] and s["per_seed"]["onpolicy"][0]["warmstart_reached"]
     for name in ["table.md", "summary.json", *FIGURES, "staleness_metrics.png"]:
         assert (direct / name).read_bytes() == (again / name).read_bytes() == (whole / name).read_bytes(), name
-    assert (direct / "records.json").read_bytes() == (again / "records.json").read_bytes()
+    assert (direct / runner.RECORDS).read_bytes() == (again / runner.RECORDS).read_bytes()
     keys = replay_study.KEYS
     for key in ("staleness_hist", "by_staleness", "warmstart_reached", "replay_ratio"):
         monkeypatch.setattr(replay_study, "KEYS", tuple(k for k in keys if k != key))

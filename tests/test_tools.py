@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import sweep
+from studylib import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
@@ -38,7 +39,7 @@ def test_a_committed_report_renders_again_from_its_summary_byte_for_byte(summary
     assert (tmp_path / "table.md").read_bytes() == (ROOT / summary).with_name("table.md").read_bytes()
 
 
-# Each committed records.json (a study's per-run records) and the report command that computed its folder from it
+# Each committed records.json.xz (a study's per-run records) and the report command that computed its folder from it
 FROM_RECORDS = {
     "docs/study/compute": ["compute_study", "--seeds", *map(str, range(20, 60))],
     "docs/study/compute/replication": ["compute_study", "--h2", "None", "--seeds", *map(str, range(300, 340))],
@@ -50,18 +51,21 @@ FROM_RECORDS = {
 
 
 def test_every_committed_records_file_has_its_report_command():
-    assert {str(p.parent.relative_to(ROOT)) for p in (ROOT / "docs").glob("study*/**/records.json")} == set(
-        FROM_RECORDS
-    )
+    found = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "docs").glob(f"study*/**/{runner.RECORDS}")}
+    assert found == set(FROM_RECORDS)
+    assert not list((ROOT / "docs").glob("study*/**/records.json")), "records are kept compressed"
 
 
 @pytest.mark.parametrize("folder", sorted(FROM_RECORDS))
 def test_a_committed_report_is_computed_again_from_its_committed_records_byte_for_byte(folder, tmp_path):
     tool, *argv = FROM_RECORDS[folder]
     importlib.import_module(tool).main(
-        ["--records", str(ROOT / folder / "records.json"), "--report-dir", str(tmp_path)] + argv
+        ["--records", str(ROOT / folder / runner.RECORDS), "--report-dir", str(tmp_path)] + argv
     )
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert {"table.md", "summary.json", "records.json"} <= set(written), written
-    for name in written:  # the figures too
-        assert (tmp_path / name).read_bytes() == (ROOT / folder / name).read_bytes(), name
+    assert {"table.md", "summary.json", runner.RECORDS} <= set(written), written
+    for name in written:  # the figures too; the records as JSON (another liblzma may compress them otherwise)
+        new, old = (tmp_path / name).read_bytes(), (ROOT / folder / name).read_bytes()
+        if name == runner.RECORDS:
+            new, old = runner.decompress(tmp_path / name, new), runner.decompress(ROOT / folder / name, old)
+        assert new == old, name

@@ -82,7 +82,7 @@ REPLICATION_GRID = (
 
 @dataclass
 class Args(report.Args):
-    """The compute study's table (table.md), summary.json, records.json and figure from the runs in --out-dir."""
+    """The compute study's table (table.md), summary.json, records.json.xz and figure from the runs in --out-dir."""
 
     out_dir: str = "runs/compute"
     seeds: list[int] | None = None
@@ -95,7 +95,7 @@ class Args(report.Args):
     replicates: int = 2000
     """paired bootstrap resamples of the seeds."""
     pool_records: str | None = None
-    """a records.json whose runs are pooled with the finished runs in --out-dir (seeds run in two sessions): a run in
+    """a records.json.xz whose runs are pooled with the finished runs in --out-dir (seeds run in two sessions): a run in
     both, or a configuration whose settings differ between them, stops with one line."""
 
 

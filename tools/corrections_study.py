@@ -3,7 +3,8 @@
     python tools/sweep.py run --grid corrections --out-dir runs/corrections --tune-seeds 120 121 \
         --seeds $(seq 400 411)                                                              # the runs (resumable)
     python tools/corrections_study.py --out-dir runs/corrections --report-dir docs/study/corrections
-    python tools/corrections_study.py --records docs/study/corrections/records.json --report-dir docs/study/corrections
+    python tools/corrections_study.py --records docs/study/corrections/records.json.xz \
+        --report-dir docs/study/corrections
 
 The question: which --correction does a replay buffer need when its rollouts are many policy versions old? The
 setting is the cpu preset with a buffer that holds each rollout for N/R = 16 or 32 steps (R = 16 fresh rollouts a
@@ -24,7 +25,7 @@ Reported without deciding: each comparison's plain 90% interval (5th-95th), each
 IQR, the lrs the tune seeds picked, and per staleness bucket the diagnostics every record carries (offpolicy_by_
 staleness: the share of tokens the correction masked or truncated, mean (log r)^2, and the behaviour-to-policy KL).
 
-The report's input is every run's compact record (records.json: settings, evaluations, diagnostics), written beside
+The report's input is every run's compact record (records.json.xz: settings, evaluations, diagnostics), written beside
 the report; --records recomputes the whole report from that file alone.
 """
 
@@ -73,7 +74,7 @@ CORRECTIONS_GRID = (
 
 @dataclass
 class Args(report.Args):
-    """The corrections study's table (table.md), summary.json, records.json and figure."""
+    """The corrections study's table (table.md), summary.json, records.json.xz and figure."""
 
     out_dir: str = "runs/corrections"
     seeds: list[int] | None = None
@@ -83,7 +84,7 @@ class Args(report.Args):
 
 
 def compact(run: dict) -> dict:
-    """One finished run as records.json keeps it: its configuration, lr, seed, evaluations (step, generated
+    """One finished run as records.json.xz keeps it: its configuration, lr, seed, evaluations (step, generated
     rollouts, greedy accuracy) and the per-bucket diagnostics averaged over its steps."""
     buckets = report.gather(r.get("offpolicy_by_staleness") or {} for r in run["records"])
     diagnostics = {label: {key: float(np.mean(v)) for key, v in row.items()} for label, row in sorted(buckets.items())}

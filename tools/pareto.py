@@ -71,7 +71,7 @@ PARETO_GRID = (
 
 @dataclass
 class Args(report.Args):
-    """The Pareto study's table (table.md), summary.json, records.json and figures from the runs in --out-dir."""
+    """The Pareto study's table (table.md), summary.json, records.json.xz and figures from the runs in --out-dir."""
 
     out_dir: str = "runs/pareto"
     primary: str = "N240-R16-grpo"

@@ -22,7 +22,7 @@ from studylib.report import PAPER_MU, bucket_order, compute, curve, evals, final
 
 @dataclass
 class Args(report.Args):
-    """The table (table.md), summary.json, records.json and figures of the finished runs in --out-dir."""
+    """The table (table.md), summary.json, records.json.xz and figures of the finished runs in --out-dir."""
 
     tune_seeds: list[int] = field(default_factory=list)
     """seeds that chose a learning rate and are not reported (default: those `run` recorded in sweep.json)."""
@@ -512,7 +512,7 @@ BUCKET_PANELS = [
 ]
 
 
-# What the report reads of a run, records.json keeps: records' keys (and eval/pass@k at the run's k) and settings
+# What the report reads of a run, records.json.xz keeps: records' keys (and eval/pass@k at the run's k) and settings
 KEYS = (
     *runner.RECORD_KEYS,
     "eval/pass@1",
@@ -527,7 +527,7 @@ SETTINGS = (*runner.CONFIG_KEYS, "publish_every", "asymre_delta_v")
 
 
 def compact(runs: list[dict], tune_seeds: list[int]) -> dict:
-    """records.json's content: the tune seeds, and each run cut to what the report reads (runner.compact_run)."""
+    """records.json.xz's content: the tune seeds, and each run cut to what the report reads (runner.compact_run)."""
     keys = [KEYS + (f"eval/pass@{r['cfg']['pass_k']}",) for r in runs]
     return {"tune_seeds": tune_seeds, "runs": [runner.compact_run(r, k, SETTINGS) for r, k in zip(runs, keys)]}
 

@@ -90,16 +90,16 @@ class PlotArgs:
 
 @dataclass
 class RecordsArgs:
-    """The finished runs of a folder as records.json (runner.compact_runs), e.g. to pool with later seeds."""
+    """The finished runs of a folder as a records file (runner.compact_runs), e.g. to pool with later seeds."""
 
     out_dir: tyro.conf.Positional[str]
     """the sweep's folder."""
     to: str
-    """the records.json to write."""
+    """the records file to write: records.json.xz (xz-compressed, as the reports write it), .json.gz or .json."""
     seeds: list[int] | None = None
     """only these seeds (default: every finished run's)."""
     pool_records: str | None = None
-    """an earlier records.json whose runs are written with these (it may be --to itself); a run in both stops."""
+    """an earlier records file whose runs are written with these (it may be --to itself); a run in both stops."""
 
 
 def flags(entry: dict) -> list[str]:
@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if isinstance(args, RecordsArgs):
         runs = [r for r in load_runs(Path(args.out_dir), quiet=True) if args.seeds is None or r["seed"] in args.seeds]
         if args.pool_records:
-            runs = runner.pool(runner.load_records(Path(args.pool_records)), runs, args.pool_records, args.out_dir)
-        Path(args.to).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.to).write_text(json.dumps(runner.compact_runs(runs), separators=(",", ":")) + "\n")
+            kept = runner.load_records(Path(args.pool_records), "--pool-records")
+            runs = runner.pool(kept, runs, args.pool_records, args.out_dir)
+        runner.write_records(Path(args.to), runner.compact_runs(runs), "--to")
         print(f"wrote {args.to}: {len(runs)} finished run(s), seeds {sorted({r['seed'] for r in runs})}")
         return {"runs": len(runs)}
     if isinstance(args, RenderArgs):

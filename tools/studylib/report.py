@@ -1,6 +1,7 @@
 """report.py: the engine of every study report: the runs as arrays, the estimators, the bootstrap over seeds, the
 decision rules, and how a report is written: summary.json, table.md rendered from that JSON alone (fmt.py) so that
-`sweep.py render` gives the same bytes again, the figures, and records.json, the runs' records it was computed from.
+`sweep.py render` gives the same bytes again, the figures, and records.json.xz, the runs' records it was computed
+from.
 """
 
 import json
@@ -22,9 +23,10 @@ class Args:
     out_dir: str = "runs/study"
     """folder of the run folders (`sweep.py run --grid ...`)."""
     report_dir: str | None = None
-    """where table.md, summary.json, records.json and the figures go (default: --out-dir)."""
+    """where table.md, summary.json, records.json.xz and the figures go (default: --out-dir)."""
     records: str | None = None
-    """a records.json (as the report writes beside it) to recompute the report from, instead of the run folders."""
+    """a records file (records.json.xz, as the report writes beside it; gzip or plain JSON also) to recompute the
+    report from, instead of the run folders."""
 
 
 def evals(run: dict) -> list[dict]:
@@ -297,7 +299,7 @@ def save_figure(fig, path: Path, dpi: int = 110, **savefig) -> Path:
 
 def write_report(dest: Path, s: dict, *, private: str, table_md, plot, records=None) -> None:
     """summary.json (s without its `private` key, as strict JSON), table.md (table_md of that JSON, as a reader
-    of summary.json has it), the figures (plot of s) and records.json (records, where given) into dest; an
+    of summary.json has it), the figures (plot of s) and records.json.xz (records, where given) into dest; an
     unwritable folder stops with one line."""
     text = json.dumps(strict_json({k: v for k, v in s.items() if k != private}), indent=2, allow_nan=False)
     table = table_md(json.loads(text))
@@ -309,23 +311,28 @@ def write_report(dest: Path, s: dict, *, private: str, table_md, plot, records=N
     except OSError as e:
         raise SystemExit(f"error: cannot write the report into {dest} ({e.strerror or e})") from None
     print(table)
-    print("wrote", ", ".join(str(p) for p in [dest / "table.md", dest / "summary.json", *figures]))
+    written = [dest / "table.md", dest / "summary.json", *figures]
     if records is not None:
-        (dest / "records.json").write_text(json.dumps(records, separators=(",", ":")) + "\n")
+        runner.write_records(dest / runner.RECORDS, records, "--report-dir")
+        written.append(dest / runner.RECORDS)
+    print("wrote", ", ".join(map(str, written)))
 
 
 def study_report(args, grid: str, analyse, *, private, table_md, plot, compact=None, keys=runner.RUN_KEYS) -> dict:
     """A study report's main after its arguments. Its input is the runs' compact records: compact(runs, out_dir) of
     the finished runs in args.out_dir (made by `run --grid grid`; default: runner.compact_runs), or args.records (a
-    records.json, its runs holding keys) as it is; args.pool_records (where a study has it) adds the runs of another.
-    analyse(records, args) is the summary; the report and records.json go into args.report_dir (default: out_dir)."""
+    records file, its runs holding keys) as it is; args.pool_records (where a study has it) adds the runs of another.
+    analyse(records, args) is the summary; the report and records.json.xz go into args.report_dir (default:
+    out_dir)."""
     out, pooled = Path(args.out_dir), getattr(args, "pool_records", None)
     if args.records:
         data = runner.read_records(Path(args.records), keys)
+        if not data["runs"] and not pooled:
+            raise SystemExit(f"error: --records {args.records}: it holds no runs")
     else:
         data = {"runs": runner.load_runs(out) if out.is_dir() else []}
     if pooled:
-        data["runs"] = runner.pool(runner.load_records(Path(pooled)), data["runs"], pooled, out)
+        data["runs"] = runner.pool(runner.load_records(Path(pooled), "--pool-records"), data["runs"], pooled, out)
     if not data["runs"]:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
     if pooled or not args.records:

@@ -2,8 +2,10 @@
 run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
 checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
 
+import contextlib
 import fcntl
 import json
+import lzma
 import os
 import re
 import shutil
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,8 +156,12 @@ class Damaged(Exception):
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object file (config.json, sweep_run.json, sweep.json, summary.json), read by the trainer's bounded
+    reader (run_folder.read_json: its depth and length bounded); Damaged names the file."""
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = run_folder.read_json(path.read_bytes().decode("utf-8"), str(path))
+    except run_folder.JSONBoundError as e:
+        raise Damaged(str(e)) from None
     except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
         raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}") from None
     if not isinstance(value, dict):
@@ -163,7 +170,8 @@ def read_json(path: Path) -> dict:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; Damaged names the first line that is not a record with an integer step."""
+    """The records of a metrics.jsonl, each line read by run_folder.read_json (its depth and length bounded); Damaged
+    names the first line that is not a record with an integer step."""
     try:
         lines = path.read_bytes().decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -173,7 +181,9 @@ def read_metrics(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = run_folder.read_json(line, f"{path}:{lineno}")
+        except run_folder.JSONBoundError as e:
+            raise Damaged(str(e)) from None
         except ValueError:
             raise Damaged(f"{path}:{lineno}: not JSON (a cut or garbage line)") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
@@ -255,7 +265,8 @@ def load_runs(out_dir: Path, quiet: bool = False) -> list[dict]:
     return runs
 
 
-# What the compute and Pareto reports read of a run's records: records.json keeps these and the settings of CONFIG_KEYS
+# What the compute and Pareto reports read of a run's records: records.json.xz keeps these and the settings of
+# CONFIG_KEYS
 RECORD_KEYS = (
     "step",
     "eval/greedy_acc",
@@ -269,7 +280,7 @@ RUN_KEYS = ("name", "config", "variant", "seed", "cfg", "records")  # what a run
 
 
 def compact_run(run: dict, keys=RECORD_KEYS, settings=tuple(CONFIG_KEYS)) -> dict:
-    """A finished run (load_runs's) as records.json keeps it: its names, seed, settings and records cut to keys."""
+    """A finished run (load_runs's) as records.json.xz keeps it: its names, seed, settings and records cut to keys."""
     return {k: run[k] for k in RUN_KEYS[:4]} | {
         "cfg": {k: run["cfg"][k] for k in settings if k in run["cfg"]},
         "records": [{k: r[k] for k in keys if k in r} for r in run["records"]],
@@ -280,26 +291,87 @@ def compact_runs(runs: list[dict]) -> dict:
     return {"runs": [compact_run(r) for r in runs]}
 
 
-def read_records(path: Path, keys=RUN_KEYS) -> dict:
-    """A study's records.json ({"runs": [...]}, each run holding keys); a damaged one stops with one line."""
+# A study's records file, as its report writes it beside the report: compact JSON, xz-compressed (a sixth of the JSON's
+# size; the committed studies' records are 74 MB as JSON, 10 MB as xz). The readers also take gzip and plain JSON.
+RECORDS = "records.json.xz"
+RECORDS_BYTES = 2**30  # a records file's JSON beyond this once decompressed is refused (a study's largest: 46 MB)
+XZ_MAGIC, GZIP_MAGIC = b"\xfd7zXZ\x00", b"\x1f\x8b"
+
+
+def records_bytes(data: dict, path: Path) -> bytes:
+    """data as a records file at `path` holds it: compact JSON, xz- or gzip-compressed where its name ends so."""
+    text = (json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    if path.name.endswith(".xz"):
+        return lzma.compress(text, preset=9)
+    if path.name.endswith(".gz"):  # gzip's header holds no time or name: the same records give the same bytes
+        co = zlib.compressobj(9, zlib.DEFLATED, 31)
+        return co.compress(text) + co.flush()
+    return text
+
+
+def write_records(path: Path, data: dict, flag: str) -> None:
+    """data as a records file at `path` (records_bytes), written whole or not at all; a folder or an unwritable
+    place stops with one line naming the flag that gave it."""
+    if path.is_dir():
+        raise SystemExit(f"error: {flag} {path} is a folder: give the records file to write, e.g. {path / RECORDS}")
+    blob, tmp = records_bytes(data, path), path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        data = read_json(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise SystemExit(f"error: {flag} {path}: cannot write the records ({e.strerror or e})") from None
+
+
+def decompress(path: Path, blob: bytes) -> bytes:
+    """A records file's JSON bytes: blob as it is, or decompressed (xz or gzip, told by its first bytes), at most
+    RECORDS_BYTES; Damaged names a cut, damaged or too large file."""
+    if blob.startswith(XZ_MAGIC):
+        d, errors = lzma.LZMADecompressor(), lzma.LZMAError
+    elif blob.startswith(GZIP_MAGIC):
+        d, errors = zlib.decompressobj(31), zlib.error
+    else:
+        d, errors = None, ()
+    try:
+        text = d.decompress(blob, RECORDS_BYTES + 1) if d else blob
+    except errors as e:
+        raise Damaged(f"{path}: a damaged compressed file ({e})") from None
+    if len(text) > RECORDS_BYTES:
+        raise Damaged(f"{path}: more than {RECORDS_BYTES} bytes of JSON, beyond what a records file may hold")
+    if d and not d.eof:
+        raise Damaged(f"{path}: the compressed file is cut (it ends before its data)")
+    return text
+
+
+def read_records(path: Path, keys=RUN_KEYS, flag: str = "--records") -> dict:
+    """A study's records file ({"runs": [...]}, each run holding keys; xz, gzip or plain JSON), read by the trainer's
+    bounded reader; a damaged one stops with one line naming the file and the flag that gave it."""
+    try:
+        try:
+            text = decompress(path, path.read_bytes()).decode("utf-8")
+            data = run_folder.read_json(text, str(path), max_chars=RECORDS_BYTES)
+        except run_folder.JSONBoundError as e:
+            raise Damaged(str(e)) from None
+        except (OSError, ValueError) as e:  # missing, unreadable, not UTF-8, not JSON
+            raise Damaged(f"{path}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}") from None
     except Damaged as e:
-        raise SystemExit(f"error: --records {e}") from None
-    if not isinstance(data.get("runs"), list):
-        raise SystemExit(f"error: --records {path}: not a study's records.json (no list of runs)")
+        raise SystemExit(f"error: {flag} {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise SystemExit(f"error: {flag} {path}: not a study's records file (no list of runs)")
     if not all(isinstance(r, dict) and set(keys) <= set(r) for r in data["runs"]):
-        raise SystemExit(f"error: --records {path}: not a study's records.json (a run lacks {sorted(keys)})")
+        raise SystemExit(f"error: {flag} {path}: not a study's records file (a run lacks {sorted(keys)})")
     return data
 
 
-def load_records(path: Path) -> list[dict]:
-    """The runs of a records.json of compact_runs, as load_runs returns runs."""
-    return read_records(path)["runs"]
+def load_records(path: Path, flag: str = "--records") -> list[dict]:
+    """The runs of a records file of compact_runs, as load_runs returns runs."""
+    return read_records(path, flag=flag)["runs"]
 
 
 def pool(kept: list[dict], runs: list[dict], path, out_dir) -> list[dict]:
-    """The runs of a records.json (kept) with finished run folders (runs), in load_runs's order (by name). A run in
+    """The runs of a records.json.xz (kept) with finished run folders (runs), in load_runs's order (by name). A run in
     both, or a configuration whose settings (CONFIG_KEYS but the seed) differ between the two, stops with one line."""
     settings = {}
     for source, rs in ((path, kept), (out_dir, runs)):
