@@ -5,7 +5,8 @@
   ctx.save_for_backward takes its tensors as positional arguments only);
 - code and docs cite no file outside the repository and no issue number (the project speaks for itself);
 - replay_grpo.py puts the method first: each of METHOD_LINES starts before its line (the file is ruff-formatted,
-  checked before this).
+  checked before this);
+- the tracked files' working-tree sizes sum to at most MAX_TREE_BYTES.
 
 Prints one line per violation (file:line: what) and exits 1 if there is any.
 """
@@ -20,6 +21,9 @@ MAX_POSITIONAL = 5
 METHOD = "replay_grpo.py"
 METHOD_END = "# ######## The method ends here."  # the one marked line between the method and what it runs on
 METHOD_LINES = {"class ReplayBuffer": 260, "def token_loss": 450, "def train(": 650, METHOD_END: 800}
+# The GPU machines the project is checked on carry at most 64 MiB of working tree, the wheels built for them included:
+# the tracked files may take half of it.
+MAX_TREE_BYTES = 32 * 2**20
 
 
 def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
@@ -49,11 +53,25 @@ def violations(path: Path, text: str, tracked_names: set[str]) -> list[str]:
     return out
 
 
-def main() -> int:
-    root = Path(__file__).resolve().parent.parent
-    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+def tree_violations(root: Path, tracked: list[str]) -> list[str]:
+    """The tracked files' working-tree sizes over MAX_TREE_BYTES, with the largest named."""
+    sizes = {name: (root / name).stat().st_size for name in tracked if (root / name).is_file()}
+    total = sum(sizes.values())
+    if total <= MAX_TREE_BYTES:
+        return []
+    largest = ", ".join(f"{n} ({sizes[n] / 2**20:.1f} MiB)" for n in sorted(sizes, key=sizes.get, reverse=True)[:3])
+    return [
+        f"-: the tracked files take {total / 2**20:.1f} MiB, more than {MAX_TREE_BYTES // 2**20} MiB (the GPU machines "
+        f"carry 64 MiB of working tree); the largest: {largest}"
+    ]
+
+
+def main(root: Path | None = None) -> int:
+    root = root or Path(__file__).resolve().parent.parent
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True, check=True).stdout
+    tracked = [t for t in listed.split("\0") if t]
     names = {Path(t).name for t in tracked}
-    found = []
+    found = tree_violations(root, tracked)
     for name in tracked:
         if name.endswith((".py", ".md")):
             found += violations(Path(name), (root / name).read_text(errors="replace"), names)

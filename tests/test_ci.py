@@ -1,6 +1,7 @@
 """The source rules CI checks before the tests (.ci/check_source.py), on code made to break each one."""
 
 import importlib.util
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,3 +38,22 @@ def test_the_source_check_keeps_the_method_first_in_replay_grpo():
     found = check.violations(path, pushed, set())
     assert len(found) == 4 and "'class ReplayBuffer' must start before line 260" in found[0]
     assert check.violations(path, text.replace(check.METHOD_END, "# the end"), set())[-1].startswith(path.name + ":-:")
+
+
+def test_the_source_check_fails_on_a_tracked_tree_over_its_size_limit(tmp_path, capsys):
+    """The tracked files' sizes sum to at most MAX_TREE_BYTES (the GPU machines carry 64 MiB of working tree): a
+    repository one byte over it fails, one at it passes, and the real tree is within it."""
+    check = load_check()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "notes.md").write_text("a note\n")
+    with open(tmp_path / "data.bin", "wb") as f:  # sparse: no disk is used, its size is what counts
+        f.truncate(check.MAX_TREE_BYTES - len("a note\n"))
+    subprocess.run(["git", "add", "--intent-to-add", "notes.md", "data.bin"], cwd=tmp_path, check=True)
+    assert check.main(tmp_path) == 0
+    with open(tmp_path / "data.bin", "ab") as f:
+        f.write(b"x")
+    assert check.main(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert f"more than {check.MAX_TREE_BYTES // 2**20} MiB" in out and "data.bin (32.0 MiB)" in out, out
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert check.tree_violations(ROOT, tracked.stdout.split("\0")[:-1]) == []
