@@ -2,6 +2,7 @@
 report's numbers on hand-made runs whose answers are known."""
 
 import json
+import lzma
 import math
 import os
 import shutil
@@ -586,7 +587,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def tool(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`python tools/NAME.py ...` from the root, as a user runs it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_two_sweeps_on_one_folder_train_each_run_once_and_report_no_failure(tmp_path):
@@ -681,3 +682,141 @@ def test_two_seed_tables_on_one_folder_run_each_seed_once_and_keep_each_others_t
     assert sorted(times) == ["3", "4"]  # neither process's write lost the other's seed
     again = tool("tools/seed_table.py", *argv[2:])  # both finished: tabulated without running anything
     assert again.returncode == 0 and ": start" not in again.stdout and "2 seeds: gain min" in again.stdout
+
+
+# --- damaged input to the study tools: one line, the run named, never a traceback ---------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON whose parse would recurse 100,000 levels
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a tool that stopped on bad input (exit 2, no traceback)."""
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    return line
+
+
+def test_a_too_deep_json_line_leaves_out_its_run_and_a_too_deep_records_file_is_one_line(tmp_path):
+    """Every JSON and JSONL file is read by the trainer's bounded reader: a 100,000-deep line in one run's
+    metrics.jsonl, or in its config.json, leaves that run out (named, counted) and the others are written; a records
+    file nesting that deep is one line naming it."""
+    for s in range(3):
+        fake_run(tmp_path, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    with open(tmp_path / "onpolicy-s1" / "metrics.jsonl", "a") as f:
+        f.write(DEEP + "\n")
+    (tmp_path / "onpolicy-s2" / "config.json").write_text('{"seed": 2, "x": ' + DEEP + "}")
+    to = tmp_path / "records.json.xz"
+    done = tool("tools/sweep.py", "records", str(tmp_path), "--to", str(to))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert f"{tmp_path / 'onpolicy-s1' / 'metrics.jsonl'}:6: its arrays and objects nest deeper than 64" in done.stdout
+    assert f"{tmp_path / 'onpolicy-s2' / 'config.json'}: its arrays and objects nest deeper than 64" in done.stdout
+    assert "report: 2 run folder(s) with a damaged file left out" in done.stdout
+    assert [r["name"] for r in runner.load_records(to)] == ["onpolicy-s0"]
+    (tmp_path / "deep.json").write_text('{"runs": ' + DEEP + "}")
+    line = one_error_line(tool("tools/sweep.py", "report", "--records", str(tmp_path / "deep.json")))
+    assert line.startswith(f"error: --records {tmp_path / 'deep.json'}: its arrays and objects nest deeper"), line
+
+
+def replay_records(tmp_path: Path, seeds=range(4)) -> dict:
+    """The records of two configurations' finished runs (seeds 0-3), as the replay report writes them."""
+    out = tmp_path / "runs"
+    for s in seeds:
+        fake_run(out, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2 + 0.1 * (s % 2), 0.5])
+        fake_run(out, f"N16-R4-grpo-s{s}", seed=s, lr=1e-4, N=16, P=1, accs=[0, 0.5, 0.6])
+    sweep.main(["report", "--out-dir", str(out), "--report-dir", str(tmp_path / "first")])
+    return runner.read_records(tmp_path / "first" / runner.RECORDS)
+
+
+def test_a_damaged_run_of_a_records_file_is_named_in_one_line_and_left_out(tmp_path):
+    """Each run of a records file is type-checked: one whose records are not a list, or whose record holds a text
+    where a number belongs, is named in one line and left out, the report says how many, and the others report."""
+    data = replay_records(tmp_path)
+    runs = {r["name"]: r for r in data["runs"]}
+    runs["onpolicy-s3"]["records"] = "oops"
+    runs["N16-R4-grpo-s3"]["records"][2]["entropy"] = "0.5"
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(data))
+    done = tool("tools/sweep.py", "report", "--records", str(path), "--report-dir", str(tmp_path / "report"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert f'{path}: run onpolicy-s3 left out, damaged: "records" is not a list of records' in done.stdout
+    assert f'{path}: run N16-R4-grpo-s3 left out, damaged: "records": step 2: "entropy" is not a number' in done.stdout
+    assert f"report: 2 damaged run(s) of {path} left out" in done.stdout
+    s = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert s["configs"]["onpolicy"]["seeds"] == s["configs"]["N16-R4-grpo"]["seeds"] == [0, 1, 2]
+
+
+def corrections_records(tmp_path: Path, damage) -> Path:
+    """The committed corrections study's records, damage(data) applied, as a plain JSON file."""
+    data = json.loads(lzma.decompress((ROOT / "docs/study/corrections/records.json.xz").read_bytes()))
+    damage(data)
+    (tmp_path / "records.json").write_text(json.dumps(data))
+    return tmp_path / "records.json"
+
+
+def test_a_corrections_run_whose_evals_are_text_is_named_and_left_out(tmp_path):
+    def damage(data):
+        data["runs"][-1]["evals"] = "0.9"
+
+    path = corrections_records(tmp_path, damage)
+    last = json.loads(path.read_text())["runs"][-1]
+    argv = ["--records", str(path), "--report-dir", str(tmp_path / "report"), "--replicates", "50"]
+    done = tool("tools/corrections_study.py", *argv)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    name = f"{last['config']} seed {last['seed']} lr {last['lr']:g}"
+    assert f'run {name} left out, damaged: "evals" is not a list of [step, generated rollouts' in done.stdout
+    assert f"report: 1 damaged run(s) of {path} left out" in done.stdout
+    assert last["seed"] not in json.loads((tmp_path / "report" / "summary.json").read_text())["seeds"]
+
+
+def test_a_nan_a_statistic_reads_is_refused_with_its_run_named(tmp_path):
+    """A NaN accuracy in a records file would move the corrections study's intervals silently: the report stops
+    with one line naming the run and the value; a run folder with a NaN entropy (read by the entropy curves) stops
+    `sweep.py records`, one with a NaN the reports do not read (loss) is written."""
+    reported = []
+
+    def damage(data):
+        run = next(r for r in data["runs"] if r["seed"] not in data["tune_seeds"] and r["config"].endswith("-tis"))
+        run["evals"][-1][2] = math.nan
+        reported.append(run)
+
+    path = corrections_records(tmp_path, damage)
+    (run,) = reported
+    line = one_error_line(tool("tools/corrections_study.py", "--records", str(path), "--replicates", "50"))
+    name = f"{run['config']} seed {run['seed']} lr {run['lr']:g}"
+    assert line.startswith(f"error: --records {path}: run {name}: evals, {len(run['evals']) - 1}, 2 is nan"), line
+    out = tmp_path / "runs"
+    for s, key in enumerate(("entropy", "loss")):
+        fake_run(out, f"onpolicy-s{s}", seed=s, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+        metrics = out / f"onpolicy-s{s}" / "metrics.jsonl"
+        recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+        recs[3][key] = math.nan
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    line = one_error_line(tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / "r.json.xz")))
+    assert line.startswith(f"error: {out / 'onpolicy-s0'}: records, step 3, entropy is nan"), line
+    shutil.rmtree(out / "onpolicy-s0")
+    done = tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / "r.json.xz"))
+    assert done.returncode == 0 and [r["name"] for r in runner.load_records(tmp_path / "r.json.xz")] == ["onpolicy-s1"]
+
+
+def test_a_records_file_that_cannot_be_written_or_read_is_one_line_naming_it(tmp_path):
+    """`sweep.py records --to` a folder or a place that cannot be written, and a `--records` file without runs or
+    damaged, are each one line (exit 2) naming the file and its flag, not the default --out-dir."""
+    out = tmp_path / "runs"
+    fake_run(out, "onpolicy-s0", seed=0, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    line = one_error_line(tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / "folder")))
+    assert line.startswith(f"error: --to {tmp_path / 'folder'} is a folder: give the records file"), line
+    to = tmp_path / "file" / "records.json.xz"  # under a file: a place nothing can be written
+    line = one_error_line(tool("tools/sweep.py", "records", str(out), "--to", str(to)))
+    assert line.startswith(f"error: --to {to}: cannot write the records"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "runs"]  # nothing left behind
+    (tmp_path / "empty.json").write_text('{"runs": []}')
+    line = one_error_line(tool("tools/sweep.py", "report", "--records", str(tmp_path / "empty.json")))
+    assert line == f"error: --records {tmp_path / 'empty.json'}: it holds no run to report", line
+    sweep.main(["records", str(out), "--to", str(tmp_path / "r.json.xz")])
+    cut = tmp_path / "cut.json.xz"
+    cut.write_bytes((tmp_path / "r.json.xz").read_bytes()[:-40])
+    for tool_argv in (["tools/sweep.py", "report"], ["tools/pareto.py"], ["tools/compute_study.py"]):
+        line = one_error_line(tool(*tool_argv, "--records", str(cut)))
+        assert line.startswith(f"error: --records {cut}: ") and "runs/" not in line, line

@@ -98,6 +98,27 @@ def compact(run: dict) -> dict:
     }
 
 
+def run_problem(run: dict) -> str | None:
+    """What is wrong with a run of records.json.xz (compact's): its configuration, lr, seed, evaluations or
+    diagnostics of another type; None when nothing is."""
+    for key, ok, what in (
+        ("config", lambda x: isinstance(x, str), "text"),
+        ("lr", runner.is_number, "a number"),
+        ("seed", lambda x: type(x) is int, "an integer"),
+        ("diagnostics", lambda x: runner.is_table(x, 2), "a table of tables of numbers"),
+    ):
+        if not ok(run.get(key)):
+            return f'"{key}" is not {what}'
+    evals = run.get("evals")
+    if not isinstance(evals, list) or not evals or not all(is_eval(e) for e in evals):
+        return '"evals" is not a list of [step, generated rollouts, greedy accuracy]'
+    return None
+
+
+def is_eval(e) -> bool:
+    return isinstance(e, list) and len(e) == 3 and type(e[0]) is int and all(map(runner.is_number, e[1:]))
+
+
 def score(rec: dict) -> float:
     return float(np.mean([acc for _, _, acc in rec["evals"][-LATE_EVALS:]]))
 
@@ -204,7 +225,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv)
     keys = ("config", "lr", "seed", "evals", "diagnostics")
     return report.study_report(
-        args, "corrections", analyse, private=None, table_md=table_md, plot=plot, compact=records, keys=keys
+        args,
+        "corrections",
+        analyse,
+        private=None,
+        table_md=table_md,
+        plot=plot,
+        compact=records,
+        keys=keys,
+        check=run_problem,
     )
 
 

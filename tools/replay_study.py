@@ -156,9 +156,7 @@ def analyse(data: dict, args: Args) -> dict:
         if kept and p["n_variants"] > 1:
             lr_choice[config] = p["choice"]
     if not configs:
-        raise SystemExit(
-            f"error: {args.out_dir} has finished runs only on the tune seeds {tune_seeds}, none on reported seeds"
-        )
+        raise SystemExit(f"error: {report.source(args)} holds finished runs only of the tune seeds {tune_seeds}")
     reference = args.reference
     if reference is None:  # the on-policy GRPO configuration (plain FIFO)
         cands = [c for c, rs in configs.items() if is_on_policy(rs[0]["cfg"]) and rs[0]["cfg"]["loss"] == "grpo"]

@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.pool_records:
             kept = runner.load_records(Path(args.pool_records), "--pool-records")
             runs = runner.pool(kept, runs, args.pool_records, args.out_dir)
-        runner.write_records(Path(args.to), runner.compact_runs(runs), "--to")
+        data = runner.compact_runs(runs)
+        runner.refuse_non_finite(data["runs"], lambda run, i: str(Path(args.out_dir) / run["name"]))
+        runner.write_records(Path(args.to), data, "--to")
         print(f"wrote {args.to}: {len(runs)} finished run(s), seeds {sorted({r['seed'] for r in runs})}")
         return {"runs": len(runs)}
     if isinstance(args, RenderArgs):

@@ -29,6 +29,11 @@ class Args:
     report from, instead of the run folders."""
 
 
+def source(args) -> str:
+    """Where a report's runs come from, as its lines name it: --records FILE, else the --out-dir folder."""
+    return f"--records {args.records}" if args.records else args.out_dir
+
+
 def evals(run: dict) -> list[dict]:
     return [r for r in run["records"] if "eval/greedy_acc" in r]
 
@@ -318,17 +323,20 @@ def write_report(dest: Path, s: dict, *, private: str, table_md, plot, records=N
     print("wrote", ", ".join(map(str, written)))
 
 
-def study_report(args, grid: str, analyse, *, private, table_md, plot, compact=None, keys=runner.RUN_KEYS) -> dict:
+def study_report(
+    args, grid: str, analyse, *, private, table_md, plot, compact=None, keys=runner.RUN_KEYS, check=runner.run_problem
+) -> dict:
     """A study report's main after its arguments. Its input is the runs' compact records: compact(runs, out_dir) of
     the finished runs in args.out_dir (made by `run --grid grid`; default: runner.compact_runs), or args.records (a
-    records file, its runs holding keys) as it is; args.pool_records (where a study has it) adds the runs of another.
-    analyse(records, args) is the summary; the report and records.json.xz go into args.report_dir (default:
-    out_dir)."""
+    records file, its runs holding keys, each run as check(run) expects or left out) as it is; args.pool_records
+    (where a study has it) adds the runs of another. A NaN or infinite number in the compact records stops the report
+    (runner.refuse_non_finite). analyse(records, args) is the summary; the report and records.json.xz go into
+    args.report_dir (default: out_dir)."""
     out, pooled = Path(args.out_dir), getattr(args, "pool_records", None)
     if args.records:
-        data = runner.read_records(Path(args.records), keys)
+        data = runner.read_records(Path(args.records), keys, check=check)
         if not data["runs"] and not pooled:
-            raise SystemExit(f"error: --records {args.records}: it holds no runs")
+            raise SystemExit(f"error: --records {args.records}: it holds no run to report")
     else:
         data = {"runs": runner.load_runs(out) if out.is_dir() else []}
     if pooled:
@@ -336,7 +344,10 @@ def study_report(args, grid: str, analyse, *, private, table_md, plot, compact=N
     if not data["runs"]:
         raise SystemExit(f"error: no finished runs in {out} (python tools/sweep.py run --grid {grid} --out-dir {out})")
     if pooled or not args.records:
-        data = compact(data["runs"], out) if compact else runner.compact_runs(data["runs"])
+        runs = data["runs"]
+        data = compact(runs, out) if compact else runner.compact_runs(runs)
+        # compact keeps the runs' order: its i-th run is the folder of runs[i] (a pooled one was checked when read)
+        runner.refuse_non_finite(data["runs"], lambda run, i: str(out / runs[i]["name"]))
     s = analyse(data, args)
     write_report(Path(args.report_dir or out), s, private=private, table_md=table_md, plot=plot, records=data)
     return s

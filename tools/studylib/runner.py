@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import lzma
+import math
 import os
 import re
 import shutil
@@ -186,10 +187,64 @@ def read_metrics(path: Path) -> list[dict]:
             raise Damaged(str(e)) from None
         except ValueError:
             raise Damaged(f"{path}:{lineno}: not JSON (a cut or garbage line)") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise Damaged(f'{path}:{lineno}: not a record with an integer "step"')
+        if problem := record_problem(record):
+            raise Damaged(f"{path}:{lineno}: {problem}")
         records.append(record)
     return records
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def is_table(x, depth: int = 1) -> bool:
+    """{label: number} (depth 1), or {label: {key: number}} (depth 2): a histogram or a per-bucket table."""
+    if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
+        return False
+    return all(is_number(v) if depth == 1 else is_table(v, depth - 1) for v in x.values())
+
+
+# What the reports read of a step's record, and what each must be where a record holds it
+RECORD_TYPES = {
+    "eval/greedy_acc": (is_number, "a number"),
+    "generated_rollouts": (is_number, "a number"),
+    "trained_rollouts": (is_number, "a number"),
+    "total_generated_tokens": (is_number, "a number"),
+    "entropy": (is_number, "a number"),
+    "mu": (is_number, "a number"),
+    "replay_ratio": (is_number, "a number"),
+    "warmstart_pass@k": (is_number, "a number"),
+    "warmstart_reached": (lambda x: isinstance(x, bool), "true or false"),
+    "staleness_hist": (is_table, "a table of numbers"),
+    "replay_hist": (is_table, "a table of numbers"),
+    "by_staleness": (lambda x: is_table(x, 2), "a table of tables of numbers"),
+    "offpolicy_by_staleness": (lambda x: x is None or is_table(x, 2), "a table of tables of numbers"),
+}
+
+
+def record_problem(record) -> str | None:
+    """What is wrong with a step's record (not an object with an integer "step", or a key of RECORD_TYPES or an
+    eval/pass@k of another type), None when nothing is."""
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return 'not a record with an integer "step"'
+    for key, value in record.items():
+        ok, what = RECORD_TYPES.get(key) or ((is_number, "a number") if key.startswith("eval/pass@") else (None, ""))
+        if ok is not None and not ok(value):
+            return f'step {record["step"]}: "{key}" is not {what}'
+    return None
+
+
+def non_finite(x, where: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinite number in x (nested lists and dicts) and where it is, None when there is none."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return where, x
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for key, value in items:
+        if isinstance(x, list) and isinstance(value, dict) and type(value.get("step")) is int:
+            key = f"step {value['step']}"  # a record: named by its step
+        if found := non_finite(value, f"{where}, {key}" if where else str(key)):
+            return found
+    return None
 
 
 # config.json's settings that the reports read, and their JSON types (a config without one is damaged or foreign)
@@ -206,6 +261,7 @@ CONFIG_KEYS = {
     "loss": str,
     "positive_bias": (int, float),
 }
+KINDS = {int: "an integer", str: "text", dict: "an object", list: "a list"}  # JSON types as a line names them
 
 
 def read_run(run_dir: Path, state: dict | None) -> dict | None:
@@ -215,8 +271,7 @@ def read_run(run_dir: Path, state: dict | None) -> dict | None:
     cfg = read_json(path)
     for key, kind in CONFIG_KEYS.items():
         if type(cfg.get(key)) is bool or not isinstance(cfg.get(key), kind):
-            what = {int: "an integer", str: "text"}.get(kind, "a number")
-            raise Damaged(f'{path}: "{key}" is missing or not {what}')
+            raise Damaged(f'{path}: "{key}" is missing or not {KINDS.get(kind, "a number")}')
     try:
         cfg = run_folder.current_config(run_dir, cfg)
     except ValueError as e:
@@ -345,9 +400,53 @@ def decompress(path: Path, blob: bytes) -> bytes:
     return text
 
 
-def read_records(path: Path, keys=RUN_KEYS, flag: str = "--records") -> dict:
+def run_problem(run: dict) -> str | None:
+    """What is wrong with a run of compact_runs (records.json.xz): its names, seed, settings or records of another
+    type, or no evaluation; None when nothing is."""
+    for key, kind in (("name", str), ("config", str), ("variant", str), ("seed", int), ("cfg", dict)):
+        if type(run.get(key)) is not kind:
+            return f'"{key}" is not {KINDS[kind]}'
+    for key, kind in CONFIG_KEYS.items():
+        if type(run["cfg"].get(key)) is bool or not isinstance(run["cfg"].get(key), kind):
+            return f'"cfg": "{key}" is missing or not {KINDS.get(kind, "a number")}'
+    if not all(is_number(v) for k, v in run["cfg"].items() if k not in CONFIG_KEYS):  # publish_every, asymre_delta_v
+        return '"cfg" holds a setting that is not a number'
+    if not isinstance(run.get("records"), list) or not run["records"]:
+        return '"records" is not a list of records'
+    for record in run["records"]:
+        if problem := record_problem(record):
+            return f'"records": {problem}'
+    if not any("eval/greedy_acc" in r for r in run["records"]):
+        return '"records" hold no evaluation'
+    return None
+
+
+def run_label(run, i: int) -> str:
+    """A run of a records file as a line names it: its name, else its configuration and seed, else its position."""
+    if isinstance(run, dict) and isinstance(run.get("name"), str):
+        return run["name"]
+    if isinstance(run, dict) and isinstance(run.get("config"), str) and type(run.get("seed")) is int:
+        return f"{run['config']} seed {run['seed']}" + (f" lr {run['lr']:g}" if is_number(run.get("lr")) else "")
+    return f"number {i + 1}"
+
+
+def refuse_non_finite(runs: list[dict], where) -> None:
+    """Stop with one line at the first run holding a NaN or infinite number: every number a records file keeps is one
+    a statistic reads, and leaving the run out would compute it on other runs than asked. where(run, i): the run as
+    the line names it."""
+    for i, run in enumerate(runs):
+        if found := non_finite(run):
+            raise SystemExit(
+                f"error: {where(run, i)}: {found[0]} is {found[1]}, not a finite number: the report's statistics read "
+                "it; correct the run's records, or remove the run to report without it"
+            )
+
+
+def read_records(path: Path, keys=RUN_KEYS, flag: str = "--records", check=run_problem) -> dict:
     """A study's records file ({"runs": [...]}, each run holding keys; xz, gzip or plain JSON), read by the trainer's
-    bounded reader; a damaged one stops with one line naming the file and the flag that gave it."""
+    bounded reader; a damaged file stops with one line naming it and the flag that gave it. A run that is not as
+    check(run) expects is named in one line and left out, and counted; a NaN or infinite number stops it (one line
+    naming the run: refuse_non_finite)."""
     try:
         try:
             text = decompress(path, path.read_bytes()).decode("utf-8")
@@ -360,9 +459,22 @@ def read_records(path: Path, keys=RUN_KEYS, flag: str = "--records") -> dict:
         raise SystemExit(f"error: {flag} {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise SystemExit(f"error: {flag} {path}: not a study's records file (no list of runs)")
-    if not all(isinstance(r, dict) and set(keys) <= set(r) for r in data["runs"]):
-        raise SystemExit(f"error: {flag} {path}: not a study's records file (a run lacks {sorted(keys)})")
-    return data
+    if data["runs"] and not any(isinstance(r, dict) and set(keys) <= set(r) for r in data["runs"]):
+        raise SystemExit(f"error: {flag} {path}: not a study's records file (every run lacks one of {sorted(keys)})")
+    tune = data.get("tune_seeds", [])
+    if not isinstance(tune, list) or not all(type(s) is int for s in tune):
+        raise SystemExit(f'error: {flag} {path}: "tune_seeds" is not a list of integers')
+    kept = []
+    for i, run in enumerate(data["runs"]):
+        problem = check(run) if isinstance(run, dict) else "not an object"
+        if problem:
+            print(f"report: {flag} {path}: run {run_label(run, i)} left out, damaged: {problem}")
+        else:
+            kept.append(run)
+    if len(kept) < len(data["runs"]):
+        print(f"report: {len(data['runs']) - len(kept)} damaged run(s) of {path} left out")
+    refuse_non_finite(kept, lambda run, i: f"{flag} {path}: run {run_label(run, i)}")
+    return {**data, "runs": kept}
 
 
 def load_records(path: Path, flag: str = "--records") -> list[dict]:
