@@ -754,11 +754,11 @@ def corrections_records(tmp_path: Path, damage) -> Path:
 
 
 def test_a_corrections_run_whose_evals_are_text_is_named_and_left_out(tmp_path):
-    def damage(data):
-        data["runs"][-1]["evals"] = "0.9"
+    def damage(data):  # a run of a reported seed (not a tune seed), which the statistic reads
+        next(r for r in reversed(data["runs"]) if r["seed"] not in data["tune_seeds"])["evals"] = "0.9"
 
     path = corrections_records(tmp_path, damage)
-    last = json.loads(path.read_text())["runs"][-1]
+    last = next(r for r in json.loads(path.read_text())["runs"] if r["evals"] == "0.9")
     argv = ["--records", str(path), "--report-dir", str(tmp_path / "report"), "--replicates", "50"]
     done = tool("tools/corrections_study.py", *argv)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
