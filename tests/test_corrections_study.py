@@ -129,5 +129,5 @@ def test_two_runs_of_one_seed_are_refused_not_one_picked():
 def test_records_of_another_report_are_one_line(tmp_path):
     path = tmp_path / "compute.json"
     path.write_text(json.dumps({"runs": [{"name": "x", "config": "onpolicy", "records": []}]}))
-    with pytest.raises(SystemExit, match="a run lacks"):
+    with pytest.raises(SystemExit, match="every run lacks one of"):
         cs.main(["--records", str(path), "--report-dir", str(tmp_path / "out")])

@@ -406,9 +406,11 @@ def run_problem(run: dict) -> str | None:
     for key, kind in (("name", str), ("config", str), ("variant", str), ("seed", int), ("cfg", dict)):
         if type(run.get(key)) is not kind:
             return f'"{key}" is not {KINDS[kind]}'
+    if not is_number(run["cfg"].get("lr")):  # every report reads it; the others, a report of their study
+        return '"cfg": "lr" is missing or not a number'
     for key, kind in CONFIG_KEYS.items():
-        if type(run["cfg"].get(key)) is bool or not isinstance(run["cfg"].get(key), kind):
-            return f'"cfg": "{key}" is missing or not {KINDS.get(kind, "a number")}'
+        if key in run["cfg"] and (type(run["cfg"][key]) is bool or not isinstance(run["cfg"][key], kind)):
+            return f'"cfg": "{key}" is not {KINDS.get(kind, "a number")}'
     if not all(is_number(v) for k, v in run["cfg"].items() if k not in CONFIG_KEYS):  # publish_every, asymre_delta_v
         return '"cfg" holds a setting that is not a number'
     if not isinstance(run.get("records"), list) or not run["records"]:
