@@ -729,7 +729,8 @@ def replay_records(tmp_path: Path, seeds=range(4)) -> dict:
 
 def test_a_damaged_run_of_a_records_file_is_named_in_one_line_and_left_out(tmp_path):
     """Each run of a records file is type-checked: one whose records are not a list, or whose record holds a text
-    where a number belongs, is named in one line and left out, the report says how many, and the others report."""
+    where a number belongs, is named in one line and left out, the report says how many, and the others report; a
+    run folder's metrics.jsonl record likewise."""
     data = replay_records(tmp_path)
     runs = {r["name"]: r for r in data["runs"]}
     runs["onpolicy-s3"]["records"] = "oops"
@@ -743,6 +744,12 @@ def test_a_damaged_run_of_a_records_file_is_named_in_one_line_and_left_out(tmp_p
     assert f"report: 2 damaged run(s) of {path} left out" in done.stdout
     s = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert s["configs"]["onpolicy"]["seeds"] == s["configs"]["N16-R4-grpo"]["seeds"] == [0, 1, 2]
+    metrics = tmp_path / "runs" / "onpolicy-s0" / "metrics.jsonl"  # a run folder's record is checked alike
+    metrics.write_text(metrics.read_text().replace('"mu": 1.0', '"mu": "1.0"', 1))
+    done = tool("tools/sweep.py", "records", str(tmp_path / "runs"), "--to", str(tmp_path / "r.json.xz"))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert f'onpolicy-s0 left out, a file is damaged: {metrics}:2: step 1: "mu" is not a number' in done.stdout
+    assert len(runner.load_records(tmp_path / "r.json.xz")) == 7
 
 
 def corrections_records(tmp_path: Path, damage) -> Path:
