@@ -985,7 +985,7 @@ RG_EVAL_DRAWS = 10  # held-out problems drawn per --eval-size at most, to find t
 RG_INSTRUCTION = "\nGive your final answer, and nothing else, between <answer> and </answer> tags."
 
 
-def rg_dataset(cfg: Args, options: dict):
+def open_rg_dataset(cfg: Args, options: dict):
     """The reasoning-gym generator --rg-dataset with `options` (its config's fields); one line when the name or an
     option is wrong: the close names, or reasoning-gym's own message."""
     import difflib
@@ -1040,7 +1040,7 @@ def make_rg_task(cfg: Args) -> Task:
     --seed values share most training problems (their draw order differs). Reward: the data set's score_answer."""
     options = rg_options(cfg)
     draws = RG_EVAL_DRAWS * cfg.eval_size
-    held_out_set = rg_dataset(cfg, {**options, "seed": RG_EVAL_SEED, "size": draws})
+    held_out_set = open_rg_dataset(cfg, {**options, "seed": RG_EVAL_SEED, "size": draws})
     held_out = {}
     for i in range(draws):
         entry = held_out_set[i]
@@ -1052,7 +1052,7 @@ def make_rg_task(cfg: Args) -> Task:
             f"--eval-size {cfg.eval_size}: {draws} problems of {cfg.rg_dataset} hold only {len(held_out)} distinct "
             "questions: lower it, or widen the generator (--rg-config)"
         )
-    training = list(rg_dataset(cfg, {**options, "seed": cfg.seed}))
+    training = list(open_rg_dataset(cfg, {**options, "seed": cfg.seed}))
     train = [rg_example(cfg, options, e) for e in training if e["question"] not in held_out]
     if not train:
         raise UserError(f"--rg-dataset {cfg.rg_dataset}: every training problem is held out: nothing is left to train")

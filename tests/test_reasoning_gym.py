@@ -69,6 +69,7 @@ def test_a_run_through_the_cli_trains_and_scores_with_reasoning_gym(tmp_path):
         (["--rg-dataset", "chain_sum", "--rg-config", '{"min_terms": 0}'], "min_terms must be positive"),
         (["--rg-config", '{"size": 5'], '--rg-config {"size": 5: not valid JSON'),
         (["--rg-config", "[1]"], "--rg-config [1]: must be a JSON object"),
+        (["--rg-config", '{"size": 0}'], '--rg-config {"size": 0}: gsm_symbolic refuses it (AssertionError: size must'),
         (["--rg-config", '{"seed": 3}'], "the seed is --seed's"),
     ],
 )
@@ -172,7 +173,7 @@ def test_rewards_are_reasoning_gyms_own_scores(name):
         assert any(0 < r < 1 for r in seen)
 
 
-def test_a_scorer_process_rebuilds_the_gold(tmp_path):
+def test_a_scorer_process_rebuilds_the_gold():
     """--mode async scores in a spawned process: the gold text alone must carry the problem."""
     task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset="countdown", rg_config='{"size": 2}', eval_size=2))
     own = reasoning_gym.create_dataset("countdown").score_answer
