@@ -97,9 +97,11 @@ class Args:
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # mean over the batch's tokens, or per completion first
     zero_variance_groups: Literal["keep", "drop"] = "keep"  # all-equal-reward groups: keep, or drop and refill to R
     # --- task, model and warm start ---
-    task: Literal["arith", "gsm8k", "math", "jsonl"] = "arith"  # arith: synthetic sums (offline); jsonl: --data-path
+    task: TaskName = "arith"  # arith: synthetic sums, reasoning-gym: --rg-dataset (both offline); jsonl: --data-path
     model: str = "tiny"  # 'tiny' (a 0.5M-parameter Qwen2 built in code), a hub id, a local folder, or a .gguf file
     data_path: str | None = None  # jsonl: the {"prompt", "answer"} file (<= 10% held out); gsm8k / math: a local copy
+    rg_dataset: str = "gsm_symbolic"  # reasoning-gym: the generator, a name in reasoning_gym.factory.DATASETS
+    rg_config: str = "{}"  # reasoning-gym: the generator's options as JSON, e.g. '{"size": 1000}' (training problems)
     eval_size: int = 200  # held-out prompts for greedy accuracy and pass@1 (pass@k uses the first 50)
     max_new_tokens: int = 8  # maximum completion length; longer completions are cut and flagged truncated
     max_prompt_tokens: int | None = None  # longer prompts are skipped, counted and logged; the memory plan assumes this
@@ -154,6 +156,7 @@ MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dr
 TOY = dict(generator="hf", arith_demo_error=0.75)  # the CPU presets: HF generation, a demonstrator wrong 3 times in 4
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 GPU |= dict(max_prompt_tokens=1024)  # the memory plan's bound on a MATH or GSM8K prompt (longer ones are skipped)
+QWEN_05B = dict(model="Qwen/Qwen2.5-0.5B-Instruct", max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that answers
     # a+b+1 three times in four (650 steps, --sft-lr decaying to 0; a round more if under 3/4 of its greedy answers are
@@ -187,9 +190,8 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
     # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole groups of
     # G = 16, so 64. Clip 0.2/0.2, no KL, temperature 1. Learning rates: the paper's for Qwen3-0.6B and Qwen2.5-7B
     # (whose best buffer ran async on (W, T) = (5, 3) GPUs, B = 60, N = 84: the README), ours (untuned) for the others.
-    "gsm8k-qwen2.5-0.5b": Args(
-        model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU
-    ),
+    "gsm8k-qwen2.5-0.5b": Args(task="gsm8k", **QWEN_05B),
+    "gsm-symbolic-qwen2.5-0.5b": Args(task="reasoning-gym", rg_config='{"size": 10000}', **QWEN_05B),  # offline
     "math-qwen3-0.6b": Args(
         model="Qwen/Qwen3-0.6B", task="math", max_new_tokens=1024, lr=3.37e-7, micro_batch_size=8, **GPU
     ),
@@ -976,10 +978,99 @@ def math_example(row: dict) -> Example:
     return Example(prompt=row["problem"] + MATH_INSTRUCTION, answer=answer, solution=row["solution"])
 
 
+TaskName = Literal["arith", "gsm8k", "math", "jsonl", "reasoning-gym"]  # the --task choices (Args reads it when parsed)
+RG_VERSION = "0.1.25"  # the reasoning-gym release pinned by the extra rg (pyproject.toml) and requirements.lock
+RG_EVAL_SEED = 1_000_000_000  # reasoning-gym's held-out problems: problem i is generated from this seed + i
+RG_EVAL_DRAWS = 10  # held-out problems drawn per --eval-size at most, to find that many distinct questions
+RG_INSTRUCTION = "\nGive your final answer, and nothing else, between <answer> and </answer> tags."
+
+
+def open_rg_dataset(cfg: Args, options: dict):
+    """The reasoning-gym generator --rg-dataset with `options` (its config's fields); one line when the name or an
+    option is wrong: the close names, or reasoning-gym's own message."""
+    import difflib
+
+    try:
+        import reasoning_gym  # an optional dependency: imported by this task only
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise UserError(
+            f"--task reasoning-gym needs the reasoning-gym package: pip install 'reasoning-gym=={RG_VERSION}' (or "
+            "the extra rg: pip install '.[rg]')"
+        ) from None
+    if cfg.rg_dataset not in DATASETS:
+        close = difflib.get_close_matches(cfg.rg_dataset, DATASETS, n=5, cutoff=0.6)
+        names = f"close names: {', '.join(close)}" if close else f"none of its {len(DATASETS)} names is close"
+        raise UserError(f"--rg-dataset {cfg.rg_dataset}: reasoning-gym has no such data set ({names})")
+    try:
+        return reasoning_gym.create_dataset(cfg.rg_dataset, **options)
+    except Exception as e:  # an unknown field (TypeError), a value its config's validate() refuses (AssertionError)
+        raise UserError(f"--rg-config {cfg.rg_config}: {cfg.rg_dataset} refuses it ({type(e).__name__}: {e})") from None
+
+
+def rg_options(cfg: Args) -> dict:
+    """--rg-config as a dict of the generator's options (its seed is --seed's and the held-out split's)."""
+    try:
+        options = json.loads(cfg.rg_config)
+    except ValueError as e:
+        raise UserError(f"--rg-config {cfg.rg_config}: not valid JSON ({e})") from None
+    if not isinstance(options, dict):
+        raise UserError(f"--rg-config {cfg.rg_config}: must be a JSON object of the generator's options")
+    if "seed" in options:
+        raise UserError(f"--rg-config {cfg.rg_config}: the seed is --seed's (held-out problems have their own)")
+    return options
+
+
+def rg_example(cfg: Args, options: dict, entry: dict) -> Example:
+    """A reasoning-gym problem: its question and the answer format; the gold, a text as every task's, holds what
+    its scorer needs: the data set, its options and the whole entry (pickled: its metadata hold tuples, which JSON
+    would turn into lists), so that a scorer process can rebuild them."""
+    import base64
+    import pickle
+
+    entry_text = base64.b64encode(pickle.dumps(entry)).decode()
+    gold = json.dumps(dict(answer=entry["answer"], dataset=cfg.rg_dataset, options=options, entry=entry_text))
+    return Example(entry["question"] + RG_INSTRUCTION, gold, f"<answer>{entry['answer']}</answer>")
+
+
+def make_rg_task(cfg: Args) -> Task:
+    """reasoning-gym: training problems from seed --seed (as many as the option size, reasoning-gym's default
+    without it), held-out ones from RG_EVAL_SEED (the same for every --seed, distinct questions); a training problem
+    whose question is held out is left out (counted). reasoning-gym generates problem i from seed + i, so nearby
+    --seed values share most training problems (their draw order differs). Reward: the data set's score_answer."""
+    options = rg_options(cfg)
+    draws = RG_EVAL_DRAWS * cfg.eval_size
+    held_out_set = open_rg_dataset(cfg, {**options, "seed": RG_EVAL_SEED, "size": draws})
+    held_out = {}
+    for i in range(draws):
+        entry = held_out_set[i]
+        held_out.setdefault(entry["question"], entry)
+        if len(held_out) == cfg.eval_size:
+            break
+    if len(held_out) < cfg.eval_size:
+        raise UserError(
+            f"--eval-size {cfg.eval_size}: {draws} problems of {cfg.rg_dataset} hold only {len(held_out)} distinct "
+            "questions: lower it, or widen the generator (--rg-config)"
+        )
+    training = list(open_rg_dataset(cfg, {**options, "seed": cfg.seed}))
+    train = [rg_example(cfg, options, e) for e in training if e["question"] not in held_out]
+    if not train:
+        raise UserError(f"--rg-dataset {cfg.rg_dataset}: every training problem is held out: nothing is left to train")
+    test = [rg_example(cfg, options, e) for e in held_out.values()]
+
+    def draw(rng: random.Random) -> Example:
+        return train[rng.randrange(len(train))]
+
+    return Task("reasoning-gym", draw, test, "reasoning-gym", train=train, repeats=len(training) - len(train))
+
+
 def make_task(cfg: Args) -> Task:
-    """--task: arith draws its problems from a generator; the others draw data-set rows (read_jsonl, load_hf_rows)."""
+    """--task: arith draws its problems from a generator, reasoning-gym from one of its generators (make_rg_task);
+    the others draw data-set rows (read_jsonl, load_hf_rows)."""
     if cfg.task == "arith":
         return make_arith_task(cfg)
+    if cfg.task == "reasoning-gym":
+        return make_rg_task(cfg)
     repeats = 0  # training rows left out: their prompt is held out
     if cfg.task == "jsonl":
         rows = [Example(**row) for row in read_jsonl(cfg.data_path)]
@@ -1058,7 +1149,27 @@ def math_match(completion: str, gold: str) -> bool:
     return bool(verify(gold_parsed, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 
-VERIFIERS = {"numeric": numeric_match, "math": math_match}
+@functools.lru_cache(maxsize=8)
+def rg_scorer(dataset: str, options: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(dataset, **json.loads(options)).score_answer
+
+
+def rg_match(completion: str, gold: str) -> float:
+    """reasoning-gym: the data set's own score_answer (in [0, 1]) of the completion's last <answer>...</answer>
+    (None, which scores 0, when it has none), as reasoning-gym's extract_answer finds it."""
+    import base64
+    import pickle
+
+    from reasoning_gym.utils import extract_answer
+
+    gold = json.loads(gold)
+    score_answer = rg_scorer(gold["dataset"], json.dumps(gold["options"], sort_keys=True))
+    return score_answer(extract_answer(completion), pickle.loads(base64.b64decode(gold["entry"])))
+
+
+VERIFIERS = {"numeric": numeric_match, "math": math_match, "reasoning-gym": rg_match}
 
 
 def _timeout(signum, frame):
@@ -1066,12 +1177,13 @@ def _timeout(signum, frame):
 
 
 def score(verifier, completion: str, gold: str, timeout: float = VERIFY_TIMEOUT) -> tuple[float, str | None]:
-    """Reward in {0, 1} and the failure kind ('error' / 'timeout') when the verifier broke. The time limit is a
-    SIGALRM, so score in a process's main thread (a ValueError elsewhere; async_pipeline scores in a process)."""
+    """Reward in [0, 1] ({0, 1} but for reasoning-gym's partial credit) and the failure kind ('error' / 'timeout')
+    when the verifier broke. The time limit is a SIGALRM, so score in a process's main thread (a ValueError
+    elsewhere; async_pipeline scores in a process)."""
     old = signal.signal(signal.SIGALRM, _timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        return float(bool(verifier(completion, gold))), None
+        return float(verifier(completion, gold)), None
     except TimeoutError:
         return 0.0, "timeout"
     except Exception:
@@ -1699,7 +1811,8 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
     is ~60 GB: the other ranks get it by broadcast)."""
     task = make_task(cfg)
     if task.repeats and rank == 0:
-        print(f"{cfg.data_path}: {task.repeats} training row(s) repeat a held-out prompt: left out of training")
+        where = cfg.data_path or f"--rg-dataset {cfg.rg_dataset}"
+        print(f"{where}: {task.repeats} training row(s) repeat a held-out prompt: left out of training")
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task)
         fit_to_context(cfg, task, tok, model, rank)
@@ -2006,6 +2119,7 @@ OWNED_FLAGS = (
     ("--correction m2po", lambda cfg: cfg.correction == "m2po", ("m2po_tau",)),
     ("--correction decoupled", lambda cfg: cfg.correction == "decoupled", ("decoupled_cap", "prox_lag")),
     ("--task arith", lambda cfg: cfg.task == "arith", ("arith_terms", "arith_max_operand", "arith_demo_error")),
+    ("--task reasoning-gym", lambda cfg: cfg.task == "reasoning-gym", ("rg_dataset", "rg_config")),
     (
         "a warm start (--sft-warmup-steps > 0)",
         lambda cfg: cfg.sft_warmup_steps > 0,

@@ -6,7 +6,8 @@ device from their shapes), for a device of a given size: the table each run prin
         --num-generators 5
 
 The longest training and evaluation prompt are taken as the preset's --max-prompt-tokens (a run uses the longest it
-keeps, at most that; PROMPT_TOKENS without the flag); the compute dtype is bf16.
+keeps, at most that; PROMPT_TOKENS without the flag), or, for --task reasoning-gym, whose problems are generated
+offline, bounded from the task's own prompts (generated_prompt_bound); the compute dtype is bf16.
 """
 
 import argparse
@@ -38,6 +39,28 @@ PRESET_MODELS = {  # the presets' models as their hub config.json describes them
                         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                         tie_word_embeddings=False)),
 }  # fmt: skip
+# Qwen2.5-Instruct's chat template around one user message, its default system prompt included: the longest of the
+# PRESET_MODELS' templates (Qwen3's has no system prompt); each marker <|im_start|> and <|im_end|> is one token
+QWEN_CHAT = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+QWEN_CHAT += "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+
+
+def generated_prompt_bound(cfg) -> tuple[int, int]:
+    """The longest (training, evaluation) prompt of a reasoning-gym task in tokens, bounded from every prompt the
+    run would generate (replay_grpo.make_task, through QWEN_CHAT): the PRESET_MODELS' tokenizers are byte-level
+    BPEs (no model is downloaded here), which spend at most one token per byte of text, a marker one token. A run
+    measures its prompts with the model's own tokenizer (replay_grpo.fit_to_context) and plans with those."""
+    task = rg.make_task(cfg)
+
+    def tokens(prompt: str) -> int:
+        text = QWEN_CHAT.format(prompt)
+        markers = sum(text.count(m) for m in CHAT_MARKERS)
+        for m in CHAT_MARKERS:
+            text = text.replace(m, "")
+        return len(text.encode()) + markers
+
+    return max(tokens(ex.prompt) for ex in task.train), max(tokens(ex.prompt) for ex in task.eval)
 
 
 def meta_model(name: str):
@@ -58,11 +81,13 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
     # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
     own = bool(cfg.generator_urls) or W + trainers <= gpus
     route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
-    prompt = cfg.max_prompt_tokens or PROMPT_TOKENS
+    prompts = 2 * (cfg.max_prompt_tokens or PROMPT_TOKENS,)
+    if cfg.task == "reasoning-gym":  # longer prompts than --max-prompt-tokens would be skipped
+        prompts = tuple(min(n, cfg.max_prompt_tokens or n) for n in generated_prompt_bound(cfg))
     os.environ[kernels.DEVICE_GIB_ENV] = str(device_gib)
     os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's
     model, cpu = meta_model(cfg.model), torch.device("cpu")
-    return kernels.check_memory_plan(cfg, model, (prompt, prompt), cpu, trainers, n_gpus=gpus, route=route)
+    return kernels.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, route=route)
 
 
 def main() -> int:

@@ -1,0 +1,216 @@
+"""--task reasoning-gym: a run through the CLI on the tiny model, one line for a wrong data set name or option, a
+held-out split that never meets training, and rewards equal to reasoning-gym's own score_answer."""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import memory_plan
+import pytest
+import reasoning_gym
+from reasoning_gym.utils import extract_answer
+
+import async_pipeline as ap
+import replay_grpo as rg
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8"
+SMALL += " --buffer-size 8 --max-new-tokens 6 --eval-size 8 --pass-k 2 --eval-every 0 --task reasoning-gym"
+
+
+def user_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        rg.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def entries(name: str, options: dict, seed: int, size: int) -> dict:
+    """reasoning-gym's own problems, by question, generated here without the project's code."""
+    dataset = reasoning_gym.create_dataset(name, **options, seed=seed, size=size)
+    return {entry["question"]: entry for entry in dataset}
+
+
+def test_a_run_through_the_cli_trains_and_scores_with_reasoning_gym(tmp_path):
+    argv = [*SMALL.split(), "--rg-dataset", "chain_sum", "--rg-config", '{"size": 50, "max_terms": 3}']
+    argv += ["--total-steps", "2", "--sample-every", "1", "--out-dir", str(tmp_path), "--run-name", "r"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "replay_grpo.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/greedy_acc" in r] == [0, 2]
+    assert records[-1]["trained_rollouts"] == 16 and records[-1]["verifier_errors"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
+    problems = entries("chain_sum", {"max_terms": 3}, seed=0, size=50)
+    problems |= entries("chain_sum", {"max_terms": 3}, seed=rg.RG_EVAL_SEED, size=80)
+    assert {row["source"] for row in rows} == {"train", "eval (greedy)"}
+    for row in rows:  # the chat-templated prompt ends with the user message: its problem, and the answer format
+        question = next(q for q in problems if q + rg.RG_INSTRUCTION in row["prompt"])
+        entry = problems[question]
+        assert json.loads(row["gold"])["answer"] == entry["answer"]
+        score = reasoning_gym.create_dataset("chain_sum", max_terms=3).score_answer
+        assert row["reward"] == score(extract_answer(row["completion"]), entry)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (
+            ["--rg-dataset", "gsm_symbolc"],
+            "--rg-dataset gsm_symbolc: reasoning-gym has no such data set (close names: ",
+        ),
+        (["--rg-dataset", "qqqqqqq"], "--rg-dataset qqqqqqq: reasoning-gym has no such data set (none of its"),
+        (["--rg-dataset", "chain_sum", "--rg-config", '{"nope": 1}'], "unexpected keyword argument 'nope'"),
+        (["--rg-dataset", "chain_sum", "--rg-config", '{"min_terms": 0}'], "min_terms must be positive"),
+        (["--rg-config", '{"size": 5'], '--rg-config {"size": 5: not valid JSON'),
+        (["--rg-config", "[1]"], "--rg-config [1]: must be a JSON object"),
+        (["--rg-config", '{"size": 0}'], '--rg-config {"size": 0}: gsm_symbolic refuses it (AssertionError: size must'),
+        (["--rg-config", '{"seed": 3}'], "the seed is --seed's"),
+    ],
+)
+def test_a_wrong_data_set_or_option_is_one_line(tmp_path, capsys, flags, needle):
+    err = user_error(capsys, [*SMALL.split(), "--out-dir", str(tmp_path), *flags])
+    assert needle in err
+    if "gsm_symbolc" in flags:
+        assert "gsm_symbolic" in err
+    if "min_terms" in needle:  # reasoning-gym's own message, after the flag and the data set
+        assert err.startswith('error: --rg-config {"min_terms": 0}: chain_sum refuses it (AssertionError: ')
+
+
+def test_reasoning_gym_flags_without_the_task_are_refused(tmp_path, capsys):
+    err = user_error(capsys, [*SMALL.split()[:-2], "--out-dir", str(tmp_path), "--rg-dataset", "chain_sum"])
+    assert "--rg-dataset chain_sum: only --task reasoning-gym reads it" in err
+
+
+def test_too_few_distinct_held_out_questions_are_refused(tmp_path, capsys):
+    tiny_space = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'  # 2 x 10 x 10 sums at most
+    argv = [*SMALL.split(), "--out-dir", str(tmp_path), "--rg-dataset", "chain_sum", "--rg-config", tiny_space]
+    err = user_error(capsys, [*argv, "--eval-size", "300"])
+    assert "--eval-size 300: 3000 problems of chain_sum hold only" in err
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_held_out_split_never_meets_training(seed):
+    # a small problem space, so that training problems repeat held-out ones: they are left out and counted
+    options = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "size": 400}
+    cfg = rg.Args(task="reasoning-gym", rg_dataset="chain_sum", rg_config=json.dumps(options), eval_size=60, seed=seed)
+    task = rg.make_task(cfg)
+    train, held_out = [ex.prompt for ex in task.train], [ex.prompt for ex in task.eval]
+    assert len(held_out) == len(set(held_out)) == 60 and not set(train) & set(held_out)
+    # reasoning-gym's own training problems for this seed, less those held out: what the task trains on
+    generated = reasoning_gym.create_dataset("chain_sum", **options, seed=seed)
+    questions = {q.removesuffix(rg.RG_INSTRUCTION) for q in held_out}
+    expected = [e["question"] + rg.RG_INSTRUCTION for e in generated if e["question"] not in questions]
+    assert train == expected and task.repeats == 400 - len(expected) > 0
+    # the held-out problems are the same for every --seed; the training ones are --seed's
+    other = rg.make_task(dataclasses.replace(cfg, seed=seed + 1000))
+    assert [ex.prompt for ex in other.eval] == held_out and [ex.prompt for ex in other.train] != train
+
+
+def completions(gold: str, wrong: str) -> list[str]:
+    """Right, wrong and malformed completions around a gold answer."""
+    return [
+        f"Step by step: ...\n<answer>{gold}</answer>",
+        f"<answer> {gold} </answer>",
+        f"<answer>{wrong}</answer>",
+        f"<answer>{wrong}</answer> no, <answer>{gold}</answer>",  # the last tag counts
+        f"<answer>{gold}</answer> no, <answer>{wrong}</answer>",
+        f"<answer>{gold}, as computed above</answer>",  # the default scorer's partial credit
+        f"The answer is {gold}.",  # no tags
+        f"<answer>{gold}",  # unclosed
+        "<answer></answer>",
+        "",
+    ]
+
+
+def perturbed(answer: str) -> str:
+    """A wrong answer of the same form: the last digit (or letter) changed, else the text reversed."""
+    for i in range(len(answer) - 1, -1, -1):
+        c = answer[i]
+        if c.isdigit() or c.isalpha():
+            new = str((int(c) + 1) % 10) if c.isdigit() else ("b" if c.lower() == "a" else "a")
+            return answer[:i] + new + answer[i + 1 :]
+    return answer[::-1] + "x"
+
+
+DATASETS = {  # name: options (reasoning-gym's defaults but the size of the training pool)
+    "gsm_symbolic": {},
+    "chain_sum": {},
+    "basic_arithmetic": {},
+    "word_sorting": {},
+    "spell_backward": {},
+    "leg_counting": {},
+    "countdown": {},
+}
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_rewards_are_reasoning_gyms_own_scores(name):
+    options = {**DATASETS[name], "size": 10}
+    task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset=name, rg_config=json.dumps(options), eval_size=10))
+    problems = entries(name, DATASETS[name], seed=0, size=10) | entries(name, DATASETS[name], rg.RG_EVAL_SEED, 100)
+    own = reasoning_gym.create_dataset(name, **DATASETS[name]).score_answer
+    verifier = rg.VERIFIERS[task.verifier]
+    seen = []
+    for ex in task.train + task.eval:
+        entry = problems[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
+        assert ex.prompt.endswith(rg.RG_INSTRUCTION) and "<answer>" in rg.RG_INSTRUCTION
+        for text in completions(entry["answer"], perturbed(entry["answer"])):
+            reward, failure = rg.score(verifier, text, ex.answer)
+            assert failure is None and reward == own(extract_answer(text), entry), (text, entry["answer"])
+            seen.append(reward)
+    assert len(seen) == 200 and 1.0 in seen and min(seen) < 0.5
+    if name in (
+        "chain_sum",
+        "basic_arithmetic",
+        "leg_counting",
+    ):  # scorers with partial credit: rewards are not only 0 or 1
+        assert any(0 < r < 1 for r in seen)
+
+
+def test_a_scorer_process_rebuilds_the_gold():
+    """--mode async scores in a spawned process: the gold text alone must carry the problem."""
+    task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset="countdown", rg_config='{"size": 2}', eval_size=2))
+    own = reasoning_gym.create_dataset("countdown").score_answer
+    problems = entries("countdown", {}, seed=0, size=2)
+    scorer = ap.Scorer()
+    try:
+        for ex in task.train:
+            entry = problems[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
+            texts = completions(entry["answer"], perturbed(entry["answer"]))
+            got = scorer(rg.VERIFIERS[task.verifier], texts, ex.answer)
+            assert got == [(own(extract_answer(t), entry), None) for t in texts]
+            assert got[0] == (1.0, None)
+    finally:
+        scorer.close()
+
+
+def test_the_gsm_symbolic_preset_is_the_gsm8k_presets_settings_on_reasoning_gym():
+    gsm8k, symbolic = (dataclasses.asdict(rg.parse_args(["--preset", p])) for p in rg.PRESETS if "0.5b" in p)
+    changed = {k for k in gsm8k if gsm8k[k] != symbolic[k]}
+    assert changed == {"preset", "task", "rg_config"} and symbolic["task"] == "reasoning-gym"
+    assert symbolic["rg_dataset"] == "gsm_symbolic" and symbolic["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_the_memory_plan_bounds_a_reasoning_gym_presets_prompts_from_generated_ones(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    memory_plan.plan(["--preset", "gsm-symbolic-qwen2.5-0.5b"], memory_plan.H200_GIB)
+    train, held_out = map(
+        int, re.search(r"longest prompt (\d+) tokens in training, (\d+) in", capsys.readouterr().out).groups()
+    )
+    # Qwen2.5's chat template: its text around the message, in bytes, and five markers of one token each
+    around = (
+        len("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\nuser\n\nassistant\n") + 5
+    )
+    questions = entries("gsm_symbolic", {}, seed=rg.RG_EVAL_SEED, size=5000)
+    held = list(questions)[:500]
+    pool = [q for q in entries("gsm_symbolic", {}, seed=0, size=10_000) if q not in held]
+    bound = [max(len((q + rg.RG_INSTRUCTION).encode()) + around for q in qs) for qs in (pool, held)]
+    assert [train, held_out] == bound and max(bound) < 1024  # the other GPU presets' --max-prompt-tokens
+    memory_plan.plan(["--preset", "gsm-symbolic-qwen2.5-0.5b", "--max-prompt-tokens", "500"], memory_plan.H200_GIB)
+    assert "longest prompt 500 tokens in training, 500 in evaluation" in capsys.readouterr().out
