@@ -56,11 +56,6 @@ import kernels
 import run_folder
 from run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
 
-
-class PipelineError(RuntimeError):
-    """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
-
-
 # ===== Config =====================================================================================
 
 
@@ -2315,6 +2310,10 @@ def plan(args: PlanArgs) -> dict:
 
 
 # ===== Main =======================================================================================
+
+
+class PipelineError(RuntimeError):
+    """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
 
 
 def main(argv: list[str] | None = None) -> dict | None:
