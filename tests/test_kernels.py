@@ -196,12 +196,14 @@ def test_peaked_rows(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", MAIN)
-def test_large_common_offset(backend):
-    # an extra hidden dim of 1 and weight column of 200 shift every logit by 200 (> 88, so a
-    # missing max-subtraction overflows fp32); outputs and the original grads must not move
+@pytest.mark.parametrize("offset", [200.0, -200.0])
+def test_large_common_offset(backend, offset):
+    # an extra hidden dim of 1 and weight column of +-200 shift every logit by +-200 (> 88, so a
+    # missing max-subtraction overflows fp32, and a padded vocab column's 0 taken as the row max
+    # underflows every exp(z - max) at -200); outputs and the original grads must not move
     h, w, y = make(33, 40, 123, dtype=torch.bfloat16, seed=5)
     hb = torch.cat([h, torch.ones(33, 1, dtype=h.dtype)], 1)
-    wb = torch.cat([w, torch.full((123, 1), 200.0, dtype=w.dtype)], 1)
+    wb = torch.cat([w, torch.full((123, 1), offset, dtype=w.dtype)], 1)
     gl, ge = upstream(33)
     h0, w0, lp0, en0 = run(h, w, y, backend)
     h1, w1, lp1, en1 = run(hb, wb, y, backend)
