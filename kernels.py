@@ -447,6 +447,7 @@ if HAS_TRITON:
 
 GROUP_N = 8
 _TUNERS = {}
+_TUNED_CACHE = {}
 
 
 def gpu_name(device) -> str:
@@ -456,9 +457,16 @@ def gpu_name(device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def load_tuned(path=TUNED_FILE) -> dict:
-    """kernels_tuned.json: {"gpus": {name: {"<d>x<V>": {"fwd": config, "bwd": config, "vocab_split": Vs, ...}}}}."""
-    return json.loads(Path(path).read_text()) if Path(path).exists() else {"gpus": {}}
+def load_tuned(path=None) -> dict:
+    """kernels_tuned.json (or `path`): {"gpus": {name: {"<d>x<V>": {"fwd": config, "bwd": config, "vocab_split": Vs,
+    "measured": {...}}}}}, a config being {"BLOCK_N", "BLOCK_V", "BLOCK_D", "num_warps", "num_stages"}."""
+    path = Path(path or TUNED_FILE)
+    if not path.exists():
+        return {"gpus": {}}
+    key = (str(path), path.stat().st_mtime_ns)  # read once per version of the file, not once per call
+    if key not in _TUNED_CACHE:
+        _TUNED_CACHE[key] = json.loads(path.read_text())
+    return _TUNED_CACHE[key]
 
 
 def candidate_configs(kind, name, d, V) -> list[dict]:
@@ -722,7 +730,9 @@ def token_logprobs(
         h, y = h[keep], y[keep]  # (backward: sort-based index_put, deterministic)
     if backend == "triton":
         C = h.shape[0]
-        Vc = max(1, min(V, int(vocab_chunk_size or vocab_split(h.shape[0], d, V, h.element_size()))))
+        Vs = vocab_split(h.shape[0], d, V, h.element_size())
+        tuned = load_tuned().get("gpus", {}).get(gpu_name(h.device), {}).get(f"{d}x{V}", {}).get("vocab_split")
+        Vc = max(1, min(V, int(vocab_chunk_size or min(tuned or Vs, Vs))))  # a tuned split, within the budget
     else:
         C0, Vc0 = _default_chunks(h.device, d, V)
         C = max(1, int(chunk_size or C0))

@@ -14,6 +14,7 @@ Tolerances (all outputs vs fp64 of the same bf16/fp32-valued inputs):
     guards against give errors of order 1).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -520,3 +521,72 @@ def test_triton_interpreter():
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ tuned tiles and the tools
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_tuned_file_seeds_the_autotuner(tmp_path, monkeypatch):
+    # a tuned (d, V) of this GPU: that config alone (the same tiles in every process); another shape: the GPU's
+    # tuned configs first, then the defaults; another GPU: the defaults
+    fwd = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=32, num_warps=4, num_stages=3)
+    bwd = dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, num_warps=4, num_stages=3)
+    path = tmp_path / "tuned.json"
+    path.write_text(
+        '{"gpus": {"NVIDIA H200": {"896x151936": {"fwd": %s, "bwd": %s}}}}' % (json.dumps(fwd), json.dumps(bwd))
+    )
+    monkeypatch.setattr(kernels, "TUNED_FILE", path)
+    assert kernels.candidate_configs("fwd", "NVIDIA H200", 896, 151936) == [fwd]
+    assert kernels.candidate_configs("bwd", "NVIDIA H200", 896, 151936) == [bwd]
+    others = kernels.candidate_configs("bwd", "NVIDIA H200", 3584, 151936)
+    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS) if c != bwd]
+    assert kernels.candidate_configs("fwd", "NVIDIA H100 80GB HBM3", 896, 151936) == list(
+        map(dict, kernels.DEFAULT_CONFIGS)
+    )
+    assert kernels.candidate_configs("fwd", "interpreter", 896, 151936) == [kernels.INTERPRET_CONFIG]
+
+
+def _tool(args, timeout):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+def test_tune_kernels_dry_run_within_its_deadline(tmp_path):
+    # the tuning tool's dry run on a CPU under the interpreter, through its command line: it finishes within its
+    # deadline (imports included), writes its JSON and table, and the best tiles into the tuned file given
+    import time
+
+    tuned = tmp_path / "tuned.json"
+    t0 = time.monotonic()
+    r = _tool(
+        ["tools/tune_kernels.py", "--dry-run", "--deadline", "60", "--out", str(tmp_path), "--write-tuned"]
+        + ["--tuned-file", str(tuned)],
+        timeout=180,
+    )
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "tune.json").read_text())
+    assert result["elapsed_s"] <= 60 and wall <= 60 + 15  # the interpreter's exit after the last write
+    width = result["widths"]["24"]
+    assert width["sweep"]["best"]["fwd"] and width["sweep"]["best"]["bwd"]
+    assert {"logits H Wt", "split dz W", "split dzT H"} <= set(width["floor"])
+    for row in width["e2e"]:  # measured with errors against the reference, or skipped for the deadline
+        assert row.get("skipped") == "deadline" or (row["logp_err"] <= 1e-5 and row["grad_err"] < 1e-2), row
+    assert "| vocab split | triton ms |" in (tmp_path / "tune.md").read_text()
+    entry = json.loads(tuned.read_text())["gpus"]["interpreter"]["24x300"]
+    assert entry["fwd"] == width["sweep"]["best"]["fwd"]["config"] and "measured" in entry
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+def test_bench_kernels_dry_run():
+    # the benchmark at a tiny shape on a CPU: a row per path with its FLOPs, bytes, time and ratios
+    r = _tool(["tools/bench_kernels.py", "--dry-run"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {
+        line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["triton"], ["naive"])
+    }
+    assert set(rows) == {"triton", "naive"}, r.stdout
+    assert "GEMM floor" in r.stdout and "x floor" in r.stdout and "GFLOP" in r.stdout
+    assert float(rows["naive"][3]) == 1.0  # x naive of naive itself
+    assert float(rows["triton"][10]) <= 1e-5  # logp err
