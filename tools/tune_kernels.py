@@ -300,11 +300,11 @@ def main():
         r = result["widths"][str(d)] = {}
         Vs = kernels.vocab_split(N, d, V, 2)
         if clock.left() > 0.5 * args.deadline * (len(ds) - i) / len(ds):
-            r["floor"] = floor_gemms(N, V, d, Vs, dev, reps, sync)
+            r["floor"] = floor_gemms(N, V, d, Vs, dev, reps=reps, sync=sync)
             for k, v in r["floor"].items():
                 print(f"d={d} floor {k}: {v['ms']:.3f} ms, {v['tflops']:.1f} TFLOP/s", flush=True)
         share = 0.45 * args.deadline + 0.5 * args.deadline * (len(ds) - 1 - i) / len(ds)
-        r["sweep"] = sweep(N, V, d, dev, configs, reps, sync, clock, stop_at=share)
+        r["sweep"] = sweep(N, V, d, dev, configs, reps=reps, sync=sync, clock=clock, stop_at=share)
         for kind, best in r["sweep"]["best"].items():
             done = sum("ms" in x for x in r["sweep"]["rows"][kind])
             shown = f"{best['config']} {best['ms']:.3f} ms" if best else "none"
@@ -317,7 +317,9 @@ def main():
         Vs = r["sweep"]["vocab_split"]
         splits = [Vs, max(256, Vs // 2 // 256 * 256), max(256, Vs // 4 // 256 * 256)]
         stop_at = 0.05 * args.deadline + 0.4 * args.deadline * (len(ds) - 1 - i) / len(ds)
-        r["e2e"] = end_to_end(N, V, d, dev, best, list(dict.fromkeys(splits)), reps, clock, stop_at)
+        r["e2e"] = end_to_end(
+            N, V, d, dev, best, splits=list(dict.fromkeys(splits)), reps=reps, clock=clock, stop_at=stop_at
+        )
         for row in r["e2e"]:
             if "ms" in row:
                 xn = row.get("x_naive", float("nan"))
