@@ -467,13 +467,20 @@ def test_triton_compiles_for_sm90(dtype):
     bwd.update(e_ptr=f32, dz_ptr=t, N="i32", VS="i32", D="i32", V="i32", stride_h="i32", stride_w="i32")
     bwd.update(stride_dz="i32")
     for fn, sig, extra in ((kernels._fwd_kernel, fwd, {}), (kernels._bwd_kernel, bwd, {"GROUP_N": 8})):
+        # what the JIT knows at run time of torch's tensors and of d = 896 or 3584: 16-aligned pointers, strides and
+        # d divisible by 16 (without it the loads cannot be pipelined)
+        div = [n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n == "D"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
         sig = dict(sig, **{k: "constexpr" for k in {**consts, **extra}})
-        src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra})
-        ptx = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra}, attrs=attrs)
+        compiled = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
         assert ".f64" not in ptx  # temperature stayed fp32
         assert "mul.lo.s64" in ptx or "mad.wide" in ptx  # 64-bit row * stride offsets
         if dtype == "bf16":
             assert "wgmma" in ptx or "mma.sync" in ptx  # the GEMM runs on tensor cores
+            assert "cp.async" in ptx  # the k-loop's loads are pipelined (num_stages > 1)
         if dtype == "bf16" and fn is kernels._bwd_kernel:
             assert "cvt.rn.bf16" in ptx  # dz rounded to nearest, once
 
