@@ -1,6 +1,6 @@
 """tune_kernels.py: tune and measure kernels.py's Triton log-prob kernels on this GPU within a deadline.
 
-    python tools/tune_kernels.py --deadline 360 --out tune_out --write-tuned   # on an H100/H200: the whole run
+    python tools/tune_kernels.py --deadline 360 --write-tuned   # on an H100/H200: the whole run, into runs/tune
     TRITON_INTERPRET=1 python tools/tune_kernels.py --dry-run --deadline 60     # a tiny shape on a CPU
 
 In order, each step only if the deadline leaves time for it (the run stops cleanly and keeps what it has): the
@@ -266,7 +266,7 @@ def write_tuned(result, path) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole run (default 360)")
-    ap.add_argument("--out", default="tune_out", help="folder for tune.json and tune.md (default tune_out)")
+    ap.add_argument("--out", default="runs/tune", help="folder for tune.json and tune.md (default runs/tune)")
     ap.add_argument("--widths", default=None, help="comma-separated d (default 896,3584; dry run 40)")
     ap.add_argument("--write-tuned", action="store_true", help="write the best tiles into the tuned file")
     ap.add_argument("--tuned-file", default=str(kernels.TUNED_FILE), help="default: the committed kernels_tuned.json")
