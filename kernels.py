@@ -5,43 +5,38 @@ Math (T = temperature, y = targets):
     lse = logsumexp(z),  logp = z[y] - lse,  p = softmax(z),  entropy = lse - Σ p·z
 Backward, with upstream gradients g (on logp) and e (on entropy):
     dz = g·(onehot(y) - p) - e·p·(z - Σ p·z),   then / T        (fp32, rounded once)
-    dH = dz W,   dW = dzᵀ H                                      (fp32 accumulation)
-Rows with y == ignore_index are dropped before any work and give 0 (no gradient).
+    dH = dz W,   dW = dzᵀ H
+Rows with y == ignore_index are dropped before any work and give 0 (no gradient); rows whose upstream gradients are
+both zero (GRPO's zero-variance groups) are dropped before the backward's matmuls (their dz is exactly 0).
 
-Design (shared by every backend): the logits are computed tile by tile, a tile being
-[token chunk C x vocab chunk Vc], by one cuBLAS matmul with fp32 output; a per-tile function
-turns the tile into row statistics (forward) or into dz (backward). The backward does not
-keep logits: it recomputes each tile (8·N·d·V FLOPs in total, the floor for a per-token API).
-  * forward: a per-row state, relative to the running max m, is merged across vocab chunks
-    in a fixed order: s = Σ exp(z-m), x = the same sum without the target, t = Σ exp(z-m)(z-m)
-    and z[y]. Then lse = m + log s, entropy = log s - t/s, q = 1 - p_y = x/s, and
-    logp = log1p(-q) for confident tokens: a common logit offset cancels exactly and
-    1 - p_y is never formed by cancellation (fp32 would lose it as p_y -> 1).
-  * backward: the vocab loop is outer, so each slice of dW is accumulated in fp32 over the
-    token chunks and written exactly once; dH is accumulated in one fp32 [N x d] buffer
-    (N·d is much smaller than V·d, so this costs far less than an fp32 dW). The dz tile is
-    rounded once to the input dtype and fed to bf16 matmuls (no fp32 matmuls on bf16 data).
-  * determinism: no atomics; tiles are visited in a fixed order, so two runs, and a no-grad
-    forward and a grad forward, are bitwise equal.
-Backends differ only in the per-tile function:
-  * "eager":   plain torch ops (reference; the CPU default).
-  * "compile": the same torch functions under torch.compile(dynamic=True): the few tile
-               shapes (full and ragged last chunks, any N) share one compiled graph.
-  * "triton":  hand-written Triton kernels (CUDA; also runs under TRITON_INTERPRET=1): a
-               row kernel with an online logsumexp over vocab blocks (tail masked, int64
-               offsets) and an elementwise dz kernel; 1/T is a constexpr so it never becomes
-               an fp64 argument. Matmuls stay in cuBLAS (fast, deterministic) rather than in
-               a fused Triton GEMM: simpler, and its speed does not hinge on Triton tuning.
-"auto" picks triton on CUDA when Triton imports, else eager (inductor, hence "compile", needs
-Triton on CUDA too); on CPU it picks eager (torch.compile costs ~20 s per process on CPU,
-more than it saves at CPU sizes). Tile sizes (chunk_size, vocab_chunk_size) are the knob
-for speed vs memory; the defaults keep the workspace near 150 MB on CUDA.
+Row state (both backends): relative to the running max m, s = Σ exp(z-m), x = the same sum without the target,
+t = Σ exp(z-m)(z-m) and z[y]. Then lse = m + log s, entropy = log s - t/s, q = 1 - p_y = x/s, and logp = log1p(-q)
+for confident tokens: a common logit offset cancels exactly and 1 - p_y is never formed by cancellation.
+
+"triton" (CUDA; also runs under TRITON_INTERPRET=1 on CPU tensors), split-N with fused epilogues:
+  * forward: one Triton GEMM over (token tiles x vocab splits). Each program walks its split's vocab blocks, keeps
+    the row state in registers (the GEMM's epilogue) and writes one partial state per (row, split); the partials
+    are merged in a fixed order on the host. No logits tile ever reaches HBM. The grad and no-grad forwards are
+    this one kernel, so they are bitwise equal.
+  * backward, per vocab split of Vs columns over all tokens at once: one Triton GEMM recomputes z and writes dz
+    once in the compute dtype (fp32 math, rounded once); dW for the split is one cuBLAS GEMM over all tokens
+    written once (no fp32 dW accumulator); dH is one accumulating GEMM into an fp32 [N x d] buffer. The logits
+    are recomputed (8NdV FLOPs in all against the 6NdV of keeping them).
+  * tiles (BLOCK_N, BLOCK_V, BLOCK_D, warps, stages) are chosen by triton.autotune keyed on (d, V), from the
+    entries of kernels_tuned.json for the GPU's name when it has them (one config for a tuned (d, V): the same
+    tiles, hence the same bits, in every process), else from DEFAULT_CONFIGS. N is not in the key (no re-tune for
+    a new batch length). No atomics: the same inputs give the same bits.
+"eager" (the reference and the CPU default): the same math tile by tile in torch ops on [token chunk x vocab
+chunk] logits from cuBLAS with fp32 output; the backward accumulates dW and dH in fp32 and writes each once.
+"auto" picks triton on CUDA when Triton imports, else eager.
 """
 
 import contextlib
 import importlib.util
+import json
 import math
 import os
+from pathlib import Path
 
 import torch
 
@@ -54,8 +49,24 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = tl = None
     HAS_TRITON = False
 
-BACKENDS = ("auto", "triton", "compile", "eager")
-TRITON_BLOCK_V = 1024  # vocab block of the Triton kernels (tests lower it to exercise tails)
+BACKENDS = ("auto", "triton", "eager")
+TUNED_FILE = Path(__file__).resolve().parent / "kernels_tuned.json"  # tuned tiles by GPU name (tools/tune_kernels.py)
+# Tiles the autotuner tries on a GPU with no tuned entry: Hopper-sized bf16 GEMM tiles (128-256 wide, 64-deep
+# k-steps, 3-4 stages fit in 228 KiB of shared memory), the widest rows first.
+DEFAULT_CONFIGS = (
+    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
+    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=5),
+)
+# Under TRITON_INTERPRET=1 each program runs in numpy: small tiles, so tests see many vocab blocks and ragged tails
+INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
+FWD_SPLIT_COLS = 4096  # the forward's vocab splits hold at least this many columns (tests lower it)
+FWD_PROGRAMS = 1024  # the forward splits the vocabulary until about this many programs run (8 per SM on an H100)
+DZ_BYTES = 2**27  # the backward's dz buffer [N x Vs] in the compute dtype: at least this, more when dH's is small
+WORKSPACE_BYTES_TRITON = 2**28  # dz buffer + fp32 dH accumulator, where N x d allows
 
 
 def _interpret():
@@ -258,72 +269,112 @@ def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
     return (dz * inv_t).to(out_dtype)
 
 
-_COMPILED = {}
-
-
-def _compiled(name):
-    if name not in _COMPILED:
-        fn = {"fwd": _fwd_tile_torch, "bwd": _bwd_tile_torch}[name]
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
-
-
-def _tile_fns(backend):
-    if backend == "eager":
-        return _fwd_tile_torch, _bwd_tile_torch
-    if backend == "compile":
-        return _compiled("fwd"), _compiled("bwd")
-    return _fwd_tile_triton, _bwd_tile_triton
-
-
 # --------------------------------------------------------------------- Triton kernels
 if HAS_TRITON:
 
     @triton.jit
-    def _fwd_stats_kernel(
-        z_ptr, stride_z, yl_ptr, m_ptr, s_ptr, x_ptr, t_ptr, zy_ptr, n_cols, INV_T: tl.constexpr, BLOCK_V: tl.constexpr
+    def _logits_tile(
+        h_ptr,
+        w_ptr,
+        rows,
+        cols,
+        rmask,
+        cmask,
+        D,
+        stride_h,
+        stride_w,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        # One program per row: online logsumexp over vocab blocks, merged into the row state.
-        row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2**31
-        base = z_ptr + row * stride_z
-        yl = tl.load(yl_ptr + row)
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        x = tl.zeros((), tl.float32)
-        t = tl.zeros((), tl.float32)
-        for start in range(0, n_cols, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V).to(tl.int64)
-            mask = offs < n_cols  # vocab tail: padded lanes must not add exp(0)
-            z = tl.load(base + offs, mask=mask, other=float("-inf")) * INV_T
-            mn = tl.maximum(m, tl.max(z, 0))
-            zc = tl.where(mask, z - mn, 0.0)
-            ez = tl.where(mask, tl.exp(zc), 0.0)
-            a = tl.exp(m - mn)
-            # (m - mn) is -inf while the state is empty (s = 0): keep it out of the product
-            t = a * (t + tl.where(s > 0, m - mn, 0.0) * s) + tl.sum(ez * zc, 0)
-            s = a * s + tl.sum(ez, 0)
-            x = a * x + tl.sum(tl.where(offs == yl, 0.0, ez), 0)
-            m = mn
-        m0 = tl.load(m_ptr + row)
-        s0 = tl.load(s_ptr + row)
-        mn = tl.maximum(m0, m)
-        a = tl.exp(m0 - mn)
-        b = tl.exp(m - mn)
-        t0 = tl.load(t_ptr + row) + tl.where(s0 > 0, m0 - mn, 0.0) * s0
-        tl.store(m_ptr + row, mn)
-        tl.store(s_ptr + row, a * s0 + b * s)
-        tl.store(x_ptr + row, a * tl.load(x_ptr + row) + b * x)
-        tl.store(t_ptr + row, a * t0 + b * (t + (m - mn) * s))
-        hit = (yl >= 0) & (yl < n_cols)
-        zt = tl.load(base + tl.where(hit, yl, 0), mask=hit, other=0.0) * INV_T
-        tl.store(zy_ptr + row, zt, mask=hit)
+        # z tile [BLOCK_N, BLOCK_V] = H[rows] W[cols]ᵀ, fp32 accumulation (ieee: fp32 inputs stay exact, no TF32).
+        # UPCAST (the interpreter only, whose tl.dot multiplies bf16's raw bits): the exact fp32 values instead
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            ks = k0 + tl.arange(0, BLOCK_D)
+            kmask = ks < D
+            a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        return acc
 
     @triton.jit
-    def _bwd_dz_kernel(
-        z_ptr,
-        stride_z,
-        dz_ptr,
-        stride_dz,
+    def _fwd_kernel(
+        h_ptr,
+        w_ptr,
+        y_ptr,
+        part_ptr,
+        N,
+        V,
+        D,
+        stride_h,
+        stride_w,
+        NUM_SPLITS,
+        INV_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        # Program (token tile, vocab split): the row state over the split's vocab blocks, in registers; one partial
+        # (m, s, x, t, zy) per (split, row) written to part [5, NUM_SPLITS, N].
+        split = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: row * stride > 2**31
+        rmask = rows < N
+        y = tl.load(y_ptr + rows, mask=rmask, other=-1)
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        per = tl.cdiv(n_blocks, NUM_SPLITS)
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        x = tl.zeros((BLOCK_N,), tl.float32)
+        t = tl.zeros((BLOCK_N,), tl.float32)
+        zy = tl.zeros((BLOCK_N,), tl.float32)
+        for blk in range(split * per, tl.minimum(split * per + per, n_blocks)):
+            cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+            cmask = cols < V
+            z = _logits_tile(
+                h_ptr,
+                w_ptr,
+                rows,
+                cols,
+                rmask,
+                cmask=cmask,
+                D=D,
+                stride_h=stride_h,
+                stride_w=stride_w,
+                BLOCK_N=BLOCK_N,
+                BLOCK_V=BLOCK_V,
+                BLOCK_D=BLOCK_D,
+                UPCAST=UPCAST,
+            )
+            z = tl.where(cmask[None, :], z * INV_T, float("-inf"))  # vocab tail: padded columns must not add exp(0)
+            mn = tl.maximum(m, tl.max(z, 1))
+            zc = tl.where(cmask[None, :], z - mn[:, None], 0.0)
+            ez = tl.where(cmask[None, :], tl.exp(zc), 0.0)
+            a = tl.exp(m - mn)
+            # (m - mn) is -inf while the state is empty (s = 0): keep it out of the product
+            t = a * (t + tl.where(s > 0, m - mn, 0.0) * s) + tl.sum(ez * zc, 1)
+            s = a * s + tl.sum(ez, 1)
+            tgt = cols[None, :] == y[:, None]
+            x = a * x + tl.sum(tl.where(tgt, 0.0, ez), 1)
+            zy += tl.sum(tl.where(tgt, z, 0.0), 1)  # one column hits, the rest add exact zeros
+            m = mn
+        out = part_ptr + split * N + rows
+        stride_k = NUM_SPLITS * N
+        tl.store(out, m, mask=rmask)
+        tl.store(out + stride_k, s, mask=rmask)
+        tl.store(out + 2 * stride_k, x, mask=rmask)
+        tl.store(out + 3 * stride_k, t, mask=rmask)
+        tl.store(out + 4 * stride_k, zy, mask=rmask)
+
+    @triton.jit
+    def _bwd_kernel(
+        h_ptr,
+        w_ptr,
         yl_ptr,
         m_ptr,
         ls_ptr,
@@ -331,102 +382,246 @@ if HAS_TRITON:
         q_ptr,
         g_ptr,
         e_ptr,
-        n_cols,
+        dz_ptr,
+        N,
+        VS,
+        D,
+        V,
+        stride_h,
+        stride_w,
+        stride_dz,
         INV_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        GROUP_N: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
-        # Elementwise over [row, vocab block]: dz in fp32, rounded once on the store.
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-        mask = offs < n_cols
-        zc = tl.load(z_ptr + row * stride_z + offs, mask=mask, other=0.0) * INV_T - tl.load(m_ptr + row)
-        p = tl.exp(zc - tl.load(ls_ptr + row))
-        g = tl.load(g_ptr + row)
-        e = tl.load(e_ptr + row)
-        tbar = tl.load(tbar_ptr + row)
-        q = tl.load(q_ptr + row)
-        yl = tl.load(yl_ptr + row)
-        dz = tl.where(offs == yl, g * q, -p * g) - p * e * (zc - tbar)
+        # One [BLOCK_N x BLOCK_V] tile of dz for a vocab split of VS columns (w_ptr at its first row; V, the whole
+        # vocabulary, only keys the autotuner). Programs are grouped GROUP_N token tiles at a time so that the
+        # ones running together share W's and H's tiles in L2.
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_N * tl.cdiv(VS, BLOCK_V)
+        first_n = (pid // in_group) * GROUP_N
+        size = tl.minimum(num_n - first_n, GROUP_N)
+        pid_n = first_n + (pid % in_group) % size
+        pid_v = (pid % in_group) // size
+        rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+        rmask = rows < N
+        cmask = cols < VS
+        z = _logits_tile(
+            h_ptr,
+            w_ptr,
+            rows,
+            cols,
+            rmask,
+            cmask=cmask,
+            D=D,
+            stride_h=stride_h,
+            stride_w=stride_w,
+            BLOCK_N=BLOCK_N,
+            BLOCK_V=BLOCK_V,
+            BLOCK_D=BLOCK_D,
+            UPCAST=UPCAST,
+        )
+        m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+        ls = tl.load(ls_ptr + rows, mask=rmask, other=0.0)
+        tbar = tl.load(tbar_ptr + rows, mask=rmask, other=0.0)
+        q = tl.load(q_ptr + rows, mask=rmask, other=0.0)
+        g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
+        e = tl.load(e_ptr + rows, mask=rmask, other=0.0)
+        yl = tl.load(yl_ptr + rows, mask=rmask, other=-1)
+        # relative to the row max (a common offset cancels); the target column from q = 1 - p_y (no cancellation)
+        zc = z * INV_T - m[:, None]
+        p = tl.exp(zc - ls[:, None])
+        tgt = cols[None, :] == yl[:, None]
+        dz = tl.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
         tl.store(
-            dz_ptr + row * stride_dz + offs,
+            dz_ptr + rows[:, None] * stride_dz + cols[None, :],
             (dz * INV_T).to(dz_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-            mask=mask,
+            mask=rmask[:, None] & cmask[None, :],
         )
 
 
-def _fwd_tile_triton(z, yl, inv_t, m, s, x, t, zy):
-    assert z.stride(1) == 1  # the kernels walk rows with unit stride
-    # Updates the state slices in place (they are contiguous views of the [N] buffers).
-    _fwd_stats_kernel[(z.shape[0],)](
-        z_ptr=z,
-        stride_z=z.stride(0),
-        yl_ptr=yl,
-        m_ptr=m,
-        s_ptr=s,
-        x_ptr=x,
-        t_ptr=t,
-        zy_ptr=zy,
-        n_cols=z.shape[1],
-        INV_T=inv_t,
-        BLOCK_V=TRITON_BLOCK_V,
-        num_warps=4,
-    )
+GROUP_N = 8
+_TUNERS = {}
+_TUNED_CACHE = {}
 
 
-def _bwd_tile_triton(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
-    assert z.stride(1) == 1
-    dz = torch.empty(z.shape, dtype=out_dtype, device=z.device)
-    grid = (z.shape[0], triton.cdiv(z.shape[1], TRITON_BLOCK_V))
-    _bwd_dz_kernel[grid](
-        z_ptr=z,
-        stride_z=z.stride(0),
-        dz_ptr=dz,
-        stride_dz=dz.stride(0),
-        yl_ptr=yl,
-        m_ptr=m,
-        ls_ptr=ls,
-        tbar_ptr=tbar,
-        q_ptr=q,
-        g_ptr=g,
-        e_ptr=e,
-        n_cols=z.shape[1],
-        INV_T=inv_t,
-        BLOCK_V=TRITON_BLOCK_V,
-        num_warps=4,
-    )
+def gpu_name(device) -> str:
+    """The key of kernels_tuned.json: the CUDA device's name, "interpreter" under TRITON_INTERPRET=1 on a CPU."""
+    if torch.device(device).type != "cuda":
+        return "interpreter"
+    return torch.cuda.get_device_name(device)
+
+
+def load_tuned(path=None) -> dict:
+    """kernels_tuned.json (or `path`): {"gpus": {name: {"<d>x<V>": {"fwd": config, "bwd": config, "vocab_split": Vs,
+    "measured": {...}}}}}, a config being {"BLOCK_N", "BLOCK_V", "BLOCK_D", "num_warps", "num_stages"}."""
+    path = Path(path or TUNED_FILE)
+    if not path.exists():
+        return {"gpus": {}}
+    key = (str(path), path.stat().st_mtime_ns)  # read once per version of the file, not once per call
+    if key not in _TUNED_CACHE:
+        _TUNED_CACHE[key] = json.loads(path.read_text())
+    return _TUNED_CACHE[key]
+
+
+def candidate_configs(kind, name, d, V) -> list[dict]:
+    """The tiles autotune picks from for kernel `kind` ("fwd" or "bwd") at (d, V) on GPU `name`: the tuned one alone
+    when the file has (d, V) for this GPU, else the GPU's other tuned ones and DEFAULT_CONFIGS."""
+    if name == "interpreter":
+        return [dict(INTERPRET_CONFIG)]
+    entry = load_tuned().get("gpus", {}).get(name, {})
+    if f"{d}x{V}" in entry:
+        return [entry[f"{d}x{V}"][kind]]
+    found = [shape[kind] for shape in entry.values()] + [dict(c) for c in DEFAULT_CONFIGS]
+    return [c for i, c in enumerate(found) if c not in found[:i]]
+
+
+def _tuned_kernel(kind, device, d, V):
+    configs = candidate_configs(kind, gpu_name(device), d, V)
+    key = (kind, json.dumps(configs))
+    if key not in _TUNERS:
+        fn = _fwd_kernel if kind == "fwd" else _bwd_kernel
+        tiles = [
+            triton.Config(
+                {k: c[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_D")},
+                num_warps=c["num_warps"],
+                num_stages=c["num_stages"],
+            )
+            for c in configs
+        ]
+        _TUNERS[key] = triton.autotune(configs=tiles, key=["D", "V"])(fn)
+    return _TUNERS[key]
+
+
+def fwd_splits(N, V) -> int:
+    """The forward's vocab splits: enough (token tile x split) programs to fill the GPU (FWD_PROGRAMS, token tiles
+    counted at 128 rows), at least FWD_SPLIT_COLS columns each. A function of the shape only, so the merge order and
+    the bits do not depend on the device."""
+    return max(1, min(-(-FWD_PROGRAMS // -(-N // 128)), V // FWD_SPLIT_COLS))
+
+
+def vocab_split(N, d, V, itemsize) -> int:
+    """The backward's vocab split Vs: the dz buffer [N x Vs] (compute dtype) and the fp32 dH accumulator [N x d]
+    within WORKSPACE_BYTES_TRITON where N x d allows, the dz buffer at least DZ_BYTES; a multiple of 256."""
+    budget = max(DZ_BYTES, WORKSPACE_BYTES_TRITON - 4 * N * d)
+    return max(256, min(V, budget // max(1, N * itemsize) // 256 * 256))
+
+
+def fwd_triton(h, w, y, inv_t, config=None):
+    """The forward's partial row states [5, splits, N] (m, s, x, t, zy) from one Triton GEMM; config None: the
+    autotuned tiles, else the dict given (tools/tune_kernels.py)."""
+    N, d = h.shape
+    V = w.shape[0]
+    splits = fwd_splits(N, V)
+    part = torch.empty(5, splits, N, dtype=torch.float32, device=h.device)
+    args = dict(h_ptr=h, w_ptr=w, y_ptr=y, part_ptr=part, N=N, V=V, D=d, stride_h=h.stride(0))
+    args.update(stride_w=w.stride(0), NUM_SPLITS=splits, INV_T=inv_t, UPCAST=_interpret())
+    if config is None:
+        _tuned_kernel("fwd", h.device, d, V)[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](**args)
+    else:
+        _fwd_kernel[(triton.cdiv(N, config["BLOCK_N"]), splits)](**args, **config)
+    return part
+
+
+def merge_partials(part):
+    """The row state (m, s, x, t, zy) from the splits' partials, merged in the splits' order (no atomics)."""
+    m, s, x, t, zy = part
+    M = m.amax(0)
+    a = torch.exp(m - M)  # an empty split (m = -inf, s = 0) adds nothing
+    t = t + torch.where(s > 0, m - M, 0.0) * s
+    return M, (a * s).sum(0), (a * x).sum(0), (a * t).sum(0), zy.sum(0)
+
+
+def bwd_dz_triton(h, wv, yl, stats, g, e, inv_t, dz, V, config=None):
+    """dz [N x Vs] (compute dtype) of one vocab split (wv = its rows of W; yl = targets minus its first column)."""
+    N, d = h.shape
+    VS = wv.shape[0]
+    m, ls, tbar, q = stats
+    args = dict(h_ptr=h, w_ptr=wv, yl_ptr=yl, m_ptr=m, ls_ptr=ls, tbar_ptr=tbar, q_ptr=q, g_ptr=g, e_ptr=e)
+    args.update(dz_ptr=dz, N=N, VS=VS, D=d, V=V, stride_h=h.stride(0), stride_w=wv.stride(0), stride_dz=dz.stride(0))
+    args.update(INV_T=inv_t, GROUP_N=GROUP_N, UPCAST=_interpret())
+    if config is None:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(VS, meta["BLOCK_V"]),)  # noqa: E731
+        _tuned_kernel("bwd", h.device, d, V)[grid](**args)
+    else:
+        _bwd_kernel[(triton.cdiv(N, config["BLOCK_N"]) * triton.cdiv(VS, config["BLOCK_V"]),)](**args, **config)
     return dz
 
 
 # ------------------------------------------------------------------------- autograd
 def _default_chunks(device, d, V):
+    """The eager backend's tile (token chunk, vocab chunk)."""
     if torch.device(device).type == "cuda":
-        # ~2^23 fp32 elements for the [Vc x d] dW accumulator, 4096-token matmuls:
-        # big enough for cuBLAS, small enough that workspace stays ~150 MB.
+        # ~2^23 fp32 elements for the [Vc x d] dW accumulator, 4096-token matmuls
         vc = max(1024, 1 << int(math.log2(max(1, (1 << 23) // d))))
         return 4096, min(V, vc)
     return 1024, min(V, 8192)
 
 
+def _forward_eager(h, w, y, inv_t, C, Vc):
+    N, V = h.shape[0], w.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    state = [torch.full((N,), float("-inf"), **f32)] + [torch.zeros(N, **f32) for _ in range(4)]  # m, s, x, t, zy
+    for v0 in range(0, V, Vc):
+        wv = w[v0 : v0 + Vc]
+        for c0 in range(0, N, C):
+            sl = slice(c0, c0 + C)
+            new = _fwd_tile_torch(_mm_f32(h[sl], wv.t()), y[sl] - v0, inv_t, *(a[sl] for a in state))
+            for a, b in zip(state, new):
+                a[sl] = b
+    return state
+
+
+def _backward_eager(h, w, y, inv_t, stats, g, e, need_h, need_w, C, Vc):
+    N, V = h.shape[0], w.shape[0]
+    dh_acc = torch.zeros(N, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
+    dw = torch.empty_like(w) if need_w else None
+    for v0 in range(0, V, Vc):
+        wv = w[v0 : v0 + Vc]
+        dw_acc = torch.zeros(wv.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for c0 in range(0, N, C):
+            sl = slice(c0, c0 + C)
+            z = _mm_f32(h[sl], wv.t())
+            m, ls, tbar, q = (a[sl] for a in stats)
+            dz = _bwd_tile_torch(z, y[sl] - v0, inv_t, m, ls, tbar=tbar, q=q, g=g[sl], e=e[sl], out_dtype=h.dtype)
+            del z
+            if need_h:
+                _addmm_f32(dh_acc[sl], dz, wv)
+            if need_w:
+                _addmm_f32(dw_acc, dz.t(), h[sl])
+        if need_w:
+            dw[v0 : v0 + Vc].copy_(dw_acc)  # each dW slice rounded and written once
+    return dh_acc, dw
+
+
+def _backward_triton(h, w, y, inv_t, stats, g, e, need_h, need_w, Vc):
+    N, V = h.shape[0], w.shape[0]
+    dz = torch.empty(N, min(Vc, V), dtype=h.dtype, device=h.device)  # reused by every split
+    dh_acc = torch.zeros(N, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
+    dw = torch.empty_like(w) if need_w else None
+    for v0 in range(0, V, Vc):
+        wv = w[v0 : v0 + Vc]
+        dzv = bwd_dz_triton(h, wv, y - v0, stats, g, e=e, inv_t=inv_t, dz=dz[:, : wv.shape[0]], V=V)
+        if need_w:
+            torch.mm(dzv.t(), h, out=dw[v0 : v0 + wv.shape[0]])  # one GEMM over all tokens, written once
+        if need_h:
+            _addmm_f32(dh_acc, dzv, wv)
+    return dh_acc, dw
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, y, cfg):
-        inv_t, backend, C, Vc = cfg  # 1 / temperature, backend, token and vocab chunk sizes
-        N, V = h.shape[0], w.shape[0]
-        fwd_tile, _ = _tile_fns(backend)
-        f32 = dict(dtype=torch.float32, device=h.device)
-        m = torch.full((N,), float("-inf"), **f32)
-        state = [m] + [torch.zeros(N, **f32) for _ in range(4)]  # m, s, x, t, zy
-        # inv_t as a 0-d tensor for the compiled tile fns (no recompile per temperature)
-        it = torch.tensor(inv_t, **f32) if backend == "compile" else inv_t
-        for v0 in range(0, V, Vc):
-            wv = w[v0 : v0 + Vc]
-            for c0 in range(0, N, C):
-                sl = slice(c0, c0 + C)
-                z = _mm_f32(h[sl], wv.t())
-                new = fwd_tile(z, y[sl] - v0, it, *(a[sl] for a in state))
-                for a, b in zip(state, new or ()):  # None: updated in place (Triton)
-                    a[sl] = b
-        m, s, x, t, zy = state
+        inv_t, backend, C, Vc = cfg  # 1 / temperature, backend, eager tile / triton backward vocab split
+        if backend == "triton":
+            m, s, x, t, zy = merge_partials(fwd_triton(h, w, y, inv_t))
+        else:
+            m, s, x, t, zy = _forward_eager(h, w, y, inv_t, C=C, Vc=Vc)
         ls, tbar = s.log(), t / s
         q = x / s  # 1 - p_y without cancellation
         # log p_y = log1p(-q) is accurate for confident tokens; z_y - lse elsewhere
@@ -444,45 +639,38 @@ class _TokenLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g is None and e is None) or not (need_h or need_w):
             return None, None, None, None
-        N, V = h.shape[0], w.shape[0]
+        N = h.shape[0]
         zero = torch.zeros(N, dtype=torch.float32, device=h.device)
         # per-token upstream gradients are folded into dz (stride-0 ones from .sum() copied)
         g = zero if g is None else g.float().contiguous()
         e = zero if e is None else e.float().contiguous()
-        _, bwd_tile = _tile_fns(backend)
-        it = torch.tensor(inv_t, dtype=torch.float32, device=h.device) if backend == "compile" else inv_t
-        dh_acc = torch.zeros(N, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
-        dw = torch.empty_like(w) if need_w else None
-        for v0 in range(0, V, Vc):
-            wv = w[v0 : v0 + Vc]
-            dw_acc = torch.zeros(wv.shape, dtype=torch.float32, device=w.device) if need_w else None
-            for c0 in range(0, N, C):
-                sl = slice(c0, c0 + C)
-                z = _mm_f32(h[sl], wv.t())
-                dz = bwd_tile(
-                    z=z,
-                    yl=y[sl] - v0,
-                    inv_t=it,
-                    m=m[sl],
-                    ls=ls[sl],
-                    tbar=tbar[sl],
-                    q=q[sl],
-                    g=g[sl],
-                    e=e[sl],
-                    out_dtype=h.dtype,
-                )
-                del z
-                if need_h:
-                    _addmm_f32(dh_acc[sl], dz, wv)
-                if need_w:
-                    _addmm_f32(dw_acc, dz.t(), h[sl])
-            if need_w:
-                dw[v0 : v0 + Vc].copy_(dw_acc)  # each dW slice rounded and written once
-        dh = dh_acc.to(h.dtype) if need_h else None
+        # rows with g = e = 0 have dz = 0 exactly: dropped before the matmuls (one host sync)
+        live = (g != 0) | (e != 0)
+        n_live = int(live.sum())
+        keep = None if n_live == N else live.nonzero()[:, 0]
+        stats = (m, ls, tbar, q)
+        hk, yk = h, y
+        if keep is not None:
+            hk, yk, g, e = h[keep], y[keep], g[keep], e[keep]
+            stats = tuple(a[keep] for a in stats)
+        if n_live == 0:
+            dh_acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
+            dw = torch.zeros_like(w) if need_w else None
+        elif backend == "triton":
+            kw = dict(stats=stats, g=g, e=e, need_h=need_h, need_w=need_w, Vc=Vc)
+            dh_acc, dw = _backward_triton(hk, w, yk, inv_t, **kw)
+        else:
+            kw = dict(stats=stats, g=g, e=e, need_h=need_h, need_w=need_w, C=C, Vc=Vc)
+            dh_acc, dw = _backward_eager(hk, w, yk, inv_t, **kw)
+        dh = None
+        if need_h:
+            dh = dh_acc.to(h.dtype)
+            if keep is not None and n_live:
+                dh = torch.zeros_like(h).index_copy_(0, keep, dh)
         return dh, dw, None, None
 
 
-@torch.compiler.disable  # a caller's torch.compile runs this eagerly (own tile fns compile)
+@torch.compiler.disable  # a caller's torch.compile runs this eagerly
 def token_logprobs(
     hidden,
     weight,
@@ -500,9 +688,10 @@ def token_logprobs(
     Rows whose target equals ignore_index give 0, receive no gradient and cost nothing.
     Out-of-range targets and temperature <= 0 or non-finite raise ValueError. Autograd
     flows to hidden and weight (pass a tied embedding parameter itself to reach it).
-    chunk_size (tokens) and vocab_chunk_size set the logits tile; results do not depend on
-    them beyond fp32 rounding. It syncs with the host (target validation). Inside a
-    caller's torch.compile region it runs eagerly (graph break), its tile functions compiled.
+    eager: chunk_size (tokens) and vocab_chunk_size set the logits tile; triton: vocab_chunk_size sets the
+    backward's vocab split (default vocab_split), chunk_size is unused (every split takes all tokens). Results do
+    not depend on them beyond fp32 rounding. It syncs with the host (target validation). Inside a caller's
+    torch.compile region it runs eagerly (graph break).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
@@ -539,9 +728,15 @@ def token_logprobs(
     keep = (~ignored).nonzero()[:, 0] if any_ignored else None
     if keep is not None:
         h, y = h[keep], y[keep]  # (backward: sort-based index_put, deterministic)
-    C0, Vc0 = _default_chunks(h.device, d, V)
-    C = max(1, int(chunk_size or C0))
-    Vc = max(1, min(V, int(vocab_chunk_size or Vc0)))
+    if backend == "triton":
+        C = h.shape[0]
+        Vs = vocab_split(h.shape[0], d, V, h.element_size())
+        tuned = load_tuned().get("gpus", {}).get(gpu_name(h.device), {}).get(f"{d}x{V}", {}).get("vocab_split")
+        Vc = max(1, min(V, int(vocab_chunk_size or min(tuned or Vs, Vs))))  # a tuned split, within the budget
+    else:
+        C0, Vc0 = _default_chunks(h.device, d, V)
+        C = max(1, int(chunk_size or C0))
+        Vc = max(1, min(V, int(vocab_chunk_size or Vc0)))
     if h.shape[0] == 0:
         logp = ent = (h.sum(1) + weight.sum() * 0).float()  # zeros, graph kept connected
     else:
@@ -551,9 +746,6 @@ def token_logprobs(
         ent = ent.new_zeros(ignored.shape).masked_scatter(~ignored, ent)
     logp, ent = logp.reshape(lead), ent.reshape(lead)
     return (logp, ent) if return_entropy else logp
-
-
-# ------------------------------------------------------------------------ benchmark
 
 
 # ----------------------------------------------------------------------------- the memory plan

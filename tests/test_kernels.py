@@ -1,8 +1,10 @@
 """Tests for kernels.token_logprobs against an fp64 reference built from the same inputs.
 
-Backends: every test runs on "eager"; a subset runs on "compile"; the Triton kernels run the
-whole file again in a subprocess with TRITON_INTERPRET=1 (the variable must be set before
-Triton decorates the kernels, i.e. before `import kernels`), on CPU tensors.
+Backends: every test runs on "eager"; the Triton kernels run the whole file again in a subprocess
+with TRITON_INTERPRET=1 (the variable must be set before Triton decorates the kernels, i.e. before
+`import kernels`), on CPU tensors, with 16 x 32 x 16 tiles (kernels.INTERPRET_CONFIG) and forward
+vocab splits of 40+ columns: V = 517 and 123 are multiples of no tile, and split into ragged,
+full and empty splits.
 
 Tolerances (all outputs vs fp64 of the same bf16/fp32-valued inputs):
   * logp and entropy are fp32 whatever the input dtype (logits are exact-product fp32):
@@ -12,6 +14,7 @@ Tolerances (all outputs vs fp64 of the same bf16/fp32-valued inputs):
     guards against give errors of order 1).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -24,14 +27,14 @@ import kernels
 from kernels import token_logprobs
 
 INNER = os.environ.get("KERNELS_TEST_TRITON") == "1"  # set by test_triton_interpreter
-if INNER:  # the interpreter runs each Triton program in Python: fewer, larger tiles
-    kernels.TRITON_BLOCK_V = 128  # several vocab blocks per tile and ragged block tails
+if INNER:  # several forward splits per row: V = 517 -> 17 blocks of 32 -> splits of 2 blocks, the last ones empty
+    kernels.FWD_SPLIT_COLS = 40
 MAIN = ["triton"] if INNER else ["eager"]
-WITH_COMPILE = ["triton"] if INNER else ["eager", "compile"]
 GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # ragged token and vocab tiles (V = 517 -> 300 + 217, N = 193 -> 128 + 65 or 64 * 3 + 1)
 SMALL_TILES = dict(chunk_size=128, vocab_chunk_size=300) if INNER else dict(chunk_size=64, vocab_chunk_size=200)
-N_BIG = 97 if INNER else 193  # for the tests that run the op many times
+N_BIG = 65 if INNER else 193  # for the tests that run the op many times
+N_RAGGED = 97 if INNER else 193  # 6 token tiles of 16 and one row
 CHUNKS = [(None, None), (40, 64), (97, 1000)] if INNER else [(None, None), (13, 517), (16, 64), (193, 1000), (50, 123)]
 
 
@@ -128,7 +131,7 @@ def check_all(h, w, y, backend, T=1.0, gl=None, ge=None, grad_tol=None, **kw):
 # ------------------------------------------------------------------ correctness vs fp64
 @pytest.mark.parametrize("backend", MAIN)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 24, 123), (7, 40, 517), (193, 72, 517)])
+@pytest.mark.parametrize("shape", [(1, 24, 123), (7, 40, 517), (N_RAGGED, 72, 517)])
 def test_matches_fp64(backend, dtype, shape):
     h, w, y = make(*shape, dtype=dtype)
     check_all(h, w, y, backend, **SMALL_TILES)
@@ -194,12 +197,14 @@ def test_peaked_rows(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", MAIN)
-def test_large_common_offset(backend):
-    # an extra hidden dim of 1 and weight column of 200 shift every logit by 200 (> 88, so a
-    # missing max-subtraction overflows fp32); outputs and the original grads must not move
+@pytest.mark.parametrize("offset", [200.0, -200.0])
+def test_large_common_offset(backend, offset):
+    # an extra hidden dim of 1 and weight column of +-200 shift every logit by +-200 (> 88, so a
+    # missing max-subtraction overflows fp32, and a padded vocab column's 0 taken as the row max
+    # underflows every exp(z - max) at -200); outputs and the original grads must not move
     h, w, y = make(33, 40, 123, dtype=torch.bfloat16, seed=5)
     hb = torch.cat([h, torch.ones(33, 1, dtype=h.dtype)], 1)
-    wb = torch.cat([w, torch.full((123, 1), 200.0, dtype=w.dtype)], 1)
+    wb = torch.cat([w, torch.full((123, 1), offset, dtype=w.dtype)], 1)
     gl, ge = upstream(33)
     h0, w0, lp0, en0 = run(h, w, y, backend)
     h1, w1, lp1, en1 = run(hb, wb, y, backend)
@@ -245,6 +250,29 @@ def test_ignored_rows_cost_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", MAIN)
+def test_zero_gradient_rows_skipped(backend, monkeypatch):
+    # GRPO's zero-variance groups give rows whose upstream gradients are both 0: their dz is exactly 0, so the
+    # backward's matmuls run on the other rows only, and the gradients are those of the full batch
+    h, w, y = make(40, 24, 517, seed=20, ignore=0.0)
+    gl, ge = upstream(40, zero_frac=0.0)
+    gl[::3] = ge[::3] = 0
+    gl[1::3] = 0  # logp-only and entropy-only rows stay
+    rows = []
+    name = "_backward_triton" if backend == "triton" else "_backward_eager"
+    orig = getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda h, *a, **kw: rows.append(h.shape[0]) or orig(h, *a, **kw))
+    h1, w1, lp, en = run(h, w, y, backend, **SMALL_TILES)
+    ((lp * gl).sum() + (en * ge).sum()).backward()
+    assert rows == [40 - 14]
+    dh, dw = reference(h, w, y)[2](gl, ge)
+    assert (h1.grad[::3] == 0).all()
+    assert rel(h1.grad, dh) < 2e-5 and rel(w1.grad, dw) < 2e-5
+    h2, w2, lp, en = run(h, w, y, backend, **SMALL_TILES)
+    (lp * 0).sum().backward()  # every row zero: no matmul at all, zero gradients
+    assert rows == [40 - 14] and (h2.grad == 0).all() and (w2.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", MAIN)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_ignored(backend, dtype):
     h, w, y = make(9, 24, 123, dtype=dtype, seed=7)
@@ -270,7 +298,7 @@ def test_invalid_arguments(backend):
         token_logprobs(h, w, y, backend="cuda")
 
 
-@pytest.mark.parametrize("backend", WITH_COMPILE)
+@pytest.mark.parametrize("backend", MAIN)
 def test_deterministic(backend):
     # bug 13: bitwise equal across runs, and a no-grad forward equals the grad forward
     h, w, y = make(N_BIG, 40, 517, dtype=torch.bfloat16, seed=8)
@@ -380,57 +408,13 @@ def test_tiles_bounded(backend, monkeypatch):
     assert sizes and max(sizes) <= 16 * 64
 
 
-# ------------------------------------------------------------------- compile backend
-@pytest.mark.skipif(INNER, reason="outer process only")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compile_matches_eager_and_fp64(dtype):
-    # bug 6: the compiled tile functions must give eager's numbers (no fp64 temperature)
-    for shape, T in [((193, 72, 517), 0.7), ((7, 40, 123), 1.0)]:
-        h, w, y = make(*shape, dtype=dtype, seed=14)
-        _, _, lp_c, en_c = check_all(h, w, y, "compile", T=T, **SMALL_TILES)
-        _, _, lp_e, en_e = run(h, w, y, "eager", temperature=T, **SMALL_TILES)
-        torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(en_c, en_e, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(INNER, reason="outer process only")
-def test_compile_no_recompile_for_new_lengths():
-    # bug 14: new batch lengths (and ragged last tiles) reuse the compiled graphs
-    from torch._dynamo.utils import counters
-
-    def fwd_bwd(N):
-        h, w, y = make(N, 40, 517, seed=N, peaked=0.0)
-        h1, w1, lp, en = run(h, w, y, "compile", **SMALL_TILES)
-        (lp.sum() + en.sum()).backward()
-
-    fwd_bwd(70)
-    fwd_bwd(150)  # a second shape may turn a static graph dynamic once
-    before = counters["stats"]["unique_graphs"]
-    for N in (33, 129, 200):
-        fwd_bwd(N)
-    assert counters["stats"]["unique_graphs"] == before
-
-
-@pytest.mark.skipif(INNER, reason="outer process only")
-def test_inside_callers_torch_compile():
-    # a trainer that compiles its loss must get the same numbers (the op runs eagerly)
-    h, w, y = make(30, 24, 123, seed=17)
-    f = torch.compile(lambda h, w, y: (token_logprobs(h * 2, w, y, backend="eager") ** 2).sum())
-    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    f(h1, w1, y).backward()
-    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    (token_logprobs(h2 * 2, w2, y, backend="eager") ** 2).sum().backward()
-    torch.testing.assert_close(h1.grad, h2.grad)
-    torch.testing.assert_close(w1.grad, w2.grad)
-
-
 # --------------------------------------------------------------------- misc / driver
 @pytest.mark.skipif(INNER, reason="outer process only")
 def test_resolve_backend():
     assert kernels.resolve_backend("auto", "cpu") == "eager"
-    assert kernels.resolve_backend("compile", "cpu") == "compile"
-    with pytest.raises(ValueError, match="auto, triton, compile, eager"):
-        kernels.resolve_backend("fused", "cpu")
+    assert kernels.resolve_backend("eager", "cpu") == "eager"
+    with pytest.raises(ValueError, match="auto, triton, eager"):
+        kernels.resolve_backend("compile", "cpu")  # the torch.compile backend is gone
     if not kernels._interpret():
         with pytest.raises(ValueError, match="triton"):
             kernels.resolve_backend("triton", "cpu")
@@ -465,59 +449,53 @@ def test_cuda_matmul_path_emulated(monkeypatch):
 
 
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
-@pytest.mark.parametrize("dz_type", ["bf16", "fp32"])
-def test_triton_compiles_for_sm90(dz_type):
-    # no GPU here: compile the kernels ahead of time for an H100/H200 (sm_90) to catch what the
-    # interpreter cannot (typing, lowering); check no fp64 math and 64-bit row offsets
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_triton_compiles_for_sm90(dtype):
+    # no GPU here: compile the kernels ahead of time for an H100/H200 (sm_90) with the first default tiles, to catch
+    # what the interpreter cannot (typing, lowering, shared memory); check no fp64 math, 64-bit row offsets,
+    # tensor-core GEMMs and round-to-nearest bf16 dz
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    f32, common = "*fp32", {"INV_T": "constexpr", "BLOCK_V": "constexpr"}
-    kernels_sigs = [
-        (
-            kernels._fwd_stats_kernel,
-            dict(
-                z_ptr=f32,
-                stride_z="i32",
-                yl_ptr="*i64",
-                m_ptr=f32,
-                s_ptr=f32,
-                x_ptr=f32,
-                t_ptr=f32,
-                zy_ptr=f32,
-                n_cols="i32",
-                **common,
-            ),
-        ),
-        (
-            kernels._bwd_dz_kernel,
-            dict(
-                z_ptr=f32,
-                stride_z="i32",
-                dz_ptr="*" + dz_type,
-                stride_dz="i32",
-                yl_ptr="*i64",
-                m_ptr=f32,
-                ls_ptr=f32,
-                tbar_ptr=f32,
-                q_ptr=f32,
-                g_ptr=f32,
-                e_ptr=f32,
-                n_cols="i32",
-                **common,
-            ),
-        ),
-    ]
-    for fn, sig in kernels_sigs:
-        try:
-            src = ASTSource(fn=fn, signature=sig, constexprs={"INV_T": 1 / 0.7, "BLOCK_V": 1024})
-        except TypeError as exc:  # older/newer Triton with another AOT signature format
-            pytest.skip(f"ASTSource API differs: {exc}")
-        ptx = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    t, f32 = "*" + dtype, "*fp32"
+    tiles = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("BLOCK")}
+    options = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("num")}
+    consts = dict(INV_T=1 / 0.7, UPCAST=False, **tiles)
+    sizes = dict(N="i32", V="i32", D="i32", stride_h="i32", stride_w="i32")
+    fwd = dict(h_ptr=t, w_ptr=t, y_ptr="*i64", part_ptr=f32, **sizes, NUM_SPLITS="i32")
+    bwd = dict(h_ptr=t, w_ptr=t, yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32, g_ptr=f32)
+    bwd.update(e_ptr=f32, dz_ptr=t, N="i32", VS="i32", D="i32", V="i32", stride_h="i32", stride_w="i32")
+    bwd.update(stride_dz="i32")
+    for fn, sig, extra in ((kernels._fwd_kernel, fwd, {}), (kernels._bwd_kernel, bwd, {"GROUP_N": 8})):
+        # what the JIT knows at run time of torch's tensors and of d = 896 or 3584: 16-aligned pointers, strides and
+        # d divisible by 16 (without it the loads cannot be pipelined)
+        div = [n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n == "D"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+        sig = dict(sig, **{k: "constexpr" for k in {**consts, **extra}})
+        src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra}, attrs=attrs)
+        compiled = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
         assert ".f64" not in ptx  # temperature stayed fp32
-        assert "mul.lo.s64" in ptx  # 64-bit row * stride offsets
-        if dz_type == "bf16" and fn is kernels._bwd_dz_kernel:
+        assert "mul.lo.s64" in ptx or "mad.wide" in ptx  # 64-bit row * stride offsets
+        if dtype == "bf16":
+            assert "wgmma" in ptx or "mma.sync" in ptx  # the GEMM runs on tensor cores
+            assert "cp.async" in ptx  # the k-loop's loads are pipelined (num_stages > 1)
+        if dtype == "bf16" and fn is kernels._bwd_kernel:
             assert "cvt.rn.bf16" in ptx  # dz rounded to nearest, once
+
+
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_inside_callers_torch_compile():
+    # a trainer that compiles its loss must get the same numbers (the op runs eagerly)
+    h, w, y = make(30, 24, 123, seed=17)
+    f = torch.compile(lambda h, w, y: (token_logprobs(h * 2, w, y, backend="eager") ** 2).sum())
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    f(h1, w1, y).backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    (token_logprobs(h2 * 2, w2, y, backend="eager") ** 2).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
 
 
 @pytest.mark.skipif(INNER, reason="outer process only")
@@ -550,3 +528,72 @@ def test_triton_interpreter():
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ tuned tiles and the tools
+@pytest.mark.skipif(INNER, reason="outer process only")
+def test_tuned_file_seeds_the_autotuner(tmp_path, monkeypatch):
+    # a tuned (d, V) of this GPU: that config alone (the same tiles in every process); another shape: the GPU's
+    # tuned configs first, then the defaults; another GPU: the defaults
+    fwd = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=32, num_warps=4, num_stages=3)
+    bwd = dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=32, num_warps=4, num_stages=3)
+    path = tmp_path / "tuned.json"
+    path.write_text(
+        '{"gpus": {"NVIDIA H200": {"896x151936": {"fwd": %s, "bwd": %s}}}}' % (json.dumps(fwd), json.dumps(bwd))
+    )
+    monkeypatch.setattr(kernels, "TUNED_FILE", path)
+    assert kernels.candidate_configs("fwd", "NVIDIA H200", 896, 151936) == [fwd]
+    assert kernels.candidate_configs("bwd", "NVIDIA H200", 896, 151936) == [bwd]
+    others = kernels.candidate_configs("bwd", "NVIDIA H200", 3584, 151936)
+    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS) if c != bwd]
+    assert kernels.candidate_configs("fwd", "NVIDIA H100 80GB HBM3", 896, 151936) == list(
+        map(dict, kernels.DEFAULT_CONFIGS)
+    )
+    assert kernels.candidate_configs("fwd", "interpreter", 896, 151936) == [kernels.INTERPRET_CONFIG]
+
+
+def _tool(args, timeout):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+def test_tune_kernels_dry_run_within_its_deadline(tmp_path):
+    # the tuning tool's dry run on a CPU under the interpreter, through its command line: it finishes within its
+    # deadline (imports included), writes its JSON and table, and the best tiles into the tuned file given
+    import time
+
+    tuned = tmp_path / "tuned.json"
+    t0 = time.monotonic()
+    r = _tool(
+        ["tools/tune_kernels.py", "--dry-run", "--deadline", "60", "--out", str(tmp_path), "--write-tuned"]
+        + ["--tuned-file", str(tuned)],
+        timeout=180,
+    )
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((tmp_path / "tune.json").read_text())
+    assert result["elapsed_s"] <= 60 and wall <= 60 + 15  # the interpreter's exit after the last write
+    width = result["widths"]["24"]
+    assert width["sweep"]["best"]["fwd"] and width["sweep"]["best"]["bwd"]
+    assert {"logits H Wt", "split dz W", "split dzT H"} <= set(width["floor"])
+    for row in width["e2e"]:  # measured with errors against the reference, or skipped for the deadline
+        assert row.get("skipped") == "deadline" or (row["logp_err"] <= 1e-5 and row["grad_err"] < 1e-2), row
+    assert "| vocab split | triton ms |" in (tmp_path / "tune.md").read_text()
+    entry = json.loads(tuned.read_text())["gpus"]["interpreter"]["24x300"]
+    assert entry["fwd"] == width["sweep"]["best"]["fwd"]["config"] and "measured" in entry
+
+
+@pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
+def test_bench_kernels_dry_run():
+    # the benchmark at a tiny shape on a CPU: a row per path with its FLOPs, bytes, time and ratios
+    r = _tool(["tools/bench_kernels.py", "--dry-run"], timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {
+        line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["triton"], ["naive"])
+    }
+    assert set(rows) == {"triton", "naive"}, r.stdout
+    assert "GEMM floor" in r.stdout and "x floor" in r.stdout and "GFLOP" in r.stdout
+    assert float(rows["naive"][3]) == 1.0  # x naive of naive itself
+    assert float(rows["triton"][10]) <= 1e-5  # logp err
