@@ -512,6 +512,11 @@ def vocab_split(N, d, V, itemsize) -> int:
     return max(256, min(V, budget // max(1, N * itemsize) // 256 * 256))
 
 
+def backward_workspace_bytes(N, d, V, itemsize) -> int:
+    """Bytes the triton backward holds beside its inputs and dW: the dz buffer [N x Vs] and the fp32 dH [N x d]."""
+    return N * min(vocab_split(N, d, V, itemsize), V) * itemsize + 4 * N * d
+
+
 def fwd_triton(h, w, y, inv_t, config=None):
     """The forward's partial row states [5, splits, N] (m, s, x, t, zy) from one Triton GEMM; config None: the
     autotuned tiles, else the dict given (tools/tune_kernels.py)."""
@@ -765,7 +770,7 @@ def token_logprobs(
 #                              log-sum-exp) + 4ic (the MLP); in fp32 compute the cast inputs are shared (8h)
 #                act_outside = 14h (the embedding's output, the final norm, the head's input, its gradient)
 #                (h hidden, i intermediate, q heads x head_dim, k key-value heads x head_dim)
-#   workspace    the log-prob tiles (kernels.token_logprobs), 256 MiB
+#   workspace    the triton log-prob backward's dz buffer and fp32 dH (backward_workspace_bytes) for the tokens above
 #   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter); async: the
 #                --vllm-gpu-memory-utilization share of each launched server on this rank's GPU (server_gpus)
 #   publisher    async rank 0 with --weight-transfer nccl: the full model gathered in c for a publish, and vLLM's
@@ -777,7 +782,6 @@ def token_logprobs(
 # The peak is the larger of the step and the evaluation. Checked on CPU against measurement (tests/test_memory_plan.py);
 # not yet against a GPU's allocator.
 DEVICE_GIB_ENV = "REPLAY_GRPO_DEVICE_GIB"  # a test hook: plan for a device of this many GiB (e.g. on a CPU)
-WORKSPACE_BYTES = 2**28
 GIB = 2**30
 # Estimates, not measured here: the CUDA context with cuBLAS's workspaces (~0.5 GiB with lazy module loading) and the
 # caching allocator's fragmentation (~0.5 GiB), and each NCCL communicator's buffers (NCCL_BUFFSIZE's default 4 MiB
@@ -850,7 +854,7 @@ def plan_memory(
         root = P - layer_P * len(layers)
         rows["compute copies"] = c * (root + 2 * layer_P) + 4 * (root + 2 * layer_P)
     rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
-    rows["log-prob workspace"] = WORKSPACE_BYTES
+    rows["log-prob workspace"] = backward_workspace_bytes(tokens, config.hidden_size, config.vocab_size, c)
     vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
     if cfg.mode == "sync":
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
