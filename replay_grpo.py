@@ -2231,12 +2231,21 @@ def plan(args: PlanArgs) -> dict:
 # ===== Main =======================================================================================
 
 
+def terminated(signum, frame):
+    """SIGTERM (kill, a scheduler, a container's stop) stops a run as Ctrl-C does: by default it would end the process
+    at once, with no line saying what is kept. A second one, while the run stops, is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
+    old_sigterm = None
     if threading.current_thread() is threading.main_thread():
         # a process started from a script's background job inherits SIGINT as ignored: Python would then
         # never raise KeyboardInterrupt and Ctrl-C (SIGINT to the process group) would not stop the run
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        old_sigterm = signal.signal(signal.SIGTERM, terminated)
     try:
         if argv[:1] == ["plan"]:
             return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
@@ -2261,6 +2270,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(130)
     finally:
         run_folder.release_runs()
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
 
 
 if __name__ == "__main__":

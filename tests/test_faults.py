@@ -1397,3 +1397,44 @@ def test_a_presets_own_value_of_a_flag_another_setting_reads_is_not_typed_and_pa
     res = cli(args, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((tmp_path / "r" / "config.json").read_text())["sft_imitation"] == 0.75
+
+
+# --- SIGTERM stops a run as Ctrl-C does -------------------------------------------------------------
+
+
+def test_sigterm_in_a_checkpoint_write_says_what_is_kept_and_the_run_resumes(tmp_path):
+    """kill PID (a scheduler's or a container's stop) sent while a checkpoint is being written: the run ends with
+    Ctrl-C's line and exit status, and --resume continues it with every step recorded once."""
+    args = small_args(tmp_path, "--run-name", "r", "--total-steps", "100000", "--eval-every", "2")
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while not (run / "checkpoint").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        while not (run / "checkpoint.tmp").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.002)  # the next checkpoint's write has begun
+        assert proc.poll() is None and time.time() < deadline, "no second checkpoint write within 180 s"
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: the last checkpoint in {run} is kept: continue with --resume (same --run-name)"
+    ), err[-3000:]
+    assert "Traceback" not in err
+    kept = next(run / name for name in ("checkpoint", "checkpoint.old") if (run / name).exists())
+    step = torch.load(kept / "trainer_state.pt", weights_only=False)["step"]
+    res = cli([*args, "--total-steps", str(step + 2), "--resume"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in lines(run / "metrics.jsonl")]
+    assert steps == list(range(step + 3)), steps
