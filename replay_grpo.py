@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ |= {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"} | os.environ  # a set value wins
 
 import torch
 import torch.distributed as dist
