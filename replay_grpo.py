@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep when idle (before torch loads libgomp): spinning beside a busy process made 2-core runs 7x slower
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.distributed as dist
@@ -2020,8 +2022,9 @@ def by_staleness(sums: dict) -> tuple[dict, dict]:
 # ===== Flag checks ================================================================================
 
 
-def validate(cfg: Args) -> None:
-    """Refuse settings that cannot work: one line naming the flag and what would be valid."""
+def validate(cfg: Args, argv: list[str] = ()) -> None:
+    """Refuse settings that cannot work: one line naming the flag and what would be valid. `argv`: the command line,
+    for the flags that one setting alone reads (OWNED_FLAGS), refused when typed without it."""
 
     def need(ok, message):
         if not ok:
@@ -2042,7 +2045,7 @@ def validate(cfg: Args) -> None:
             lambda v: v >= 0,
             ">= 0",
         ),
-        (("lr", "sft_lr", "tis_cap", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
+        (("lr", "sft_lr", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
         (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
@@ -2095,19 +2098,20 @@ def validate(cfg: Args) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    typed = typed_flags(argv)
+    for owner, used, names in OWNED_FLAGS:  # a preset's own value was not typed: only what the user typed is refused
+        for name in names:
+            asked = name in typed and (name not in OFF_VALUES or getattr(cfg, name) != OFF_VALUES[name])
+            need(used(cfg) or not asked, f"{flag(name)}: only {owner} reads it, so it would be ignored")
     urls, W = cfg.generator_urls, cfg.num_generators
-    need(not urls or cfg.mode == "async", "--generator-urls: only --mode async drives servers")
     need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
     need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
-    for owner, used, names in OWNED_FLAGS:  # the default, or the preset's own value, was not asked for
-        for name in names:
-            asked = getattr(cfg, name) not in (getattr(Args, name), getattr(PRESETS[cfg.preset], name))
-            need(used(cfg) or not asked, f"{flag(name)}: only {owner} reads it, so it would be ignored")
     validate_rules(cfg, need)
     validate_correction(cfg, need)
 
 
-# Flags that one setting alone reads (the setting, whether a run has it, the flags): given without it, refused
+# Flags that one setting alone reads (the setting, whether a run has it, the flags): typed without it, refused, even at
+# the default value (the user expected it to act)
 OWNED_FLAGS = (
     ("--correction tis", lambda cfg: cfg.correction == "tis", ("tis_cap",)),
     ("--correction seq-mask", lambda cfg: cfg.correction == "seq-mask", ("seq_mask",)),
@@ -2120,13 +2124,39 @@ OWNED_FLAGS = (
         lambda cfg: cfg.sft_warmup_steps > 0,
         "sft_target sft_patience sft_check_prompts sft_lr sft_lr_decay sft_imitation arith_demo_error".split(),
     ),
+    (
+        "--mode async",
+        lambda cfg: cfg.mode == "async",
+        "num_generators generator_urls generator_host weight_transfer publish_check dist_timeout".split(),
+    ),
 )
+# An owned flag typed at this value turns its feature off, so asks for nothing that could be ignored: accepted
+OFF_VALUES = {"sft_target": 0.0, "sft_imitation": 0.0, "arith_demo_error": 0.0, "sft_lr_decay": False}
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Args fields named on a command line: --name value, --name=value, underscores or dashes, --no-name."""
+    fields = {f.name for f in dataclasses.fields(Args)}
+    typed = set()
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name not in fields and name.startswith("no_"):  # a boolean's negation
+            name = name.removeprefix("no_")
+        if name in fields:
+            typed.add(name)
+    return typed
 
 
 def validate_correction(cfg: Args, need) -> None:
     """Refuse a correction's knob out of range, or a correction that cannot work with the loss or the loop."""
     low, high = cfg.seq_mask
-    need(0 <= low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 <= low < 1 < high (a sequence's weight)")
+    need(0 < low < 1 < high < math.inf, f"--seq-mask {low} {high}: needs 0 < low < 1 < high (a sequence's weight)")
+    # below 1 the cap would truncate an on-policy token's weight 1 too: a smaller step for every token, not a correction
+    need(
+        1 <= cfg.tis_cap < math.inf, f"--tis-cap {cfg.tis_cap}: must be in [1, inf) (a cap on a weight prox/behaviour)"
+    )
     need(1 < cfg.decoupled_cap < math.inf, f"--decoupled-cap {cfg.decoupled_cap}: must be above 1 (a weight)")
     need(0 <= cfg.prox_lag <= 64, f"--prox-lag {cfg.prox_lag}: must be in [0, 64] (a host copy of each version)")
     if cfg.correction == "none":
@@ -2316,17 +2346,26 @@ class PipelineError(RuntimeError):
     """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
 
 
+def terminated(signum, frame):
+    """SIGTERM (kill, a scheduler, a container's stop) stops a run as Ctrl-C does: by default it would end the process
+    at once, with no line saying what is kept. A second one, while the run stops, is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
+    old_sigterm = None
     if threading.current_thread() is threading.main_thread():
         # a process started from a script's background job inherits SIGINT as ignored: Python would then
         # never raise KeyboardInterrupt and Ctrl-C (SIGINT to the process group) would not stop the run
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        old_sigterm = signal.signal(signal.SIGTERM, terminated)
     try:
         if argv[:1] == ["plan"]:
             return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
         cfg = parse_args(argv)
-        validate(cfg)
+        validate(cfg, argv)
         run_folder.quiet_libraries(cfg.verbose)
         if cfg.mode == "async":
             from async_pipeline import train_async  # the W/T pipeline: imported only when used
@@ -2346,6 +2385,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(130)
     finally:
         run_folder.release_runs()
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
 
 
 if __name__ == "__main__":

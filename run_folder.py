@@ -325,7 +325,7 @@ def open_run(cfg) -> tuple[str, Path, Path]:
     out, run = os.path.abspath(cfg.out_dir), os.path.abspath(run_dir)
     if run == out or os.path.commonpath([out, run]) != out:  # '..', '.', an absolute name
         raise UserError(f"--run-name {run_name}: a run folder must be a folder inside --out-dir {cfg.out_dir}")
-    check_nesting(Path(run), f"--out-dir {cfg.out_dir} --run-name {run_name}")
+    check_nesting(Path(run), f"--out-dir {cfg.out_dir} --run-name {run_name}", cfg.out_dir, cfg.sft_warmup_steps > 0)
     ckpt = run_dir / "checkpoint"
     if cfg.resume and not (ckpt.exists() or (run_dir / "checkpoint.old").exists()):
         raise UserError(f"--resume: no checkpoint in {run_dir} (check --out-dir / --run-name)")
@@ -408,28 +408,45 @@ def is_run_folder(path: Path) -> bool:
     return (path / "lock").is_file() and (path / "config.json").is_file()
 
 
-def check_nesting(run: Path, given: str) -> None:
+def check_nesting(run: Path, given: str, out_dir: str, warm_start: bool) -> None:
     """Refuse a run folder (`run`, absolute; `given`: the flags that name it) that lies inside a warm-start cache or
     inside another run's folder, or that holds either: a run would write into the other's files, and a removal of
-    one (rm -r) would take the other with it."""
-    for folder in (run, *run.parents):
-        if folder.name == WARM_START_FOLDER:
-            raise UserError(f"{given}: the run folder {run} lies inside the warm-start cache {folder}: choose another")
-    for folder in run.parents:
+    one (rm -r) would take the other with it; with `warm_start`, also a warm-start cache (<out_dir>/.warmstart) that
+    lies inside a run's folder. Compared by real paths: a symlink on the way changes nothing."""
+    real, cache = Path(os.path.realpath(run)), Path(os.path.realpath(Path(out_dir) / WARM_START_FOLDER))
+    shown = str(run) if real == run else f"{run} (really {real})"
+    for folder in (real, *real.parents):
+        if folder.name == WARM_START_FOLDER or folder == cache:
+            raise UserError(
+                f"{given}: the run folder {shown} lies inside the warm-start cache {folder}: choose another"
+            )
+    for folder in real.parents:
         if is_run_folder(folder):
             raise UserError(
-                f"{given}: the run folder {run} lies inside the folder of another run, {folder}: a run folder never "
+                f"{given}: the run folder {shown} lies inside the folder of another run, {folder}: a run folder never "
                 "holds another; choose a --run-name beside it"
             )
-    for folder, subfolders, _ in os.walk(run):  # nothing to walk unless it exists (a resume, or a folder given again)
+    if cache.is_relative_to(real):
+        raise UserError(
+            f"{given}: the run folder {shown} holds the warm-start cache {cache}: a run folder never holds one; "
+            "choose another --run-name"
+        )
+    for folder, subfolders, _ in os.walk(real):  # nothing to walk unless it exists (a resume, or a folder given again)
         for name in subfolders:
             inner = Path(folder) / name
             if name == WARM_START_FOLDER or is_run_folder(inner):
                 what = "a warm-start cache" if name == WARM_START_FOLDER else "the folder of another run"
                 raise UserError(
-                    f"{given}: the run folder {run} holds {what}, {inner}: a run folder never holds one; choose "
+                    f"{given}: the run folder {shown} holds {what}, {inner}: a run folder never holds one; choose "
                     "another --run-name"
                 )
+    for folder in (cache, *cache.parents) if warm_start else ():
+        if is_run_folder(folder):
+            raise UserError(
+                f"{given}: the warm-start cache {cache} lies inside the folder of the run {folder}: a run folder "
+                f"never holds one; make {Path(out_dir) / WARM_START_FOLDER} a plain folder, or choose "
+                "another --out-dir"
+            )
 
 
 def swap_in_checkpoint(run_dir: Path) -> None:

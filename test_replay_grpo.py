@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as replay_grpo.py sets it, before torch loads libgomp
 
 import pytest
 import torch

@@ -10,6 +10,8 @@ import os
 import types
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as replay_grpo.py sets it, before torch loads libgomp
+
 import pytest
 
 import async_pipeline as ap

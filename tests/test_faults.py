@@ -423,7 +423,7 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--arith-terms", "3000"], "--arith-terms 3000: every eval prompt is longer than the model's context (512"),
         (["--mode", "async", "--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
         (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
-        (["--generator-urls", "http://a:1"], "--generator-urls: only --mode async drives servers"),
+        (["--generator-urls", "http://a:1"], "--generator-urls ['http://a:1']: only --mode async reads it"),
         (["--mode", "async", "--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
         (["--mode", "async", "--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
         (["--mode", "async", "--generator", "vllm"], "--generator: --mode async generates on vLLM servers"),
@@ -441,11 +441,15 @@ def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, 
     assert needle in err and time.time() - t0 < 20, err
 
 
-def test_a_flag_at_its_default_or_the_presets_value_passes_without_what_reads_it():
-    """The cpu preset's warm-start flags (--sft-imitation 0.75) and the defaults were not asked for: no refusal."""
-    for extra in ([], ["--sft-imitation", "0"], ["--sft-imitation", "0.75", "--arith-demo-error", "0.75"]):
-        rg.validate(rg.parse_args(["--preset", "cpu", "--sft-warmup-steps", "0", *extra]))
-    rg.validate(rg.parse_args(["--preset", "gsm8k-qwen2.5-0.5b", "--arith-terms", "2", "--tis-cap", "2"]))
+def test_a_presets_own_value_or_a_flag_that_turns_a_feature_off_passes_without_what_reads_it():
+    """The cpu preset's warm-start values (--sft-imitation 0.75) were not typed, and --sft-imitation 0 asks for
+    nothing: no refusal. Typed at any other value, the default included, an owned flag is refused."""
+    for extra in ([], ["--sft-imitation", "0"], ["--sft-imitation=0", "--no-sft-lr-decay", "--arith-demo-error", "0"]):
+        argv = ["--preset", "cpu", "--sft-warmup-steps", "0", *extra]
+        rg.validate(rg.parse_args(argv), argv)
+    argv = ["--preset", "gsm8k-qwen2.5-0.5b", "--tis-cap", "2"]
+    with pytest.raises(rg.UserError, match="^--tis-cap 2.0: only --correction tis reads it"):
+        rg.validate(rg.parse_args(argv), argv)
 
 
 def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
@@ -1263,3 +1267,192 @@ def test_a_request_floor_that_is_not_seconds_is_one_line():
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "error: REPLAY_GRPO_REQUEST_FLOOR='soon': not a positive number of seconds"
     ], res.stderr[-2000:]
+
+
+# --- a run folder, the warm-start cache and --out-dir compared by their real paths -----------------
+
+
+def cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def refused(args: list[str]) -> str:
+    """Run the CLI; it must stop with exit 2 and one line on stderr, no traceback."""
+    res = cli(args)
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr[-3000:]
+    return res.stderr
+
+
+def walk(root: Path) -> dict[str, float]:
+    """Every path under root with its mtime, symlinks listed, never followed."""
+    paths = {}
+    for folder, subfolders, files in os.walk(root):
+        for name in subfolders + files:
+            paths[os.path.join(folder, name)] = os.lstat(os.path.join(folder, name)).st_mtime
+    return paths
+
+
+@pytest.fixture(scope="module")
+def runs_and_cache(tmp_path_factory) -> Path:
+    """<root>/runs holding a run r1 and a warm-start cache (.warmstart)."""
+    root = tmp_path_factory.mktemp("nesting")
+    rg.main(small_args(root / "runs", "--run-name", "r1", "--eval-every", "3", "--sft-warmup-steps", "3"))
+    assert (root / "runs" / ".warmstart").is_dir() and run_folder.is_run_folder(root / "runs" / "r1")
+    return root
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("out-dir links into the cache", "lies inside the warm-start cache {out}/.warmstart"),
+        ("run-name links into the cache", "lies inside the warm-start cache {out}/.warmstart"),
+        ("run-name links into another run", "lies inside the folder of another run, {out}/r1"),
+        ("run-name links to the out-dir", "holds the warm-start cache {out}/.warmstart"),
+        (
+            "the cache links into a run",
+            "the warm-start cache {out}/r1/inner lies inside the folder of the run {out}/r1",
+        ),
+    ],
+)
+def test_a_symlink_never_puts_a_run_in_the_warm_start_cache_or_another_run(runs_and_cache, case, needle):
+    """Symlinks are resolved before the run folder is compared with the cache and the other runs: a run written
+    through one into the cache would be removed with it (and the reverse)."""
+    root, out = runs_and_cache, runs_and_cache / "runs"
+    links = root / case.replace(" ", "-")
+    links.mkdir()
+    args = {
+        "out-dir links into the cache": ["--out-dir", str(links / "out"), "--run-name", "mine"],
+        "run-name links into the cache": ["--out-dir", str(out), "--run-name", f"{links.name}-x"],
+        "run-name links into another run": ["--out-dir", str(out), "--run-name", f"{links.name}-x"],
+        "run-name links to the out-dir": ["--out-dir", str(out), "--run-name", f"{links.name}-x"],
+        "the cache links into a run": ["--out-dir", str(links), "--run-name", "mine", "--sft-warmup-steps", "3"],
+    }[case]
+    target = {
+        "out-dir links into the cache": (links / "out", out / ".warmstart"),
+        "run-name links into the cache": (out / f"{links.name}-x", out / ".warmstart" / "x"),
+        "run-name links into another run": (out / f"{links.name}-x", out / "r1" / "x"),
+        "run-name links to the out-dir": (out / f"{links.name}-x", out),
+        "the cache links into a run": (links / ".warmstart", out / "r1" / "inner"),
+    }[case]
+    target[0].symlink_to(target[1], target_is_directory=True)
+    before = walk(root)
+    try:
+        err = refused(small_args(out, *args))
+        assert walk(root) == before  # nothing written anywhere
+    finally:
+        target[0].unlink()
+    assert needle.format(out=out) in err, err
+
+
+# --- a correction's knob in its range ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--correction", "tis", "--tis-cap", "0.5"], "--tis-cap 0.5: must be in [1, inf)"),
+        (["--correction", "tis", "--tis-cap", "inf"], "--tis-cap inf: must be in [1, inf)"),
+        (["--correction", "seq-mask", "--seq-mask", "0", "1.5"], "--seq-mask 0.0 1.5: needs 0 < low < 1 < high"),
+        (["--correction", "seq-mask", "--seq-mask", "1.01", "1.5"], "--seq-mask 1.01 1.5: needs 0 < low < 1 < high"),
+        (["--correction", "decoupled", "--decoupled-cap", "0.9"], "--decoupled-cap 0.9: must be above 1"),
+        (["--correction", "m2po", "--m2po-tau", "0"], "--m2po-tau 0.0: must be a positive number"),
+    ],
+)
+def test_a_correction_knob_out_of_its_range_is_one_line(tmp_path, extra, needle):
+    """--tis-cap below 1 would truncate an on-policy token's weight 1 (a smaller step for every token)."""
+    err = refused(small_args(tmp_path, "--loss", "grpo", "--run-name", "x", *extra))
+    assert needle in err, err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+# --- a flag that the run would ignore is refused when typed, at any value ----------------------------
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--publish-check", "1"], "--publish-check 1: only --mode async reads it"),
+        (["--num-generators=1"], "--num-generators 1: only --mode async reads it"),
+        (["--generator_host", "127.0.0.1"], "--generator-host 127.0.0.1: only --mode async reads it"),
+        (["--weight-transfer", "auto"], "--weight-transfer auto: only --mode async reads it"),
+        (["--dist-timeout", "120"], "--dist-timeout 120: only --mode async reads it"),
+        (["--correction", "decoupled", "--loss", "grpo", "--tis-cap", "2"], "--tis-cap 2.0: only --correction tis"),
+        (["--correction", "tis", "--decoupled_cap=5"], "--decoupled-cap 5.0: only --correction decoupled reads it"),
+        (["--sft-lr-decay"], "--sft-lr-decay True: only a warm start (--sft-warmup-steps > 0) reads it"),
+    ],
+)
+def test_a_flag_only_another_setting_reads_is_refused_when_typed_even_at_its_default(tmp_path, extra, needle):
+    """Typing the default (or the preset's value) is asking for it: silently ignoring it would hide the mistake."""
+    err = refused(small_args(tmp_path, "--run-name", "x", *extra))
+    assert needle in err, err
+
+
+def test_a_presets_own_value_of_a_flag_another_setting_reads_is_not_typed_and_passes(tmp_path):
+    """The cpu preset sets --sft-imitation 0.75 and --arith-demo-error 0.75 for its warm start; without one
+    (--sft-warmup-steps 0) they are not read, and not refused: the user did not type them."""
+    args = small_args(tmp_path, "--run-name", "r", "--total-steps", "1")
+    del args[args.index("--sft-imitation") : args.index("--sft-imitation") + 2]
+    assert args[args.index("--sft-warmup-steps") + 1] == "0"
+    res = cli(args, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["sft_imitation"] == 0.75
+
+
+# --- SIGTERM stops a run as Ctrl-C does -------------------------------------------------------------
+
+
+def test_sigterm_in_a_checkpoint_write_says_what_is_kept_and_the_run_resumes(tmp_path):
+    """kill PID (a scheduler's or a container's stop) sent while a checkpoint is being written: the run ends with
+    Ctrl-C's line and exit status, and --resume continues it with every step recorded once."""
+    args = small_args(tmp_path, "--run-name", "r", "--total-steps", "100000", "--eval-every", "2")
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 180
+        while not (run / "checkpoint").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        while not (run / "checkpoint.tmp").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.002)  # the next checkpoint's write has begun
+        assert proc.poll() is None and time.time() < deadline, "no second checkpoint write within 180 s"
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: the last checkpoint in {run} is kept: continue with --resume (same --run-name)"
+    ), err[-3000:]
+    assert "Traceback" not in err
+    kept = next(run / name for name in ("checkpoint", "checkpoint.old") if (run / name).exists())
+    step = torch.load(kept / "trainer_state.pt", weights_only=False)["step"]
+    res = cli([*args, "--total-steps", str(step + 2), "--resume"], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in lines(run / "metrics.jsonl")]
+    assert steps == list(range(step + 3)), steps
+
+
+# --- OpenMP's threads wait passively unless the user says otherwise ----------------------------------
+
+
+@pytest.mark.parametrize("policy,spin", [(None, "0"), ("ACTIVE", "30000000000")])
+def test_openmp_threads_do_not_spin_while_they_wait_unless_the_user_sets_a_policy(policy, spin):
+    """On 2 cores beside one busy process, the cpu preset's warm start took 213 s with torch's 2 spin-waiting OpenMP
+    threads, 31 s with 1 thread, 40 s with OMP_WAIT_POLICY=PASSIVE: the CLI sets that before torch loads libgomp,
+    which reads it once (libgomp's own report, OMP_DISPLAY_ENV, gives the spin count it took); a value the user set
+    is kept."""
+    env = {k: v for k, v in ENV.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env |= {"OMP_DISPLAY_ENV": "VERBOSE"} | ({"OMP_WAIT_POLICY": policy} if policy else {})
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "plan", "--mu", "5"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"OMP_WAIT_POLICY = '{policy or 'PASSIVE'}'" in res.stderr, res.stderr[-3000:]
+    assert f"GOMP_SPINCOUNT = '{spin}'" in res.stderr, res.stderr[-3000:]

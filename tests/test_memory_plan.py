@@ -299,9 +299,9 @@ def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(
 
 
 def test_the_log_prob_workspace_row_is_what_the_triton_backward_allocates_for_the_micro_batch():
-    """The dz buffer [tokens x Vs] in the compute dtype and the fp32 dH [tokens x d] of kernels._backward_triton, for the
-    micro-batch's tokens: past 256 MiB once 4 x tokens x d outgrows the buffer's budget (the 7B preset's micro-batch of
-    4 x (4096 + 1024) tokens at d = 3584)."""
+    """The dz buffer [tokens x Vs] in the compute dtype and the fp32 dH [tokens x d] of kernels._backward_triton, for
+    the micro-batch's tokens: past 256 MiB once 4 x tokens x d outgrows the buffer's budget (the 7B preset's
+    micro-batch of 4 x (4096 + 1024) tokens at d = 3584)."""
     cfg = rg.parse_args(README_7B)
     model = memory_plan.meta_model(cfg.model)
     plan = kernels.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8)
