@@ -199,11 +199,10 @@ class WrongAnswer(ValueError):
 
 
 class Late(TimeoutError):
-    """A request that had no whole answer by its deadline (its age in seconds in `age`)."""
+    """A request that had no whole answer by its deadline."""
 
-    def __init__(self, age: float):
+    def __init__(self):
         super().__init__("timed out")
-        self.age = age
 
 
 def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
@@ -233,7 +232,7 @@ def http_request(url: str, method: str = "GET", data: bytes | None = None, timeo
         return answer.status, answer.read()
     except (OSError, http.client.HTTPException):
         if late.is_set() or time.monotonic() - t0 >= timeout:
-            raise Late(time.monotonic() - t0) from None
+            raise Late from None
         raise
     finally:
         timer.cancel()

@@ -36,7 +36,7 @@ def one_error(log: str) -> str:
 
 # --- a server that answers a byte at a time is named at the request's deadline ----------------------------------
 
-START_DRIPS = {  # the route that drips (a byte every 4 s), what the one line says
+START_DRIPS = {  # the route that drips (a byte every 2 s), what the one line says
     "/version": "GET /version got no answer within 5 s",
     "/v1/models": "GET /v1/models got no answer within 5 s",
     "/is_paused": "GET /is_paused got no answer within 5 s",
@@ -49,9 +49,9 @@ START_DRIPS = {  # the route that drips (a byte every 4 s), what the one line sa
 @pytest.mark.parametrize("route", list(START_DRIPS))
 def test_a_probe_answered_a_byte_at_a_time_is_named_at_its_deadline(tmp_path, route):
     """Each probe of a server the run did not launch has PROBE_SECONDS in all, not per read: a route that drips its
-    answer a byte every 4 s is one line (exit 2) naming the URL and the route after 5 s; before, GET /version took
+    answer a byte every 2 s is one line (exit 2) naming the URL and the route after 5 s; before, GET /version took
     84 s (one read per byte) and the run went on."""
-    with StandIn(encode=encode, drip=(route,), drip_seconds=4.0) as server:
+    with StandIn(encode=encode, drip=(route,), drip_seconds=2.0) as server:
         t0 = time.time()
         rc, log = Run(async_args(tmp_path, server.url)).finish(timeout=120)
         took = time.time() - t0
