@@ -20,8 +20,10 @@ policy_version is its oldest token's version; one whose tokens span a publish is
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
+import functools
 import http.client
 import json
 import math
@@ -35,9 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -193,6 +193,52 @@ def unreadable(text: bytes) -> str | None:
     return None
 
 
+class WrongAnswer(ValueError):
+    """An answer that reads as JSON with every field, whose values the trainer cannot take (a token id outside its
+    vocabulary, a log-prob that is not finite)."""
+
+
+class Late(TimeoutError):
+    """A request that had no whole answer by its deadline."""
+
+    def __init__(self):
+        super().__init__("timed out")
+
+
+def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
+    """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
+    and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
+    the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
+    Other failures raise as urllib's do (OSError, http.client.HTTPException)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = connection(parts.hostname, parts.port, timeout=timeout)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    t0, late = time.monotonic(), threading.Event()
+
+    def cut() -> None:
+        late.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        conn.request(method, target, body=data, headers=headers)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    except (OSError, http.client.HTTPException):
+        if late.is_set() or time.monotonic() - t0 >= timeout:
+            raise Late from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
 @dataclasses.dataclass
 class Server:
     """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log; and the reference
@@ -202,6 +248,7 @@ class Server:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     reference: tuple[int, float] = (0, 0.0)
+    vocab: int = 0  # the trainer's vocabulary: every sampled token id must be below it (0: not known yet)
 
     def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None, method="POST"):
         """POST JSON (GET: no body); the answer as JSON ({} when empty), through `parse` when given. Any failure is a
@@ -211,19 +258,17 @@ class Server:
         first SHOWN_BYTES bytes."""
         timeout = self.control_bound() if timeout is None else timeout
         data = json.dumps(body or {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"}, method=method)
         t0 = time.monotonic()
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as answer:
-                text = answer.read()
-        except urllib.error.HTTPError as e:
-            raise ServerError(f"vLLM server {self.url}: {path} answered {e.code}: {e.read()[:SHOWN_BYTES]!r}") from None
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+            status, text = http_request(self.url + path, method, data, timeout)
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, no whole answer by the deadline
             if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(2.0)
             age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
             raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
+        if not 200 <= status < 300:
+            raise ServerError(f"vLLM server {self.url}: {path} answered {status}: {text[:SHOWN_BYTES]!r}")
         why = unreadable(text) if text.strip() else None
         if why:
             raise ServerError(
@@ -233,6 +278,10 @@ class Server:
         value = json.loads(text) if text.strip() else {}
         try:
             return parse(value) if parse else value
+        except WrongAnswer as e:
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered what the trainer cannot take ({e}): {text[:SHOWN_BYTES]!r}"
+            ) from None
         except (KeyError, IndexError, TypeError, ValueError) as e:
             what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
             raise ServerError(
@@ -242,12 +291,12 @@ class Server:
     def health(self) -> str | None:
         """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=PROBE_SECONDS) as answer:
-                return None if answer.status == 200 else f"answered {answer.status}"
-        except urllib.error.HTTPError as e:
-            return f"answered HTTP {e.code}: {e.read()[:SHOWN_BYTES]!r}"
+            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS)
         except (OSError, http.client.HTTPException) as e:
             return f"failed ({e})"
+        if status == 200:
+            return None
+        return f"answered HTTP {status}: {text[:SHOWN_BYTES]!r}" if status >= 400 else f"answered {status}"
 
     def bound(self, tokens: int) -> float:
         """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
@@ -318,16 +367,16 @@ def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
         _ = parts.port  # urlsplit checks the port when it is read
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
+    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI client's base URL ends in /v1
+        raise UserError(
+            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
+            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
+        )
     resolve(parts.hostname, where, timeout)
 
     def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
-        data = b"{}" if method == "POST" else None
-        req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as answer:
-                return answer.status, answer.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()[:SHOWN_BYTES]
+            return http_request(url + path, method, b"{}" if method == "POST" else None, timeout)
         except (OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, ConnectionRefusedError):
@@ -338,7 +387,7 @@ def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
             elif timed_out(e):
                 said = (
                     f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or "
-                    "the host drops them)"
+                    "too slowly to finish, or the host drops them)"
                 )
             else:
                 said = f"failed ({reason})"
@@ -424,6 +473,22 @@ def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
     return [visible[(T + i) % n_gpus] for i in range(W)]
 
 
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: never in a forked child
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process `sig` once the thread of `parent` that started it ends (Linux's
+    PR_SET_PDEATHSIG; a no-op elsewhere), as a child's preexec_fn or in a process itself: a parent killed by SIGKILL
+    (kill -9, the OOM killer) runs no cleanup, and a server it launched would go on holding its GPU and port. Sent at
+    once when `parent` is already gone (it died before the call)."""
+    if LIBC is None:
+        return
+    LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -435,7 +500,9 @@ def launch_servers(
 ) -> list[Server]:
     """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
     wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
-    session so that Ctrl-C reaches the trainer first and stop_servers ends them."""
+    session so that Ctrl-C reaches the trainer first and stop_servers ends them, and sent SIGTERM by the kernel when
+    the thread that launched it ends (die_with_parent: a trainer killed by SIGKILL leaves none behind). The caller's
+    thread must live as long as the servers: the main thread, in the run and in the test suite's fixture."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = []
     try:
@@ -454,6 +521,7 @@ def launch_servers(
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
                 )
             servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
     except BaseException:  # a failed launch or Ctrl-C: the ones started live in their own sessions, so end them here
@@ -577,27 +645,41 @@ class ServerGenerator:
         ]
         timeout, t0 = self.server.bound(max_new_tokens), time.monotonic()
         answers = on_daemons(
-            lambda i: self.server.post(GENERATE, bodies[i], timeout, parse=lambda a: self.samples(a, n)), len(bodies)
+            lambda i: self.server.post(
+                GENERATE, bodies[i], timeout, parse=lambda a: self.samples(a, n, self.server.vocab)
+            ),
+            len(bodies),
         )
         self.server.answered(max_new_tokens, time.monotonic() - t0)
         return answers
 
     @classmethod
-    def samples(cls, answer: dict, n: int) -> list[rg.Sample]:
-        """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not."""
+    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[rg.Sample]:
+        """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not, and
+        WrongAnswer for values the trainer cannot take (token ids from `vocab` on, when given; log-probs that are not
+        finite), which would stop its step (an IndexError) or skip it (a NaN loss) without naming the server."""
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise ValueError(f"{len(choices)} choices where {n} were asked for")
-        return [cls.sample(c) for c in choices]
+        return [cls.sample(c, vocab) for c in choices]
 
     @staticmethod
-    def sample(choice: dict) -> rg.Sample:
+    def sample(choice: dict, vocab: int = 0) -> rg.Sample:
         ids = choice["token_ids"]
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             raise ValueError("token_ids is not a list of integers")
+        wrong = [t for t in ids if t < 0 or (vocab and t >= vocab)]
+        if wrong:
+            vocabulary = f"0 to {vocab - 1}" if vocab else "0 and above"
+            raise WrongAnswer(
+                f"choice {choice.get('index')}: token id {wrong[0]} is outside the trainer's vocabulary ({vocabulary})"
+            )
         lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
         if len(lp) != len(ids):
-            raise ValueError(f"{len(ids)} token_ids but {len(lp)} log-probs")
+            raise WrongAnswer(f"choice {choice.get('index')}: {len(ids)} token_ids but {len(lp)} log-probs")
+        if not torch.isfinite(lp).all():
+            at = int((~torch.isfinite(lp)).nonzero()[0])
+            raise WrongAnswer(f"choice {choice.get('index')}: log-prob {lp[at].item()} of token {at} is not finite")
         versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
         if not versions:  # without them no rollout could say which policy made it
             raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
@@ -737,22 +819,34 @@ class RolloutLoop:
         self.scorer.close()
 
 
+class Metadata(list):
+    """A WeightSource's list of ParamMeta, read as vLLM 0.32 reads it (`source.metadata()`) and as a property
+    (`source.metadata`): calling it gives itself."""
+
+    def __call__(self) -> Metadata:
+        return self
+
+
 class DictSource:
     """vLLM's WeightSource over the gathered weights (gather_weights: already in the compute dtype, on the device they
-    are broadcast from; a tensor elsewhere moves there only as it is sent)."""
+    are broadcast from; a tensor elsewhere moves there only as it is sent). Rank 0 holds every tensor whole, so its
+    local tensors (iter_local) are the full ones (iter_full, and plain iteration)."""
 
     def __init__(self, weights: dict, dtype: torch.dtype, device: torch.device):
         from vllm.distributed.weight_transfer.base import ParamMeta
 
         self.weights, self.dtype, self.device = weights, dtype, device
-        self.meta = [ParamMeta(k, dtype, tuple(v.shape)) for k, v in weights.items()]
-
-    def metadata(self):
-        return self.meta
+        self.metadata = Metadata(ParamMeta(k, dtype, tuple(v.shape)) for k, v in weights.items())
 
     def __iter__(self):
         for k, v in self.weights.items():
             yield k, v.to(self.device, self.dtype, non_blocking=True)
+
+    def iter_full(self):
+        return iter(self)
+
+    def iter_local(self):
+        return iter(self)
 
 
 class ServersClient:
@@ -837,9 +931,12 @@ class Publisher:
     def publish(self, weights: dict, version: int, wait: bool = False, failure=lambda: None, check=None) -> None:
         """Hand the weights over; with `wait`, until every server holds them, a publish fails, a launched server
         dies or `failure()` says why the run stops (the dealer reports each). `check`: (the probe's pairs, the trainer's
-        log-probs of them at `version`), which every server must then serve (check_served)."""
+        log-probs of them at `version`), which every server must then serve (check_served). On CUDA the copies may
+        still be in the making on this thread's stream (the gather's casts and all-gathers are queued there): an event
+        recorded on it now is waited for by the publisher thread before anything reads them (HandOver)."""
+        ready = HandOver(self.device)
         with self.cond:
-            self.pending = (dict(weights), version, check)  # its own dict: save_pretrained empties the caller's
+            self.pending = (dict(weights), version, check, ready)  # its own dict: save_pretrained empties the caller's
             self.sending = True
             self.cond.notify_all()
             while wait and not self.error and (self.done_version is None or self.done_version < version):
@@ -857,9 +954,10 @@ class Publisher:
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.pending is not None)
-                (weights, version, check), self.pending = self.pending, None
+                (weights, version, check, ready), self.pending = self.pending, None
             t0 = time.perf_counter()
             try:
+                ready.wait()  # vLLM's packed producer reads the copies on streams of its own, on this thread
                 self.send(weights, version)
                 del weights  # the copy sent is freed before the next is gathered (one at a time on the device)
                 if check is not None:
@@ -907,11 +1005,20 @@ class Publisher:
     def each(self, fn) -> None:
         on_servers(self.servers, lambda s, i: fn(s))
 
-    def metadata(self):  # the nccl engine's WeightSource: the weights being sent
-        return self.source.metadata()
+    # the nccl engine's WeightSource, the weights being sent: vLLM 0.32 calls metadata() and iterates it; metadata as
+    # a property, iter_full() and iter_local() are there too (DictSource)
+    @property
+    def metadata(self) -> Metadata:
+        return self.source.metadata
 
     def __iter__(self):
         return iter(self.source)
+
+    def iter_full(self):
+        return self.source.iter_full()
+
+    def iter_local(self):
+        return self.source.iter_local()
 
     def close(self, timeout: float = 60.0) -> None:
         """The nccl group, after the publish under way (a group shut down mid-broadcast leaves its peers waiting)."""
@@ -919,6 +1026,22 @@ class Publisher:
             self.cond.wait_for(lambda: self.engine is None or not self.sending or self.error, timeout=timeout)
         if self.engine is not None:
             self.engine.shutdown()
+
+
+class HandOver:
+    """Weights handed from the thread that made them to another: a CUDA event recorded on `device`'s current stream
+    when made (what the making thread has queued there so far: the gather's casts and all-gathers), which `wait` waits
+    for on the other thread. Off CUDA there is nothing to wait for (a copy to the host is done when it returns)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.event = device, None
+        if device.type == "cuda" and torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
@@ -1256,6 +1379,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: stop the servers too
 
 
+def vocab_size(model) -> int:
+    """The token ids `model` can take: fewer than both its input embedding's rows and its output head's rows."""
+    heads = [m.weight.shape[0] for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return min(heads)
+
+
 def start_generators(
     cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
 ) -> list[Server]:
@@ -1352,6 +1481,8 @@ def train_async(cfg: rg.Args) -> dict:
             servers = start_generators(
                 cfg, run_dir, host_copy, tok, T=T, device=device, probed=probed, longest_prompt=task.longest_prompt
             )
+            for s in servers:  # the token ids the trainer can take: its embedding's rows and its head's outputs
+                s.vocab = vocab_size(host_copy)
             seconds = wait_ready(servers) if cfg.generator_urls else None  # up already: before any record is written
             runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
             print(f"run folder: {run_dir}")

@@ -3,10 +3,17 @@ minute to start on 2 cores). They listen on 127.0.0.2, not the trainers' own add
 localhost. Without vLLM these tests skip with the reason, except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI).
 
 The servers also take `--weight-transfer-config {"backend": "nccl"}`, as launched servers on GPUs do, with the CPU
-stand-in for the NCCL data plane (tests/vllm_plugin) on their PYTHONPATH, so that the nccl route runs on a CPU."""
+stand-in for the NCCL data plane (tests/vllm_plugin) on their PYTHONPATH, so that the nccl route runs on a CPU.
 
+Nothing of the suite outlives a killed test run: the servers get SIGTERM from the kernel when the thread that launched
+them ends (async_pipeline.die_with_parent), their process groups are killed at the interpreter's exit, a SIGTERM
+stops the session as Ctrl-C does (the fixtures' teardown runs), and a pytest-xdist worker gets SIGTERM when its
+controller dies."""
+
+import atexit
 import importlib.util
 import os
+import signal
 import types
 from pathlib import Path
 
@@ -21,6 +28,28 @@ import warm_start
 SERVER_HOST = "127.0.0.2"
 PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
 NCCL_CONFIG = ["--weight-transfer-config", '{"backend": "nccl"}']
+
+
+LAUNCHED: list = []  # every server the suite launched, for the exit hook
+
+
+def pytest_configure(config):
+    """A SIGTERM (kill, a CI runner's cancel) stops the session as Ctrl-C does, so the fixtures stop their servers; an
+    xdist worker is sent one by the kernel when its controller dies (kill -9 included)."""
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupted)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        ap.die_with_parent(os.getppid())
+
+
+@atexit.register
+def stop_launched() -> None:
+    """The process group of every server still running, at the interpreter's exit (a session cut short)."""
+    ap.stop_servers(LAUNCHED, timeout=5.0)
 
 
 def pytest_collection_modifyitems(items):
@@ -71,6 +100,7 @@ def vllm_servers(tmp_path_factory):
             for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
                 folder = rg.export_plain_folder(model, tok, str(root / name))
                 (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
+                LAUNCHED.append(servers[name])
         ap.wait_ready(list(servers.values()), timeout=600)
         yield servers
     finally:

@@ -23,9 +23,11 @@ GENERATE = "/inference/v1/generate"
 class StandIn:
     """A stand-in server (module docstring) at `self.url`, as a context manager. A "vllm" stand-in's generate route
     answers `fault` once `fault_when()` is true: "garbage" (bytes that are not UTF-8), "{}" (JSON without a field),
-    "never" (the connection held open, no answer, until the stand-in stops); a path in `hang` gets no answer at all
-    once `fault_when()` is true. `version`, `max_model_len` and `tokens` (what /tokenize gives: `encode(text)` by
-    default) shape what it says of itself, a path in `missing` answers 404, and samples come after `delay` seconds."""
+    "never" (the connection held open, no answer, until the stand-in stops), "nan" (log-probs NaN), "vocab" (token ids
+    beyond any vocabulary), "short" (one log-prob fewer than token ids); a path in `hang` gets no answer at all once
+    `fault_when()` is true, and one in `drip` its answer a byte every `drip_seconds`. `version`, `max_model_len` and
+    `tokens` (what /tokenize gives: `encode(text)` by default) shape what it says of itself, a path in `missing`
+    answers 404, and samples come after `delay` seconds."""
 
     def __init__(
         self,
@@ -34,6 +36,8 @@ class StandIn:
         fault: str | None = None,
         fault_when=lambda: True,
         hang: tuple[str, ...] = (),
+        drip: tuple[str, ...] = (),
+        drip_seconds: float = 2.0,
         missing: tuple[str, ...] = (),
         version: str = "0.32.0",
         max_model_len: int = 512,
@@ -42,6 +46,7 @@ class StandIn:
         delay: float = 0.0,
     ):
         self.kind, self.encode, self.fault, self.fault_when, self.hang = kind, encode, fault, fault_when, hang
+        self.drip, self.drip_seconds = drip, drip_seconds
         self.missing, self.version, self.max_model_len, self.tokens = missing, version, max_model_len, tokens
         self.completion, self.weight_version, self.delay = completion, "0", delay
         self.world_size = 1  # its workers, as GET /get_world_size says (tensor x pipeline x data parallel)
@@ -117,23 +122,29 @@ class StandIn:
         if route == GENERATE:
             if "token_ids" not in body:
                 return 400, b'{"error": {"message": "Field required: token_ids", "code": 400}}'
-            if self.fault and self.faulty():
-                return {"garbage": (200, b"\xff\xfe\x00 not JSON \x81"), "{}": (200, b"{}"), "never": None}[self.fault]
+            fault = self.fault if self.fault and self.faulty() else None
+            if fault in ("garbage", "{}", "never"):
+                return {"garbage": (200, b"\xff\xfe\x00 not JSON \x81"), "{}": (200, b"{}"), "never": None}[fault]
             self.stop.wait(self.delay)
             self.generated += 1
-            return 200, json.dumps(self.samples(body)).encode()
+            return 200, json.dumps(self.samples(body, fault)).encode()
         return 404, b'{"detail":"Not Found"}'
 
-    def samples(self, body: dict) -> dict:
+    def samples(self, body: dict, fault: str | None = None) -> dict:
+        """The samples of a generate request; with `fault` "nan", "vocab" or "short", wrong as it says."""
         params = body["sampling_params"]
         ids = [self.completion[i % len(self.completion)] for i in range(params.get("max_tokens", 16))]
+        if fault == "vocab":
+            ids = [10**7 + t for t in ids]
+        logprob = float("nan") if fault == "nan" else -1.0  # json.dumps writes NaN, as Python's json reads it
+        content = [{"token_id": t, "logprob": logprob, "rank": 1} for t in ids]
         choices = [
             {
                 "index": i,
                 "finish_reason": "length",
                 "token_ids": ids,
                 "weight_versions": [{"version": self.weight_version, "start": 0, "end": len(ids)}],
-                "logprobs": {"content": [{"token_id": t, "logprob": -1.0, "rank": 1} for t in ids]},
+                "logprobs": {"content": content[:-1] if fault == "short" else content},
             }
             for i in range(params.get("n", 1))
         ]
@@ -164,11 +175,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, data = answer
+        if self.path.split("?")[0] in self.stand_in.drip and self.stand_in.faulty():
+            self.drip(status, data)
+            return
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def drip(self, status: int, data: bytes) -> None:
+        """The whole answer, status line first, a byte every drip_seconds (until the stand-in stops)."""
+        head = f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        self.close_connection = True
+        for i, byte in enumerate(head.encode() + data):
+            if i and self.stand_in.stop.wait(self.stand_in.drip_seconds):
+                return
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                return
 
     def do_GET(self) -> None:
         self.reply("GET")

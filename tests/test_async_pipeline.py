@@ -98,16 +98,23 @@ def cmdline(pid: int) -> str:
 
 
 class Run:
-    """A CLI run in its own session; remembers every process it ever had below it."""
+    """A CLI run in its own session; remembers every process it ever had below it. It gets SIGTERM (a Ctrl-C to the
+    run) when the test process ends, SIGKILL included (async_pipeline.die_with_parent)."""
 
     def __init__(self, cmd: list[str], preexec_fn=None, env: dict | None = None):
-        self.t0, self.seen = time.time(), set()
+        self.t0, self.seen, parent = time.time(), set(), os.getpid()
+
+        def child() -> None:
+            ap.die_with_parent(parent)
+            if preexec_fn is not None:
+                preexec_fn()
+
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
             env=env or ENV,
             stdout=subprocess.PIPE,
-            preexec_fn=preexec_fn,
+            preexec_fn=child,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
