@@ -213,7 +213,7 @@ RECORD_TYPES = {
     "entropy": (is_number, "a number"),
     "mu": (is_number, "a number"),
     "replay_ratio": (is_number, "a number"),
-    "warmstart_pass@k": (is_number, "a number"),
+    "warmstart_pass@k": (lambda x: x is None or is_number(x), "a number or null"),  # null: no check ran
     "warmstart_reached": (lambda x: isinstance(x, bool), "true or false"),
     "staleness_hist": (is_table, "a table of numbers"),
     "replay_hist": (is_table, "a table of numbers"),
