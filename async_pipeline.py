@@ -1,4 +1,4 @@
-"""async_pipeline.py: the paper's asynchronous system for replay_grpo.py (--mode async).
+"""async_pipeline.py: the paper's asynchronous system of W generators and T trainers, running replay_grpo.py's method.
 
 The generators are W OpenAI-compatible vLLM servers. Rank 0 launches them on its node (one per GPU after the trainers',
 or on the CPU) or connects to servers started elsewhere (--generator-urls). A thread per server runs make_rollouts
@@ -12,9 +12,17 @@ filesystem (--weight-transfer disk), or by one NCCL broadcast to all servers wit
 engine (--weight-transfer nccl). The held-out evaluation runs on a server at the published version. A rollout's
 policy_version is its oldest token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
 
-    python replay_grpo.py --preset cpu --mode async --num-generators 2                  # T = 1, two servers
-    torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
-    python replay_grpo.py ... --mode async --generator-urls http://node1:8000 http://node2:8000   # docs/async.md
+    python async_pipeline.py --preset cpu --num-generators 2                             # T = 1, two servers
+    torchrun --nproc_per_node 2 async_pipeline.py --preset cpu --num-generators 1        # T = 2, one server
+    python async_pipeline.py ... --generator-urls http://node1:8000 http://node2:8000    # servers started elsewhere
+
+Its flags are replay_grpo.py's (the presets too) and AsyncArgs's own. Where it departs from the synchronous loop:
+1. rollouts come from servers at the weights they hold, so a batch mixes policy versions beyond the buffer's
+   staleness (counted: mixed_version_rollouts, offpolicy_by_staleness);
+2. each trainer rank holds a buffer shard of N/T and samples B/T: --batch-size and --buffer-size are multiples of T;
+3. the held-out evaluation runs on a server at the published weights (greedy, pass@1, pass@k as requests);
+4. --prox-lag is 0 (no lagged copies are kept) and --sampling queue needs --zero-variance-groups keep;
+5. --generator does not apply: generation is always on vLLM servers.
 """
 
 from __future__ import annotations
@@ -40,7 +48,13 @@ import time
 import urllib.parse
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep when idle (before torch loads libgomp): spinning beside a busy process made 2-core runs 7x slower
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.distributed as dist
@@ -56,7 +70,78 @@ from torch.distributed.tensor import DTensor
 import kernels
 import replay_grpo as rg
 import run_folder
-from replay_grpo import PipelineError, UserError
+from replay_grpo import UserError
+
+
+@dataclass
+class AsyncArgs(rg.Args):
+    """The W/T system of replay_grpo.py's method. --preset picks every flag's default; later flags override it."""
+
+    # --- the system: W vLLM servers stream rollouts to T torchrun trainer ranks (FSDP2) ---
+    num_generators: int = 1  # W: vLLM servers (launched: one per GPU the trainers do not use)
+    generator_urls: list[str] = dataclasses.field(default_factory=list)  # servers started elsewhere (W URLs)
+    generator_host: str = "127.0.0.1"  # the address the launched servers listen on
+    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # how weights reach the servers (docs/async.md)
+    publish_check: int = 1  # every k-th publish, each server's log-probs of a fixed probe checked (0: off)
+    dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
+
+
+class PipelineError(RuntimeError):
+    """A vLLM server failed (or rank 0 stopped the run because of one): exit 1 on every rank."""
+
+
+def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
+    """replay_grpo.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
+    rg.validate(cfg, argv)
+
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+
+    for name, test, valid in (
+        ("num_generators", lambda v: v >= 1, ">= 1"),
+        ("num_generators", lambda v: v <= 256, "<= 256 (a process each)"),
+        ("publish_check", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
+    ):
+        need(test(getattr(cfg, name)), f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {valid}")
+    urls, W = cfg.generator_urls, cfg.num_generators
+    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
+    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    need(
+        not any(a == "--generator" or a.startswith("--generator=") for a in argv),
+        "--generator: async_pipeline.py generates on vLLM servers (--num-generators, --generator-urls)",
+    )
+    need(
+        cfg.prox_lag == 0,
+        f"--prox-lag {cfg.prox_lag}: only the synchronous loop (replay_grpo.py) keeps lagged weights: use 0 here",
+    )
+    need(
+        cfg.sampling != "queue" or cfg.zero_variance_groups == "keep",
+        "--sampling queue needs --zero-variance-groups keep here: requests thinned by dropped groups cannot fill "
+        "the queue exactly",
+    )
+
+
+def parse_args(argv: list[str]) -> AsyncArgs:
+    """--preset NAME (replay_grpo.PRESETS) picks the defaults; every other flag overrides them."""
+    return rg.parse_args(argv, flags=AsyncArgs, description=__doc__)
+
+
+def run_async(argv: list[str]) -> dict:
+    cfg = parse_args(argv)
+    validate(cfg, argv)
+    run_folder.quiet_libraries(cfg.verbose)
+    try:
+        return train_async(cfg)
+    except PipelineError as e:  # a generator died; every rank stops
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    return rg.run_command(run_async, argv)
 
 
 class LogprobPolicy(torch.nn.Module):
@@ -129,14 +214,16 @@ REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machin
 
 
 def env_seconds(name: str, default: float) -> float:
-    """Seconds from the environment variable `name` (a positive number), else `default`; one line for another value."""
+    """Seconds from the environment variable `name` (a positive number), else `default`; one line and exit 2 for
+    another value."""
     text = os.environ.get(name)
     try:
         seconds = default if text is None else float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise UserError(f"{name}={text!r}: not a positive number of seconds")
+    if not seconds > 0:  # read as this module loads, before main: the entry's one line and exit status here
+        print(f"error: {name}={text!r}: not a positive number of seconds", file=sys.stderr)
+        raise SystemExit(2)
     return seconds
 
 
@@ -496,7 +583,7 @@ def free_port(host: str) -> int:
 
 
 def launch_servers(
-    cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
+    cfg: AsyncArgs, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
 ) -> list[Server]:
     """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
     wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
@@ -530,7 +617,7 @@ def launch_servers(
     return servers
 
 
-def server_command(cfg: rg.Args, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
+def server_command(cfg: AsyncArgs, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
     """The launch line of one server (docs/async.md gives it for other nodes); `memory`: its share of its GPU."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
@@ -687,7 +774,7 @@ class ServerGenerator:
 
 
 class ServerEvaluator:
-    """rg.evaluate's generator for --mode async: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
+    """rg.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
     server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
     An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
 
@@ -743,7 +830,7 @@ class RolloutLoop:
     takes a slot before it starts one, the dealer frees it), so the capacity is the channel's real depth; receive
     hands out the freshest finished first, and one passed over `capacity` times before any other."""
 
-    def __init__(self, cfg: rg.Args, servers: list[Server], task, tok, eos_ids: list[int], first_group_id: int):
+    def __init__(self, cfg: AsyncArgs, servers: list[Server], task, tok, eos_ids: list[int], first_group_id: int):
         self.cfg, self.servers, self.task, self.tok, self.eos_ids = cfg, servers, task, tok, eos_ids
         W = len(servers)
         self.capacity = max(W, cfg.batch_size // cfg.rollouts_per_step) if cfg.sampling == "queue" else max(4, 2 * W)
@@ -1187,7 +1274,7 @@ class Dealer:
     deals their rollouts round-robin to the T ranks' shards (its state is checkpointed). With --sampling queue it
     takes only requests that every shard has room for, so the loop's slots fill and its threads wait."""
 
-    def __init__(self, cfg: rg.Args, T: int, state: dict | None = None):
+    def __init__(self, cfg: AsyncArgs, T: int, state: dict | None = None):
         self.T = T
         self.next_group_id, self.next_rank, self.dealt = 0, 0, [0] * T
         self.empty_requests = 0  # requests in a row whose groups were all dropped
@@ -1298,7 +1385,7 @@ def print_summary(totals: dict, T: int, W: int) -> None:
     )
 
 
-def init_process_group(cfg: rg.Args) -> bool:
+def init_process_group(cfg: AsyncArgs) -> bool:
     """The trainers' process group: torchrun's (it sets RANK, WORLD_SIZE, MASTER_ADDR), or a world of one under plain
     python. True when this call created it (and must destroy it)."""
     if dist.is_initialized():
@@ -1313,7 +1400,7 @@ def init_process_group(cfg: rg.Args) -> bool:
     return True
 
 
-def check_sharding(cfg: rg.Args, T: int) -> None:
+def check_sharding(cfg: AsyncArgs, T: int) -> None:
     """Refuse a batch, buffer or positive bias that T trainer ranks cannot share."""
     B, N = cfg.batch_size, cfg.buffer_size
     if B % T or N % T:
@@ -1386,7 +1473,7 @@ def vocab_size(model) -> int:
 
 
 def start_generators(
-    cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
+    cfg: AsyncArgs, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
 ) -> list[Server]:
     """--generator-urls (`probed`: what probe found of each), refused if one serves another model or too short a
     context (check_model), or W servers launched on this node from a plain folder of the current policy (`model`: rank
@@ -1398,7 +1485,7 @@ def start_generators(
     try:
         rg.import_vllm()
     except rg.VLLMUnavailable as e:
-        raise UserError(f"--mode async launches vLLM servers: {e}") from None
+        raise UserError(f"async_pipeline.py launches vLLM servers: {e}") from None
     folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
     n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus = server_gpus(cfg.num_generators, T, n_gpus)
@@ -1407,7 +1494,7 @@ def start_generators(
     return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory=memory)
 
 
-def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
+def weight_transfer(cfg: AsyncArgs, device: torch.device, T: int) -> str:
     """--weight-transfer auto: NCCL when every server has a GPU of its own (NCCL refuses two ranks on one GPU), else
     the disk (on a CPU: vLLM 0.32's NCCL engine needs CUDA)."""
     if cfg.weight_transfer == "auto":
@@ -1418,7 +1505,7 @@ def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
     return cfg.weight_transfer
 
 
-def rendezvous_address(cfg: rg.Args) -> str:
+def rendezvous_address(cfg: AsyncArgs) -> str:
     """Where servers reach rank 0's NCCL endpoint: --generator-host for servers launched here; for servers elsewhere
     this node's address on the route to the first of them (torchrun's MASTER_ADDR is 127.0.0.1 on one node)."""
     if not cfg.generator_urls:
@@ -1428,7 +1515,7 @@ def rendezvous_address(cfg: rg.Args) -> str:
         return s.getsockname()[0]
 
 
-def train_async(cfg: rg.Args) -> dict:
+def train_async(cfg: AsyncArgs) -> dict:
     """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
     owns_group = init_process_group(cfg)
     rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
@@ -1444,17 +1531,18 @@ def train_async(cfg: rg.Args) -> dict:
         run_folder.seed_everything(cfg.seed)
         if rank == 0:
             kernels.report_precision(device)
-        box = [run_folder.open_run(cfg) if rank == 0 else None]
+        box = [run_folder.open_run(cfg, "async_pipeline.py") if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         run_name, run_dir, ckpt = box[0]
         if rank == 0:  # first: it may write the warm-start cache that the others then read
             with rg.torch_threads(warm_start_threads(device)):
-                task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
+                task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
         barrier()
         if rank != 0:
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
         prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
-        kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, route=route)  # before sharding
+        layout = kernels.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+        kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
         kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
         # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
         # and save_pretrained writes a checkpoint through it
@@ -1641,3 +1729,9 @@ def train_async(cfg: rg.Args) -> dict:
             runlog.close()
         if owns_group:
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import async_pipeline  # run as the module that the tests and tools import: one copy of every class
+
+    async_pipeline.main()

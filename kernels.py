@@ -32,6 +32,7 @@ chunk] logits from cuBLAS with fp32 output; the backward accumulates dW and dH i
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -820,20 +821,31 @@ def activation_bytes(config, tokens: int, compute_bytes: int, checkpointing: boo
     return tokens * (per_token + 14 * h)
 
 
-def servers_on_gpu(cfg, trainers: int, n_gpus: int | None, gpu: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run generates and evaluates, as its caller knows it: the plan reads the method's flags only."""
+
+    servers: int = 0  # W vLLM servers of async_pipeline.py; 0: the synchronous loop's generator in this process
+    launched: bool = True  # the servers are launched on this node's GPUs (not started elsewhere)
+    route: str = "disk"  # how the weights reach the servers: nccl or disk
+    asked: str = "auto"  # the route asked for (auto: nccl where every server has a GPU of its own)
+
+
+def servers_on_gpu(layout: Layout, trainers: int, n_gpus: int | None, gpu: int) -> int:
     """The launched vLLM servers on GPU `gpu` of this node: async_pipeline.server_gpus's round-robin after the
     trainers' GPUs (rank r on GPU r). None or 0 GPUs: every server has a GPU of its own, or runs on the CPU."""
-    if cfg.mode != "async" or cfg.generator_urls or not n_gpus:
+    if not layout.servers or not layout.launched or not n_gpus:
         return 0
-    return sum((trainers + i) % n_gpus == gpu for i in range(cfg.num_generators))
+    return sum((trainers + i) % n_gpus == gpu for i in range(layout.servers))
 
 
 def plan_memory(
-    model, cfg, prompt_tokens, device_total: int, compute_bytes: int, trainers=1, rank=0, n_gpus=None, route="disk"
+    model, cfg, prompt_tokens, device_total: int, compute_bytes: int, trainers=1, rank=0, n_gpus=None, layout=Layout()
 ) -> dict:
     """This rank's bytes by row (see above) for `model` (meta tensors will do) under the run's settings `cfg`.
     prompt_tokens: the longest (training, evaluation) prompt, or one length for both; n_gpus: this node's GPUs
-    (servers_on_gpu); route: --mode async's weight transfer (async_pipeline.weight_transfer), nccl or disk."""
+    (servers_on_gpu); layout: the servers and their weight transfer (async_pipeline.py's), or none (the sync loop)."""
+    sync = not layout.servers
     train_prompt, eval_prompt = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else prompt_tokens
     c = compute_bytes
     params = list(model.parameters())
@@ -847,7 +859,7 @@ def plan_memory(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
     rows = {"fp32 masters": 4 * mine, "fp32 gradients": 4 * mine, "Adam moments (fp32)": 8 * mine}
-    if cfg.mode == "sync":  # async: FSDP2's unsharded fp32 gradients are in its compute copies' row
+    if sync:  # async: FSDP2's unsharded fp32 gradients are in its compute copies' row
         rows[FRESH_GRADIENT_ROW] = 4 * max(p.numel() for p in params)
         rows["compute copies"] = c * P if c < 4 else 0
     else:
@@ -856,16 +868,16 @@ def plan_memory(
     rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
     rows["log-prob workspace"] = backward_workspace_bytes(tokens, config.hidden_size, config.vocab_size, c)
     vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
-    if cfg.mode == "sync":
+    if sync:
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
     else:  # a server sharing this GPU takes its --vllm-gpu-memory-utilization of it (async_pipeline.start_generators)
-        generator = servers_on_gpu(cfg, trainers, n_gpus, rank) * int(cfg.vllm_gpu_memory_utilization * device_total)
+        generator = servers_on_gpu(layout, trainers, n_gpus, rank) * int(cfg.vllm_gpu_memory_utilization * device_total)
     rows["generator (resident)"] = generator
-    nccl_publisher = cfg.mode == "async" and rank == 0 and route == "nccl"
+    nccl_publisher = not sync and rank == 0 and layout.route == "nccl"
     if nccl_publisher:
         rows[PUBLISHER_ROW] = c * P + PACKED_BROADCAST_BYTES
-    evaluator = c * P if cfg.mode == "sync" and cfg.publish_every > 1 else 0  # an HF copy, built for the evaluation
-    evaluates_here = evaluator or (cfg.mode == "sync" and not vllm)  # else: in the engine, or on a server (async)
+    evaluator = c * P if sync and cfg.publish_every > 1 else 0  # an HF copy, built for the evaluation
+    evaluates_here = evaluator or (sync and not vllm)  # else: in the engine, or on a server (async)
     kv_cache = (
         50
         * cfg.pass_k
@@ -877,7 +889,7 @@ def plan_memory(
         * c
     )
     rows["evaluation (copy + KV cache)"] = evaluator + kv_cache
-    communicators = (trainers > 1) + (cfg.num_generators if nccl_publisher else 0)  # FSDP's group, one per server
+    communicators = (trainers > 1) + (layout.servers if nccl_publisher else 0)  # FSDP's group, one per server
     rows[RESERVE_ROW] = CONTEXT_RESERVE_BYTES + NCCL_COMMUNICATOR_BYTES * communicators
     after = ("fp32 masters", "Adam moments (fp32)", "generator (resident)", "evaluation (copy + KV cache)")
     after += (PUBLISHER_ROW, RESERVE_ROW)
@@ -889,16 +901,17 @@ def plan_memory(
         "evaluation": evaluation,
         "peak": max(train, evaluation),
         "prompt_tokens": (train_prompt, eval_prompt),
-        "route": route if cfg.mode == "async" else ("a vLLM engine" if vllm else "an HF copy") + " in this process",
+        "route": layout.route if not sync else ("a vLLM engine" if vllm else "an HF copy") + " in this process",
     }
 
 
 def check_memory_plan(
-    cfg, model, prompt_tokens, device: torch.device, trainers: int = 1, rank: int = 0, n_gpus=None, route="disk"
+    cfg, model, prompt_tokens, device: torch.device, trainers: int = 1, rank: int = 0, n_gpus=None, layout=Layout()
 ):
     """Before the first step, on a GPU (or a device simulated by REPLAY_GRPO_DEVICE_GIB): rank 0 prints the plan, a
     column per kind of rank, and every rank refuses a run that cannot fit in one line naming flags that would.
-    prompt_tokens: the longest (training, evaluation) prompt kept; n_gpus: this node's (default: those torch sees)."""
+    prompt_tokens: the longest (training, evaluation) prompt kept; n_gpus: this node's (default: those torch sees);
+    layout: the caller's servers (plan_memory)."""
     from run_folder import UserError
 
     total = device_bytes(device)
@@ -908,23 +921,23 @@ def check_memory_plan(
     if n_gpus is None:
         n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
 
-    def plans(cfg, T, n_gpus=n_gpus, route=route):  # every trainer rank's
+    def plans(cfg, T, n_gpus=n_gpus, layout=layout):  # every trainer rank's
         kw = dict(prompt_tokens=prompt_tokens, device_total=total, compute_bytes=c, trainers=T)
-        return [plan_memory(model, cfg, rank=r, n_gpus=n_gpus, route=route, **kw) for r in range(T)]
+        return [plan_memory(model, cfg, rank=r, n_gpus=n_gpus, layout=layout, **kw) for r in range(T)]
 
     mine = plans(cfg, trainers)
     if rank == 0:
-        print_plan(cfg, mine, total)
+        print_plan(mine, total, layout)
     peak = max(p["peak"] for p in mine)
     if peak <= total:
         return mine
     raise UserError(
         f"the memory plan needs {peak / GIB:.1f} GiB on a trainer's device, more than its {total / GIB:.1f} GiB "
-        f"(the table above): {fitting_flags(cfg, trainers, plans, total, n_gpus)}"
+        f"(the table above): {fitting_flags(cfg, trainers, plans, total, n_gpus=n_gpus, layout=layout)}"
     )
 
 
-def print_plan(cfg, plans: list[dict], total: int) -> None:
+def print_plan(plans: list[dict], total: int, layout: Layout) -> None:
     """The table: a column for rank 0 and one for each run of ranks with the same plan; a row absent is 0."""
     columns = [("rank 0", plans[0])]
     start = 1
@@ -933,7 +946,7 @@ def print_plan(cfg, plans: list[dict], total: int) -> None:
             columns.append((f"rank {start}" if r == start else f"ranks {start}-{r}", plans[start]))
             start = r + 1
     train, evaluation = plans[0]["prompt_tokens"]
-    how = f"weights to the servers by {plans[0]['route']}" if cfg.mode == "async" else plans[0]["route"]
+    how = f"weights to the servers by {plans[0]['route']}" if layout.servers else plans[0]["route"]
     print(f"memory plan per trainer rank (GiB, estimated before the first step; device {total / GIB:.1f} GiB):")
     print(f"  longest prompt {train} tokens in training, {evaluation} in evaluation; {how}")
     print(f"  {'':44}" + "".join(f"{name:>12}" for name, _ in columns))
@@ -945,23 +958,21 @@ def print_plan(cfg, plans: list[dict], total: int) -> None:
         )
 
 
-def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0) -> str:
+def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0, layout: Layout = Layout()) -> str:
     """The fewest changes that fit: activation checkpointing, then smaller micro-batches, then more trainer ranks. No
     layout it proposes puts a launched server on rank 0's GPU: where the run's does (server_gpus shares rank 0's
     first), or with more trainer ranks, the servers are as many as have a GPU of their own (W + T <= the node's);
     a layout beyond this node's GPUs is named with the GPUs it needs."""
-    import dataclasses
-
     sizes = [cfg.micro_batch_size >> k for k in range(cfg.micro_batch_size.bit_length())]
     acs = dict.fromkeys([cfg.activation_checkpointing, True])
-    W = cfg.num_generators if cfg.mode == "async" else 1
-    local = not (cfg.mode == "async" and cfg.generator_urls)  # servers that rank 0 launches on this node's GPUs
-    route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if n_gpus else "disk")
+    W = layout.servers or 1
+    local = layout.launched  # servers that rank 0 launches on this node's GPUs
+    route = layout.asked if layout.asked != "auto" else ("nccl" if n_gpus else "disk")
 
     def layouts(T):  # (servers, the node's GPUs planned: None for each server on a GPU of its own, or beyond this node)
         if not local or not n_gpus:
             yield W, (n_gpus if T == trainers else None)
-        elif T == trainers and not servers_on_gpu(cfg, T, n_gpus, 0):  # the user's layout: none on rank 0's GPU
+        elif T == trainers and not servers_on_gpu(layout, T, n_gpus, 0):  # the user's layout: none on rank 0's GPU
             yield W, n_gpus
         elif T < n_gpus:
             yield min(W, n_gpus - T), n_gpus  # every server on a GPU of its own
@@ -975,16 +986,10 @@ def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0) -> str
         return n is None and bool(n_gpus), T, w != W, (ac != cfg.activation_checkpointing) + (m != sizes[0]), -m
 
     for T, w, n, ac, m in sorted(tries, key=changes):
-        mode = "async" if T > 1 else cfg.mode
-        changed = dataclasses.replace(
-            cfg,
-            activation_checkpointing=ac,
-            micro_batch_size=m,
-            mode=mode,
-            num_generators=w if T > 1 else cfg.num_generators,
-        )
+        changed = dataclasses.replace(cfg, activation_checkpointing=ac, micro_batch_size=m)
         same = T == trainers and w == W and n == n_gpus
-        if max(p["peak"] for p in plans(changed, T, n, *(() if same else (route,)))) > total:
+        tried = layout if same else dataclasses.replace(layout, servers=w if T > 1 else layout.servers, route=route)
+        if max(p["peak"] for p in plans(changed, T, n, tried)) > total:
             continue
         flags = ["--activation-checkpointing"] * (ac and not cfg.activation_checkpointing)
         flags += [f"--micro-batch-size {m}"] * (m != cfg.micro_batch_size)
@@ -994,11 +999,11 @@ def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0) -> str
             return "it fits with " + " ".join(flags)
         if T == trainers:  # async: the servers off the trainers' GPUs
             return f"it fits{node} with every server on a GPU of its own: {' '.join(servers + flags)}".rstrip(": ")
-        if cfg.mode == "async":
+        if layout.servers:
             return f"it fits on {T} trainer ranks{node}: torchrun --nproc_per_node {T} ... " + " ".join(flags + servers)
         return (
-            f"it fits with --mode async on {T} trainer ranks{node}: torchrun --standalone --nproc_per_node {T} "
-            f"replay_grpo.py --preset {cfg.preset} --mode async --num-generators 1 {' '.join(flags)} (and your other "
+            f"it fits with async_pipeline.py on {T} trainer ranks{node}: torchrun --standalone --nproc_per_node {T} "
+            f"async_pipeline.py --preset {cfg.preset} --num-generators 1 {' '.join(flags)} (and your other "
             "flags; more generators on the GPUs left)"
         ).replace("  (", " (")
     return "nothing tried fits (activation checkpointing, micro-batches down to 1, up to 8 trainer ranks)"

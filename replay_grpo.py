@@ -16,7 +16,7 @@ Where the paper is silent or this code departs from it: rewards are {0, 1} (the 
 the population std + 1e-6; zero-variance groups are kept and counted (--zero-variance-groups drop refills them);
 training samples untruncated (top-p 1, no top-k) so behaviour and trainer log-probs agree; a supervised warm start
 gives the tiny model its skill; the synchronous loop alternates generation and training, the paper's W/T split is
---mode async (async_pipeline.py).
+its own entry beside this one (async_pipeline.py, its flags extending these).
 
 Two parts, each in the order a rollout flows. The method: the config and presets, Rollout and the advantages, the
 ReplayBuffer and its rules, the losses and train_step, the rollout maker, the synchronous loop `train`. Then, after
@@ -68,7 +68,7 @@ class Args:
     preset: PresetName = "cpu"  # a named set of every flag's defaults (PRESETS below); later flags override it
     # --- the method (the paper's symbols) ---
     group_size: int = 16  # G: completions per prompt; the GRPO advantage is the reward's z-score within its group
-    prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step (async: a request)
+    prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step
     batch_size: int = 128  # B: rollouts sampled from the buffer for each optimizer step (the paper: 60)
     buffer_size: int = 128  # N: FIFO replay buffer capacity in rollouts; N = B = R with k = 1 is on-policy GRPO
     publish_every: int = 1  # k: copy the trainer's weights to the generator(s) every k optimizer steps
@@ -124,17 +124,10 @@ class Args:
     sample_every: int = 0  # also write a few trained rollouts to <run>/samples.jsonl every this many steps (0: off)
     verbose: bool = False  # let vLLM's and math-verify's own log lines (weight reloads, timeouts) reach the console
     # --- engine and infrastructure ---
-    mode: Literal["sync", "async"] = "sync"  # async: W vLLM servers stream to T trainers (torchrun, FSDP2)
-    num_generators: int = 1  # W (--mode async): vLLM servers (launched: one per GPU the trainers do not use)
-    generator_urls: list[str] = dataclasses.field(default_factory=list)  # async: servers started elsewhere (W URLs)
-    generator_host: str = "127.0.0.1"  # async: the address the launched servers listen on
-    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # async: how weights reach the servers (docs/async.md)
-    publish_check: int = 1  # async: every k-th publish, each server's log-probs of a fixed probe checked (0: off)
-    generator: Literal["auto", "vllm", "hf"] = "auto"  # sync: vllm, an engine synced on publish; hf: transformers
+    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
-    dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
     activation_checkpointing: bool = False  # keep each decoder layer's input only, recompute the rest in backward
 
     @property
@@ -651,7 +644,7 @@ def train(cfg: Args) -> dict:
     run_folder.seed_everything(cfg.seed)
     kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    run_name, run_dir, ckpt = run_folder.open_run(cfg)
+    run_name, run_dir, ckpt = run_folder.open_run(cfg, "replay_grpo.py")
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
     kernels.check_memory_plan(cfg, model, (task.longest_prompt, task.longest_eval_prompt), device)  # or refuses it
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)
@@ -1801,11 +1794,11 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
     return metrics
 
 
-def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0):
+def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0, mode: str = "sync"):
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
     the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
     the warm start's record, logged at step 0 only, is None. The optimizer state is read on rank 0 only (at 7B it
-    is ~60 GB: the other ranks get it by broadcast)."""
+    is ~60 GB: the other ranks get it by broadcast). mode: the loop resuming it, sync or async (async_pipeline.py)."""
     task = make_task(cfg)
     if task.repeats and rank == 0:
         where = cfg.data_path or f"--rg-dataset {cfg.rg_dataset}"
@@ -1816,7 +1809,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         return task, model, tok, model_dir, warm, None
 
     torch_load = functools.partial(torch.load, weights_only=False)
-    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
+    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if mode == "sync" else ()
     state = run_folder.read_checkpoint_file(
         ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
     )
@@ -1824,11 +1817,11 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         state["optimizer"] = run_folder.read_checkpoint_file(
             ckpt, "optimizer.pt", torch_load, ("state", "param_groups")
         )
-    if (state["mode"], state["trainers"]) != (cfg.mode, trainers):
+    if (state["mode"], state["trainers"]) != (mode, trainers):
         raise UserError(
-            f"--resume: {ckpt} was saved by --mode {state['mode']} with "
+            f"--resume: {ckpt} was saved by {run_folder.ENTRIES[state['mode']]} with "
             f"{state['trainers']} trainer rank(s); resume it that way, not with "
-            f"--mode {cfg.mode} on {trainers} rank(s)"
+            f"{run_folder.ENTRIES[mode]} on {trainers} rank(s)"
         )
     # checkpoints hold the fp32 masters
     model, tok = run_folder.read_checkpoint_file(
@@ -2036,21 +2029,15 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
     for names, test, valid in (
         (
             "group_size prompts_per_step batch_size buffer_size total_steps max_new_tokens pass_k micro_batch_size "
-            "publish_every num_generators eval_size arith_terms sft_patience sft_check_prompts".split(),
+            "publish_every eval_size arith_terms sft_patience sft_check_prompts".split(),
             lambda v: v >= 1,
             ">= 1",
         ),
-        (
-            "eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout publish_check".split(),
-            lambda v: v >= 0,
-            ">= 0",
-        ),
+        ("eval_every sft_warmup_steps arith_max_operand sample_every".split(), lambda v: v >= 0, ">= 0"),
         (("lr", "sft_lr", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
-        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
         (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
-        (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (
             ("arith_demo_error", "sft_target", "sft_imitation", "vllm_gpu_memory_utilization"),
@@ -2098,14 +2085,11 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
-    typed = typed_flags(argv)
+    typed = typed_flags(argv, type(cfg))
     for owner, used, names in OWNED_FLAGS:  # a preset's own value was not typed: only what the user typed is refused
         for name in names:
             asked = name in typed and (name not in OFF_VALUES or getattr(cfg, name) != OFF_VALUES[name])
             need(used(cfg) or not asked, f"{flag(name)}: only {owner} reads it, so it would be ignored")
-    urls, W = cfg.generator_urls, cfg.num_generators
-    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
-    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
     validate_rules(cfg, need)
     validate_correction(cfg, need)
 
@@ -2124,19 +2108,15 @@ OWNED_FLAGS = (
         lambda cfg: cfg.sft_warmup_steps > 0,
         "sft_target sft_patience sft_check_prompts sft_lr sft_lr_decay sft_imitation arith_demo_error".split(),
     ),
-    (
-        "--mode async",
-        lambda cfg: cfg.mode == "async",
-        "num_generators generator_urls generator_host weight_transfer publish_check dist_timeout".split(),
-    ),
 )
 # An owned flag typed at this value turns its feature off, so asks for nothing that could be ignored: accepted
 OFF_VALUES = {"sft_target": 0.0, "sft_imitation": 0.0, "arith_demo_error": 0.0, "sft_lr_decay": False}
 
 
-def typed_flags(argv: list[str]) -> set[str]:
-    """The Args fields named on a command line: --name value, --name=value, underscores or dashes, --no-name."""
-    fields = {f.name for f in dataclasses.fields(Args)}
+def typed_flags(argv: list[str], flags: type = Args) -> set[str]:
+    """The fields of `flags` (Args, or the async entry's) named on a command line: --name value, --name=value,
+    underscores or dashes, --no-name."""
+    fields = {f.name for f in dataclasses.fields(flags)}
     typed = set()
     for token in argv:
         if not token.startswith("--"):
@@ -2167,10 +2147,6 @@ def validate_correction(cfg: Args, need) -> None:
     need(
         cfg.loss == "grpo" or cfg.correction in ("tis", "seq-mask"),
         f"--correction {cfg.correction}: needs --loss grpo (it reshapes the clipped ratio; asymre has none)",
-    )
-    need(
-        cfg.prox_lag == 0 or cfg.mode == "sync",
-        "--prox-lag: only the synchronous loop keeps lagged weights (--mode async: 0)",
     )
 
 
@@ -2222,15 +2198,11 @@ def validate_rules(cfg: Args, need) -> None:
         f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
         "--group-size), so that whole requests fill a batch and no rollout waits forever",
     )
-    need(
-        cfg.mode == "sync" or cfg.zero_variance_groups == "keep",
-        "--sampling queue --mode async needs "
-        "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly",
-    )
 
 
-def parse_args(argv: list[str]) -> Args:
-    """--preset NAME picks the defaults; every other flag overrides them."""
+def parse_args(argv: list[str], flags: type = Args, description: str = __doc__) -> Args:
+    """--preset NAME picks the defaults; every other flag overrides them. `flags`: Args, or a class extending it (the
+    async entry's), whose own fields keep their defaults under every preset."""
     preset = "cpu"
     for i, a in enumerate(argv):  # the last --preset wins, as for every other flag
         if a == "--preset" and i + 1 < len(argv):
@@ -2239,10 +2211,14 @@ def parse_args(argv: list[str]) -> Args:
             preset = a.split("=", 1)[1]
     if preset not in PRESETS:
         raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
-    cfg = tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
-    if cfg.mode == "async" and any(a == "--generator" or a.startswith("--generator=") for a in argv):
-        raise UserError("--generator: --mode async generates on vLLM servers (--num-generators, --generator-urls)")
-    return cfg
+    known = {f.name for f in dataclasses.fields(flags)} | {"help"}
+    for token in argv:  # one line, where tyro would print a box
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if token.startswith("--") and name not in known and name.removeprefix("no_") not in known:
+            entry = description.split(":")[0]
+            raise UserError(f"{token.split('=')[0]}: {entry} has no such flag ({entry} --help lists them)")
+    default = flags(**{f.name: getattr(PRESETS[preset], f.name) for f in dataclasses.fields(Args)})
+    return tyro.cli(flags, default=default, args=argv, description=description.split("\n\n")[0])
 
 
 # ===== The planner: the paper's compute-optimal N/R and B/R =======================================
@@ -2342,10 +2318,6 @@ def plan(args: PlanArgs) -> dict:
 # ===== Main =======================================================================================
 
 
-class PipelineError(RuntimeError):
-    """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
-
-
 def terminated(signum, frame):
     """SIGTERM (kill, a scheduler, a container's stop) stops a run as Ctrl-C does: by default it would end the process
     at once, with no line saying what is kept. A second one, while the run stops, is ignored."""
@@ -2353,7 +2325,9 @@ def terminated(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def run_command(run: Callable[[list[str]], dict | None], argv: list[str] | None) -> dict | None:
+    """`run` on the command line (default: sys.argv's): a UserError is one line and exit 2, Ctrl-C or SIGTERM says
+    what is kept and exits 130; the run's folder is unlocked whatever happens. Both entries run this way."""
     argv = sys.argv[1:] if argv is None else argv
     old_sigterm = None
     if threading.current_thread() is threading.main_thread():
@@ -2362,24 +2336,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         old_sigterm = signal.signal(signal.SIGTERM, terminated)
     try:
-        if argv[:1] == ["plan"]:
-            return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
-        cfg = parse_args(argv)
-        validate(cfg, argv)
-        run_folder.quiet_libraries(cfg.verbose)
-        if cfg.mode == "async":
-            from async_pipeline import train_async  # the W/T pipeline: imported only when used
-
-            return train_async(cfg)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
-        return train(cfg)
+        return run(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    except PipelineError as e:  # --mode async: a generator died; every rank stops
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
     except KeyboardInterrupt:
         print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)
@@ -2389,7 +2349,22 @@ def main(argv: list[str] | None = None) -> dict | None:
             signal.signal(signal.SIGTERM, old_sigterm)
 
 
+def run_sync(argv: list[str]) -> dict:
+    if argv[:1] == ["plan"]:
+        return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
+    cfg = parse_args(argv)
+    validate(cfg, argv)
+    run_folder.quiet_libraries(cfg.verbose)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("torchrun --nproc_per_node > 1 runs async_pipeline.py (the synchronous loop is one process)")
+    return train(cfg)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    return run_command(run_sync, argv)
+
+
 if __name__ == "__main__":
-    import replay_grpo  # run as the module that async_pipeline.py imports: one copy of every class
+    import replay_grpo  # run as the module that async_pipeline.py and the tools import: one copy of every class
 
     replay_grpo.main()

@@ -126,20 +126,20 @@ def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeyp
         memory_plan.plan(["--preset", "math-qwen2.5-7b"], memory_plan.H200_GIB)
     message = str(refused.value)
     assert "\n" not in message and "torchrun --standalone --nproc_per_node" in message, message
-    assert "--preset math-qwen2.5-7b --mode async" in message, message
+    assert "async_pipeline.py --preset math-qwen2.5-7b --num-generators 1" in message, message
 
 
-README_7B = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5"]
+README_7B = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "5"]
 README_7B += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
 EVALUATION = "evaluation (copy + KV cache)"
 
 
 def test_the_readmes_7b_async_command_fits_80_gb_ranks_at_the_presets_prompt_bound(capsys, monkeypatch):
-    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5 ...: W + T = 8 GPUs
+    """torchrun --nproc_per_node 3 async_pipeline.py --preset math-qwen2.5-7b --num-generators 5 ...: W + T = 8 GPUs
     of 80 GB, every MATH prompt the run keeps at most --max-prompt-tokens 1024 (training and evaluation alike), the
     weights to the servers by NCCL (each server has a GPU of its own)."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    assert rg.parse_args(README_7B).max_prompt_tokens == 1024
+    assert ap.parse_args(README_7B[1:]).max_prompt_tokens == 1024
     plans = memory_plan.plan(README_7B, memory_plan.H100_GIB, trainers=3, gpus=8)
     assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30
     assert [p["prompt_tokens"] for p in plans] == [(1024, 1024)] * 3 and plans[0]["route"] == "nccl"
@@ -175,9 +175,10 @@ def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
 
 
 def test_async_rank_0_holds_no_evaluator_since_a_server_evaluates():
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    plans = [kernels.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r) for r in range(3)]
+    servers = kernels.Layout(servers=5)
+    plans = [kernels.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r, layout=servers) for r in range(3)]
     assert all(p["rows"][EVALUATION] == 0 for p in plans)
     rows = plans[0]["rows"]
     after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[kernels.RESERVE_ROW]
@@ -185,12 +186,12 @@ def test_async_rank_0_holds_no_evaluator_since_a_server_evaluates():
 
 
 def test_the_nccl_publisher_is_planned_on_rank_0_only_and_only_for_nccl():
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
     P = sum(p.numel() for p in model.parameters())
 
     def plans(route):
-        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, route=route)
+        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, layout=kernels.Layout(5, route=route))
         return [kernels.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
 
     nccl, disk = plans("nccl"), plans("disk")
@@ -220,7 +221,7 @@ def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys,
     --vllm-gpu-memory-utilization of the device; ranks 0 and 1 hold one, rank 2 none."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "3"]
+    argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "3"]
     plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3, gpus=4)
     gpus = ap.server_gpus(3, 3, 4)
     share = int(0.3 * memory_plan.H100_GIB * 2**30)
@@ -244,13 +245,13 @@ def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch
     shares rank 0's GPU (5 + 4); the layout advised keeps every server on a GPU of its own."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(W)]
+    argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(W)]
     with pytest.raises(rg.UserError) as refused:
         memory_plan.plan(argv, gib, trainers=T, gpus=8)
     message = str(refused.value)
     w, t = advised_layout(message, W, T)
     assert "fits" in message and not set(ap.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
-    advised = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(w)]
+    advised = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(w)]
     for flag in ("--micro-batch-size", "--activation-checkpointing"):
         advised += re.findall(rf"{flag}(?: \d+)?", message)
     memory_plan.plan([a for f in advised for a in f.split()], gib, trainers=t, gpus=8)  # and it fits
@@ -302,9 +303,9 @@ def test_the_log_prob_workspace_row_is_what_the_triton_backward_allocates_for_th
     """The dz buffer [tokens x Vs] in the compute dtype and the fp32 dH [tokens x d] of kernels._backward_triton, for
     the micro-batch's tokens: past 256 MiB once 4 x tokens x d outgrows the buffer's budget (the 7B preset's
     micro-batch of 4 x (4096 + 1024) tokens at d = 3584)."""
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    plan = kernels.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8)
+    plan = kernels.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8, layout=kernels.Layout(servers=5))
     tokens, h, V = cfg.micro_batch_size * (4096 + cfg.max_new_tokens), model.config.hidden_size, model.config.vocab_size
     Vs = kernels.vocab_split(tokens, h, V, 2)
     assert plan["rows"]["log-prob workspace"] == tokens * Vs * 2 + 4 * tokens * h > 2**28
