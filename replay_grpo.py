@@ -137,9 +137,7 @@ class Args:
 
 # Fixed settings of the method (a flag each would only clutter --help; edit them here):
 PRIORITY_EPS = 0.01  # eps of the priority (|A| + eps)^alpha: a zero-advantage rollout can still be drawn
-STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
 BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "priority_alpha", "priority_tau")  # its rules
-MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
 
@@ -550,44 +548,6 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
         optimizer.step()
         check_finite_weights(params, version)
     return step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
-
-
-@torch.no_grad()
-def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
-    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
-    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
-    log-prob mismatch on the rollouts made by exactly the weights trained now."""
-    sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
-    ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
-    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
-        sums["entropy"] += ent.sum().item()
-        sums["clipped"] += clipped.sum().item()
-        sums["ratio"] += ratio.sum().item()
-        ratio_max = max(ratio_max, ratio.max().item())
-        add_staleness_sums(
-            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
-        )
-        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
-        if fresh.any():
-            d = (logp - behaviour)[fresh]
-            sums["mismatch_abs"] += d.abs().sum().item()
-            sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
-            sums["mismatch_tokens"] += int(fresh.sum())
-    stats = {
-        "loss": loss,
-        "entropy": sums["entropy"] / total_tokens,
-        "clip_frac": sums["clipped"] / total_tokens,
-        "ratio_mean": sums["ratio"] / total_tokens,
-        "ratio_max": ratio_max,
-        "grad_norm": grad_norm,
-        "nonfinite": int(math.isnan(grad_norm)),  # train_step passes NaN for a skipped step
-        "trained_tokens": total_tokens,
-        "staleness_sums": staleness_sums,
-    }
-    if m := sums["mismatch_tokens"]:
-        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
-        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
-    return stats
 
 
 # ===== The rollout maker: G completions per prompt, scored, group statistics frozen =================
@@ -1969,6 +1929,48 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
+MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
+
+
+@torch.no_grad()
+def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
+    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
+    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
+    log-prob mismatch on the rollouts made by exactly the weights trained now."""
+    sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
+    ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
+    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
+        sums["entropy"] += ent.sum().item()
+        sums["clipped"] += clipped.sum().item()
+        sums["ratio"] += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        add_staleness_sums(
+            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
+        )
+        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
+        if fresh.any():
+            d = (logp - behaviour)[fresh]
+            sums["mismatch_abs"] += d.abs().sum().item()
+            sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
+            sums["mismatch_tokens"] += int(fresh.sum())
+    stats = {
+        "loss": loss,
+        "entropy": sums["entropy"] / total_tokens,
+        "clip_frac": sums["clipped"] / total_tokens,
+        "ratio_mean": sums["ratio"] / total_tokens,
+        "ratio_max": ratio_max,
+        "grad_norm": grad_norm,
+        "nonfinite": int(math.isnan(grad_norm)),  # train_step passes NaN for a skipped step
+        "trained_tokens": total_tokens,
+        "staleness_sums": staleness_sums,
+    }
+    if m := sums["mismatch_tokens"]:
+        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
+        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
+    return stats
 
 
 def staleness_bucket(staleness: int) -> str:
