@@ -264,7 +264,7 @@ class Run:
     dtype: torch.dtype  # the compute dtype the weights are published in
     publish_from: torch.device  # where a publish gathers them: the GPU (nccl) or the host (disk)
     probes: list  # the publish check's (prompt, completion) pairs
-    probed: list  # rank 0: what probe found of each server given by URL
+    probed: list  # rank 0: what reach found of each server given by URL
     first: dict | None  # the weights of the first publish (rank 0 sends them, then drops them)
 
 
@@ -273,7 +273,7 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     creates it), the task and the policy (rank 0 first: it may write the warm-start cache), the memory plan, the
     policy sharded over the T ranks with its optimizer, a buffer shard each, a resume's state, the first weights."""
     check_sharding(cfg, T)
-    probed = [probe(url.rstrip("/")) for url in cfg.generator_urls] if rank == 0 else []
+    probed = [reach(url.rstrip("/")) for url in cfg.generator_urls] if rank == 0 else []
     run_folder.seed_everything(cfg.seed)
     if rank == 0:
         kernels.report_precision(device)
@@ -356,9 +356,7 @@ def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch
     Fills `system` as it goes: what it started is stopped even if a later part fails."""
     signal.signal(signal.SIGTERM, _interrupt)
     host_copy, tok, task, B, N = run.host_copy, run.tok, run.task, cfg.batch_size, cfg.buffer_size
-    servers = start_generators(
-        cfg, run.run_dir, host_copy, tok, T=T, device=device, probed=run.probed, longest_prompt=task.longest_prompt
-    )
+    servers = start_generators(cfg, run.run_dir, host_copy, tok, T=T, device=device, probed=run.probed)
     system.servers = servers
     for s in servers:  # the token ids the trainer can take: its embedding's rows and its head's outputs
         s.vocab = vocab_size(host_copy)
@@ -1478,13 +1476,30 @@ def resolve(host: str | None, where: str, timeout: float) -> None:
         raise UserError(f"{where}: the host {host} cannot be resolved ({reason}): is the name right?")
 
 
-def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
-    """What a server the run did not launch is, from a few requests of `timeout` each: its vLLM version (GET /version,
-    at least SERVER_VERSION_FLOOR), its model and context (GET /v1/models), its weight routes (GET /is_paused, there
-    with VLLM_SERVER_DEV_MODE=1), its token route (POST /inference/v1/generate without a body: 400 there, 404 without
-    --enable-scale-out) and /health. Anything else is one line (UserError) naming the URL and what was found: refused,
-    unresolvable, silent, an HTTP error with its status, not a vLLM server, a version below the floor."""
+def failure(e: BaseException, timeout: float) -> str:
+    """What a request that got no answer met, for a line naming the server: refused, silent, or the reason."""
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, ConnectionRefusedError):
+        return (
+            "was refused: nothing listens at that address and port (a vLLM server listens once its model is loaded: "
+            "start the run once its /health answers)"
+        )
+    if timed_out(e):
+        return (
+            f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or too "
+            "slowly to finish, or the host drops them)"
+        )
+    return f"failed ({reason})"
+
+
+def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
+    """Refuse in one line (UserError, naming the URL) a server the run did not launch that it cannot use: a URL that
+    is not a server's address, a host that does not resolve, no answer within `timeout`, no vLLM at least
+    SERVER_VERSION_FLOOR (GET /version: the weight versions of every token), /health failing. What else a server
+    needs (its weight and token routes, its model and context) tools/check_servers.py diagnoses: the docs tell a
+    --generator-urls user to run it first; the run meets those faults at its first publish or request."""
     where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    more = f" (python tools/check_servers.py {url} diagnoses it)"
     try:
         _ = parts.port  # urlsplit checks the port when it is read
     except ValueError as e:
@@ -1495,74 +1510,32 @@ def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
             f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
         )
     resolve(parts.hostname, where, timeout)
-
-    def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
-        try:
-            return http_request(url + path, method, b"{}" if method == "POST" else None, timeout)
-        except (OSError, http.client.HTTPException) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, ConnectionRefusedError):
-                said = (
-                    "was refused: nothing listens at that address and port (a vLLM server listens once its model is "
-                    "loaded: start the run once its /health answers)"
-                )
-            elif timed_out(e):
-                said = (
-                    f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or "
-                    "too slowly to finish, or the host drops them)"
-                )
-            else:
-                said = f"failed ({reason})"
-            raise UserError(f"{where}: {method} {path} {said}") from None
-
-    def read(path: str, fields):
-        """`fields` of the JSON answer to GET `path`; one line when it is missing, an HTTP error or another answer."""
-        status, text = ask(path)
-        if status == 404:
-            raise UserError(f"{where}: not a vLLM server: GET {path} answered 404 (vLLM's API server has that route)")
-        if status != 200:
-            raise UserError(f"{where}: GET {path} answered HTTP {status}: {text[:SHOWN_BYTES]!r}")
-        try:
-            if unreadable(text):
-                raise ValueError
-            return fields(json.loads(text))
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise UserError(
-                f"{where}: not a vLLM server: GET {path} answered {text[:SHOWN_BYTES]!r}, not what vLLM answers there"
-            ) from None
-
-    version = read("/version", lambda a: str(a["version"]))
-    model, context = read("/v1/models", lambda a: (str(a["data"][0]["id"]), int(a["data"][0]["max_model_len"])))
-    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if numbers < SERVER_VERSION_FLOOR:
+    try:
+        status, text = http_request(url + "/version", "GET", None, timeout)
+    except (OSError, http.client.HTTPException) as e:
+        raise UserError(f"{where}: GET /version {failure(e, timeout)}") from None
+    try:
+        if status != 200 or unreadable(text):
+            raise ValueError
+        version = str(json.loads(text)["version"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{where}: GET /version answered HTTP {status}: {text[:SHOWN_BYTES]!r}{more}") from None
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < SERVER_VERSION_FLOOR:
         floor = ".".join(map(str, SERVER_VERSION_FLOOR))
         raise UserError(
             f"{where}: vLLM {version} (GET /version); the run needs vLLM {floor} or later on its servers (the weight "
             "versions of every generated token): upgrade it"
         )
-    status, text = ask("/is_paused")
-    if status == 404:
-        raise UserError(
-            f"{where}: vLLM {version} serving {model} without its weight routes (GET /is_paused answered 404): start "
-            "it with VLLM_SERVER_DEV_MODE=1 (docs/async.md)"
-        )
-    status, text = ask(GENERATE, "POST")
-    if status == 404:
-        raise UserError(
-            f"{where}: vLLM {version} serving {model} without its token route (POST {GENERATE} answered 404): start "
-            "it with --enable-scale-out (docs/async.md)"
-        )
     why = Server(url).health()
     if why:
         raise UserError(f"{where}: GET /health {why}")
-    return {"url": url, "version": version, "model": model, "max_model_len": context}
+    return {"url": url, "version": version}
 
 
-def check_model(info: dict, tok, model: str, longest_prompt: int, max_new_tokens: int) -> None:
-    """Refuse a server the run did not launch (`info`: what probe found) that serves another model than the run's
-    (its tokenizer reads MODEL_PROBE_TEXT as other token ids: the ids sent to it would be other text), or whose
-    context is shorter than the run's longest prompt and --max-new-tokens."""
-    url, where = info["url"], f"--generator-urls {info['url']}"
+def check_model(url: str, tok, model: str) -> None:
+    """Refuse a server the run did not launch that serves another model than the run's: its tokenizer reads
+    MODEL_PROBE_TEXT as other token ids (the ids sent to it would be other text)."""
+    where = f"--generator-urls {url}"
     ids = list(tok.encode(MODEL_PROBE_TEXT, add_special_tokens=False))
     body = {"prompt": MODEL_PROBE_TEXT, "add_special_tokens": False}
     try:
@@ -1571,16 +1544,9 @@ def check_model(info: dict, tok, model: str, longest_prompt: int, max_new_tokens
         raise UserError(f"{where}: {e}") from None
     if served != ids:
         raise UserError(
-            f"{where}: serves another model than the run's --model {model}: it serves {info['model']}, whose "
-            f"tokenizer reads {MODEL_PROBE_TEXT!r} as token ids {served[:8]}..., where the run's gives {ids[:8]}...; "
-            "the run publishes its weights to it, but the token ids it sends would be other text"
-        )
-    need = longest_prompt + max_new_tokens
-    if info["max_model_len"] < need:
-        raise UserError(
-            f"{where}: its context, {info['max_model_len']} tokens, is below the run's longest prompt and "
-            f"--max-new-tokens ({longest_prompt} + {max_new_tokens} = {need}): start it with --max-model-len {need} "
-            "or more"
+            f"{where}: serves another model than the run's --model {model}: its tokenizer reads {MODEL_PROBE_TEXT!r} "
+            f"as token ids {served[:8]}..., where the run's gives {ids[:8]}...; the run publishes its weights to it, "
+            "but the token ids it sends would be other text"
         )
 
 
@@ -1752,14 +1718,14 @@ def on_servers(servers: list[Server], fn) -> list:
 
 
 def start_generators(
-    cfg: AsyncArgs, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
+    cfg: AsyncArgs, run_dir: Path, model, tok, T: int, device: torch.device, probed=()
 ) -> list[Server]:
-    """--generator-urls (`probed`: what probe found of each), refused if one serves another model or too short a
-    context (check_model), or W servers launched on this node from a plain folder of the current policy (`model`: rank
-    0's host copy) under the run folder; not yet waited for."""
+    """--generator-urls (`probed`: what reach found of each), refused if one serves another model (check_model), or W
+    servers launched on this node from a plain folder of the current policy (`model`: rank 0's host copy) under the
+    run folder; not yet waited for."""
     if cfg.generator_urls:
         for info in probed:
-            check_model(info, tok, cfg.model, longest_prompt=longest_prompt, max_new_tokens=cfg.max_new_tokens)
+            check_model(info["url"], tok, cfg.model)
         return [Server(url.rstrip("/")) for url in cfg.generator_urls]
     try:
         rg.import_vllm()

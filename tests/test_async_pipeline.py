@@ -170,6 +170,24 @@ def two_rank_run(tmp_path_factory, vllm_servers):
     return out / "t2", log
 
 
+def test_the_door_torchrun_async_pipeline_names_its_entry_and_only_it_resumes_the_run(two_rank_run):
+    """`torchrun --nproc_per_node 2 async_pipeline.py --preset cpu ... --num-generators 1` (the fixture's run) trains
+    through the W/T system's own entry: its config.json names that entry, and replay_grpo.py refuses to resume the
+    folder in one line (exit 2), writing nothing."""
+    run_dir, log = two_rank_run
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["entry"] == "async_pipeline.py" and config["num_generators"] == 1 and "mode" not in config
+    assert [r["step"] for r in metrics(run_dir)] == list(range(7)) and "async: W = 1 vLLM server(s)" in log
+    before = sorted(p.name for p in run_dir.iterdir())
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--out-dir", str(run_dir.parent)]
+    res = subprocess.run(
+        cmd + ["--run-name", run_dir.name, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    started = f"{run_dir} was started by async_pipeline.py, so only async_pipeline.py continues it, not replay_grpo.py"
+    assert res.returncode == 2 and res.stderr == f"error: --resume: {started}\n", res.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
 def test_two_ranks_write_rank_0s_trained_samples_every_sample_every_steps(two_rank_run):
     run_dir, _ = two_rank_run
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

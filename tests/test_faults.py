@@ -1070,37 +1070,78 @@ def at(url: str):
     return contextlib.nullcontext(types.SimpleNamespace(url=url))
 
 
-START_FAULTS = {  # how the server is made, what the one line says, and whether the run folder was made by then
-    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 0),
-    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 0),
-    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 0),
-    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 0),
-    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 0),
-    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404", 0),
-    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404", 0),
+DIAGNOSED = {  # how the server is made, and what tools/check_servers.py's one line for it says
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port"),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved"),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved"),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s"),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server'),
+    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404"),
+    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404"),
     "a version below the floor": (
         lambda: StandIn(version="0.31.2"),
         "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
-        0,
     ),
     "no weight routes": (
         lambda: StandIn(missing=("/is_paused",)),
         "without its weight routes (GET /is_paused answered 404): start it with VLLM_SERVER_DEV_MODE=1",
-        0,
     ),
     "no token route": (
         lambda: StandIn(missing=(GENERATE,)),
         f"without its token route (POST {GENERATE} answered 404): start it with --enable-scale-out",
+    ),
+    "a context too short": (
+        lambda: StandIn(encode=encode, max_model_len=8),
+        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens (--context 64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DIAGNOSED))
+def test_the_preflight_names_what_is_wrong_with_a_server_in_one_line_within_seconds(case):
+    """python tools/check_servers.py URL --context N, the check the docs ask for before a run on servers started
+    elsewhere: one line (exit 2) names the URL and what was found, within seconds; a right server is one line, exit
+    0."""
+    make, needle = DIAGNOSED[case]
+    cmd = [sys.executable, str(ROOT / "tools" / "check_servers.py"), "--context", "64"]
+    with make() as server:
+        t0 = time.time()
+        res = subprocess.run(cmd + [server.url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90)
+        took = time.time() - t0
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-3000:]
+    assert res.stderr.startswith(f"error: --generator-urls {server.url}: ") and needle in res.stderr, res.stderr
+    assert took < 30, took
+    with StandIn(encode=encode, max_model_len=64) as server:
+        res = subprocess.run(cmd + [server.url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0 and res.stdout.endswith(": ok\n") and "context 64" in res.stdout, res.stdout
+
+
+WEIGHT_ROUTES = ("/is_paused", "/pause", "/resume", "/collective_rpc", "/update_weight_version")  # dev mode's
+START_FAULTS = {  # how the server is made, what the run's one line says, its exit status, whether its folder was made
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 2, 0),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 2, 0),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 2, 0),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 2, 0),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 2, 0),
+    "a plain http.server": (lambda: StandIn("static"), "GET /version answered HTTP 404: ", 2, 0),
+    "a version below the floor": (
+        lambda: StandIn(version="0.31.2"),
+        "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
+        2,
         0,
     ),
     "another model": (
         lambda: StandIn(tokens=[7, 7, 7]),
-        "serves another model than the run's --model tiny: it serves /models/stand-in, whose tokenizer reads",
+        "serves another model than the run's --model tiny: its tokenizer reads",
+        2,
         1,
     ),
-    "a context too short": (
-        lambda: StandIn(encode=encode, max_model_len=8),
-        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens",
+    # the faults the preflight names and the run meets at its first request (the warm-up) or publish
+    "no token route": (lambda: StandIn(encode=encode, missing=(GENERATE,)), f"{GENERATE} answered 404", 1, 1),
+    "no weight routes": (
+        lambda: StandIn(encode=encode, missing=WEIGHT_ROUTES),
+        "/pause?mode=keep&clear_cache=false answered 404",
+        1,
         1,
     ),
 }
@@ -1108,19 +1149,23 @@ START_FAULTS = {  # how the server is made, what the one line says, and whether 
 
 @pytest.mark.parametrize("case", list(START_FAULTS))
 def test_a_server_elsewhere_that_is_down_wrong_or_silent_is_named_in_one_line_within_seconds(tmp_path, case):
-    """Each URL is probed at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found, within
-    seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same command
-    runs once the server is right (the model checks come once the run's tokenizer is loaded, after config.json)."""
-    make, needle, folder_made = START_FAULTS[case]
+    """Each URL is reached at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found,
+    within seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same
+    command runs once the server is right (the model check comes once the run's tokenizer is loaded, after
+    config.json). A server without the routes a run needs stops it at its first request or publish, in one line."""
+    make, needle, code, folder_made = START_FAULTS[case]
     with make() as server:
         t0 = time.time()
         rc, log = Run(async_args(tmp_path, server.url)).finish(timeout=90)
         took = time.time() - t0
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
-    assert errors[0].startswith(f"error: --generator-urls {server.url}: ") and needle in errors[0], errors
-    assert took < 30, took
-    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert rc == code and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    named = f"error: --generator-urls {server.url}: " if code == 2 else f"error: vLLM server {server.url}: "
+    assert errors[0].startswith(named) and needle in errors[0], errors
+    assert took < 30 + 30 * (code == 1), took  # code 1: after the run's start (its tokenizer, its first publish)
+    records = tmp_path / "r" / "metrics.jsonl"  # exit 2: none, the same command runs once the server is right
+    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "checkpoint").exists()
+    assert code == 1 or not records.exists() or not records.stat().st_size
     print(f"[{case}: one line {took:.1f} s after the start] {errors[0]}")
 
 
