@@ -287,8 +287,8 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     if rank != 0:
         task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
     prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
-    layout = kernels.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
-    kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
+    layout = rg.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+    rg.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
     # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
     # and save_pretrained writes a checkpoint through it

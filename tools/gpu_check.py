@@ -237,9 +237,9 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     cfg = rg.parse_args(argv)
     model, tok = real_build(0, **shape)
     longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
-    plan = kernels.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
+    plan = rg.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
     rows = plan["rows"]  # the generator's share is apart, and the reserve is what the allocator does not count
-    planned = (plan["train"] - rows["generator (resident)"] - rows[kernels.RESERVE_ROW]) / 2**30
+    planned = (plan["train"] - rows["generator (resident)"] - rows[rg.RESERVE_ROW]) / 2**30
     row(
         "memory plan: qwen-0.5b's train step",
         f"measured peak {peak:.2f} GiB, planned {planned:.2f} GiB",

@@ -78,7 +78,7 @@ def meta_model(name: str):
 def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None = None) -> list[dict]:
     """Print the plan of `argv` (replay_grpo.py flags, or async_pipeline.py and its flags) on a node of `gpus` GPUs
     (default: one each for the trainers and the servers) and return it; raises rg.UserError when it does not fit."""
-    layout = kernels.Layout()
+    layout = rg.Layout()
     if argv[:1] == ["async_pipeline.py"]:
         import async_pipeline
 
@@ -88,17 +88,17 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
         # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
         own = bool(cfg.generator_urls) or W + trainers <= gpus
         route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
-        layout = kernels.Layout(W, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+        layout = rg.Layout(W, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
     else:
         cfg = rg.parse_args(argv)
         gpus = gpus or trainers
     prompts = 2 * (cfg.max_prompt_tokens or PROMPT_TOKENS,)
     if cfg.task == "reasoning-gym":  # longer prompts than --max-prompt-tokens would be skipped
         prompts = tuple(min(n, cfg.max_prompt_tokens or n) for n in generated_prompt_bound(cfg))
-    os.environ[kernels.DEVICE_GIB_ENV] = str(device_gib)
+    os.environ[rg.DEVICE_GIB_ENV] = str(device_gib)
     os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's
     model, cpu = meta_model(cfg.model), torch.device("cpu")
-    return kernels.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
+    return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
 
 
 def main() -> int:
