@@ -1,4 +1,4 @@
-"""async_pipeline.py: the paper's asynchronous system for replay_grpo.py (--mode async).
+"""async_pipeline.py: the paper's asynchronous system of W generators and T trainers, running replay_grpo.py's method.
 
 The generators are W OpenAI-compatible vLLM servers. Rank 0 launches them on its node (one per GPU after the trainers',
 or on the CPU) or connects to servers started elsewhere (--generator-urls). A thread per server runs make_rollouts
@@ -12,9 +12,17 @@ filesystem (--weight-transfer disk), or by one NCCL broadcast to all servers wit
 engine (--weight-transfer nccl). The held-out evaluation runs on a server at the published version. A rollout's
 policy_version is its oldest token's version; one whose tokens span a publish is counted (mixed_version_rollouts).
 
-    python replay_grpo.py --preset cpu --mode async --num-generators 2                  # T = 1, two servers
-    torchrun --nproc_per_node 2 replay_grpo.py --preset cpu --mode async --num-generators 1
-    python replay_grpo.py ... --mode async --generator-urls http://node1:8000 http://node2:8000   # docs/async.md
+    python async_pipeline.py --preset cpu --num-generators 2                             # T = 1, two servers
+    torchrun --nproc_per_node 2 async_pipeline.py --preset cpu --num-generators 1        # T = 2, one server
+    python async_pipeline.py ... --generator-urls http://node1:8000 http://node2:8000    # servers started elsewhere
+
+Its flags are replay_grpo.py's (the presets too) and AsyncArgs's own. Where it departs from the synchronous loop:
+1. rollouts come from servers at the weights they hold, so a batch mixes policy versions beyond the buffer's
+   staleness (counted: mixed_version_rollouts, offpolicy_by_staleness);
+2. each trainer rank holds a buffer shard of N/T and samples B/T: --batch-size and --buffer-size are multiples of T;
+3. the held-out evaluation runs on a server at the published weights (greedy, pass@1, pass@k as requests);
+4. --prox-lag is 0 (no lagged copies are kept) and --sampling queue needs --zero-variance-groups keep;
+5. --generator does not apply: generation is always on vLLM servers.
 """
 
 from __future__ import annotations
@@ -40,7 +48,13 @@ import time
 import urllib.parse
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep when idle (before torch loads libgomp): spinning beside a busy process made 2-core runs 7x slower
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.distributed as dist
@@ -56,7 +70,473 @@ from torch.distributed.tensor import DTensor
 import kernels
 import replay_grpo as rg
 import run_folder
-from replay_grpo import PipelineError, UserError
+from replay_grpo import UserError
+
+
+@dataclass
+class AsyncArgs(rg.Args):
+    """The W/T system of replay_grpo.py's method. --preset picks every flag's default; later flags override it."""
+
+    # --- the system: W vLLM servers stream rollouts to T torchrun trainer ranks (FSDP2) ---
+    num_generators: int = 1  # W: vLLM servers (launched: one per GPU the trainers do not use)
+    generator_urls: list[str] = dataclasses.field(default_factory=list)  # servers started elsewhere (W URLs)
+    generator_host: str = "127.0.0.1"  # the address the launched servers listen on
+    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # how weights reach the servers (docs/async.md)
+    publish_check: int = 1  # every k-th publish, each server's log-probs of a fixed probe checked (0: off)
+    dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
+
+
+class PipelineError(RuntimeError):
+    """A vLLM server failed (or rank 0 stopped the run because of one): exit 1 on every rank."""
+
+
+def train_async(cfg: AsyncArgs) -> dict:
+    """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1). 0. every rank sets up
+    (setup) and rank 0 starts the servers (start_system); then each step: 1. rank 0 deals the servers' rollouts to the
+    ranks' buffer shards, 2. one optimizer step, 3. a publish, 4. the record, an evaluation, a checkpoint."""
+    owns_group = init_process_group(cfg)
+    rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
+    device, _ = place_trainer(rank, 0 if cfg.generator_urls else W)
+    B = cfg.batch_size
+    system, run, old_sigterm = System(), None, signal.getsignal(signal.SIGTERM)
+    try:
+        # 0. setup: the servers given by URL probed, the run folder, the policy sharded over the T ranks, a buffer
+        #    shard each; rank 0 starts the servers and publishes the first weights to them
+        run = setup(cfg, rank, T, device)
+        last_eval = start_system(cfg, run, system, T, device) if rank == 0 else {}
+        run.first = None  # sent by rank 0; the others' copy freed
+        policy, optimizer, shard, dealer, tok = run.policy, run.optimizer, run.shard, run.dealer, run.tok
+        servers, loop, publisher, step, totals = system.servers, system.loop, system.publisher, run.step, run.totals
+        nonfinite_streak, fresh, step_tokens = 0, [], 0  # step_tokens: generated since the last record
+        ready = False  # every shard could draw a batch at the last look
+        while step < cfg.total_steps:
+            # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
+            #    trainers idle) only while a shard lacks a batch of B/T
+            t0 = time.perf_counter()
+            if rank == 0:
+                failure = publisher.error and str(publisher.error)
+                out, new, tokens = dealer.take(loop, totals, step, wait=not ready, failure=failure)
+                fresh += new
+                step_tokens += tokens
+            box = [None]
+            dist.scatter_object_list(box, out if rank == 0 else None, src=0)
+            mine = box[0]
+            shard.push(mine["rollouts"])
+            if mine["failure"]:  # every rank stops here, none is left waiting in a collective
+                if rank == 0:
+                    mine["failure"] += f"; {run_folder.what_is_kept(run.run_dir)}"
+                barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
+                raise PipelineError(
+                    mine["failure"]
+                    if rank == 0
+                    else f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}"
+                )
+            ready = rg.all_ranks(torch.tensor(shard.ready(B // T, step), device=device))  # every shard has a batch
+            if not ready:
+                if rank == 0:
+                    totals["trainer_idle_seconds"] += time.perf_counter() - t0
+                continue
+            wait_seconds = time.perf_counter() - t0
+
+            # 2. one optimizer step on B/T rollouts per rank (their uses are counted); FSDP averages the gradients
+            batch, since_last_use = shard.sample(B // T, step)
+            t0 = time.perf_counter()
+            policy.train()
+            stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
+            optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
+            report = {
+                "stats": stats,
+                "train_seconds": time.perf_counter() - t0,
+                "sums": rg.batch_sums(batch, step),
+                "since_last": since_last_use,
+                "buffer_size": len(shard),
+                "evicted_uses": shard.evicted_uses,
+            }
+            reports = [None] * T if rank == 0 else None
+            dist.gather_object(report, reports, dst=0)
+            step += 1  # the policy version of the updated weights
+            nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
+            if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
+                raise run_folder.nonfinite_stop(nonfinite_streak, step, run.ckpt)
+
+            # 3. publish the weights every k steps and at an evaluation (a server evaluates them: it waits for them,
+            #    as the queue baseline's next requests do); on GPUs one gathered copy at a time: while the last is
+            #    still going out, this step's is not gathered (the next publish sends newer weights)
+            evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
+            t0 = time.perf_counter()
+            publishing = step % cfg.publish_every == 0 or evaluating
+            if publishing and run.route == "nccl" and waits and rank == 0:
+                publisher.idle(failure=loop.failure)
+            elif publishing and run.route == "nccl":
+                publishing = rg.all_ranks(torch.tensor(rank != 0 or not publisher.sending, device=device))
+            check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
+            if publishing and cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
+                check = (run.probes, trainer_logprobs(policy, run.probes, tok))
+            if publishing:
+                gathered = gather_weights(policy, run.dtype, run.publish_from)  # collective
+                if rank == 0:
+                    publisher.publish(gathered, step, wait=waits, failure=loop.failure, check=check)
+                del gathered
+            weights = full_weights(policy) if evaluating else None  # the checkpoint's fp32 (collective)
+            evaluator = None
+            if rank == 0 and evaluating and publisher.done_version == step:  # else the failure stops the next step
+                evaluator = ServerEvaluator(servers[0], system.eos_ids, policy_version=step, seed=cfg.seed + step)
+            sync_seconds = time.perf_counter() - t0
+
+            # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
+            if rank == 0:
+                dealer.held = [r["buffer_size"] for r in reports]
+                record = async_record(
+                    step=step,
+                    reports=reports,
+                    totals=totals,
+                    fresh=fresh,
+                    batch_size=B,
+                    T=T,
+                    W=W,
+                    generated_tokens=step_tokens,
+                    queue_depth=loop.depth(),
+                    publish_seconds=publisher.seconds,
+                    publishes=publisher.count,
+                    publish_probe_diff=publisher.probe_diff,
+                    mixed_version_rollouts=totals.get("mixed_version_rollouts", 0),
+                    rollouts_per_rank=list(dealer.dealt),
+                    wait_seconds=wait_seconds,
+                    sync_seconds=sync_seconds,
+                )
+                fresh, step_tokens = [], 0
+                evaluation = rg.end_step(
+                    cfg, record, batch, tok, run.task, evaluator=evaluator, runlog=system.runlog, bar=system.bar
+                )
+                last_eval = evaluation or last_eval
+                if evaluator is not None:
+                    evaluator.close()
+            if evaluating:
+                state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
+                save_async_checkpoint(
+                    run.run_dir,
+                    rank,
+                    policy=policy,
+                    optimizer=optimizer,
+                    shard=shard,
+                    weights=weights,
+                    model=run.host_copy,
+                    tok=tok,
+                    state=state,
+                )
+        if rank == 0:
+            system.bar.close()
+            print_summary(totals, T, W)
+        return {**last_eval, "run_dir": str(run.run_dir)}
+    except ServerError as e:  # a server failed at setup (the loop's failures, PipelineErrors, say what is kept)
+        raise ServerError(f"{e}; {run_folder.what_is_kept(run and run.run_dir)}") from None
+    finally:
+        if rank == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+            try:
+                system.stop()
+            finally:
+                signal.signal(signal.SIGTERM, old_sigterm)
+        if system.runlog is not None:
+            system.runlog.close()
+        if owns_group:
+            dist.destroy_process_group()
+
+
+@dataclass
+class Run:
+    """What every rank holds from its setup on (rank 0 alone: host_copy, probed)."""
+
+    run_name: str
+    run_dir: Path
+    ckpt: Path  # the run's checkpoint folder
+    task: rg.Task
+    tok: object  # the policy's tokenizer
+    warm: dict | None  # the warm start's record (a fresh run), else None
+    route: str  # how the weights reach the servers: nccl or disk (weight_transfer)
+    host_copy: object  # rank 0: the full policy on the host in the compute dtype (launch, checkpoint); else None
+    policy: LogprobPolicy  # this rank's FSDP2 shard
+    optimizer: torch.optim.Optimizer
+    shard: rg.ReplayBuffer  # this rank's N/T of the buffer
+    totals: dict  # rank 0's run totals (checkpointed)
+    step: int
+    dealer: Dealer
+    dtype: torch.dtype  # the compute dtype the weights are published in
+    publish_from: torch.device  # where a publish gathers them: the GPU (nccl) or the host (disk)
+    probes: list  # the publish check's (prompt, completion) pairs
+    probed: list  # rank 0: what reach found of each server given by URL
+    first: dict | None  # the weights of the first publish (rank 0 sends them, then drops them)
+
+
+def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
+    """Stage 0 on every rank: the servers given by URL probed (before anything is written), the run folder (rank 0
+    creates it), the task and the policy (rank 0 first: it may write the warm-start cache), the memory plan, the
+    policy sharded over the T ranks with its optimizer, a buffer shard each, a resume's state, the first weights."""
+    check_sharding(cfg, T)
+    probed = [reach(url.rstrip("/")) for url in cfg.generator_urls] if rank == 0 else []
+    run_folder.seed_everything(cfg.seed)
+    if rank == 0:
+        kernels.report_precision(device)
+    box = [run_folder.open_run(cfg, "async_pipeline.py") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    run_name, run_dir, ckpt = box[0]
+    if rank == 0:  # first: it may write the warm-start cache that the others then read
+        with rg.torch_threads(warm_start_threads(device)):
+            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+    barrier()
+    if rank != 0:
+        task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+    prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
+    layout = rg.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+    rg.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
+    kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
+    # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
+    # and save_pretrained writes a checkpoint through it
+    host_copy = kernels.cast_copy(model, kernels.compute_dtype(device), torch.device("cpu")) if rank == 0 else None
+    policy = shard_policy(model, device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    shard = rg.make_buffer(cfg, capacity=cfg.buffer_size // T, seed=cfg.seed + 1_000_003 * rank)
+    # rank 0's run totals and dealing state (checkpointed)
+    totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
+    step, dealing = 0, None
+    if state is not None:
+        step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard, totals=totals)
+    dtype = kernels.compute_dtype(device)
+    publish_from = device if route == "nccl" else torch.device("cpu")  # the disk route writes from the host
+    return Run(
+        run_name=run_name,
+        run_dir=run_dir,
+        ckpt=ckpt,
+        task=task,
+        tok=tok,
+        warm=warm,
+        route=route,
+        host_copy=host_copy,
+        policy=policy,
+        optimizer=optimizer,
+        shard=shard,
+        totals=totals,
+        step=step,
+        dealer=Dealer(cfg, T, dealing),
+        dtype=dtype,
+        publish_from=publish_from,
+        probes=probe_pairs(task, tok),
+        probed=probed,
+        first=gather_weights(policy, dtype, publish_from),  # collective
+    )
+
+
+@dataclass
+class System:
+    """What rank 0 starts, and stops whatever happens: the servers, the rollout loop feeding from them, the
+    publisher, the run's records and progress bar."""
+
+    servers: list = dataclasses.field(default_factory=list)
+    loop: RolloutLoop | None = None
+    publisher: Publisher | None = None
+    runlog: run_folder.RunLog | None = None
+    bar: rg.Progress | None = None
+    eos_ids: list[int] | None = None
+
+    def stop(self) -> None:
+        """The loop's threads and the publisher's stopped, then the servers whatever happened (a second Ctrl-C
+        included)."""
+        try:
+            if self.loop is not None:
+                self.loop.close()
+            if self.publisher is not None:
+                self.publisher.close()
+        finally:
+            stop_servers(self.servers)
+
+
+def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch.device) -> dict:
+    """Stage 0 on rank 0: the servers started (or those given checked), the run's records opened, the first weights
+    published to every server, the first evaluation (a fresh run: its metrics, else {}), the rollout loop started.
+    Fills `system` as it goes: what it started is stopped even if a later part fails."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    host_copy, tok, task, B, N = run.host_copy, run.tok, run.task, cfg.batch_size, cfg.buffer_size
+    servers = start_generators(cfg, run.run_dir, host_copy, tok, T=T, device=device, probed=run.probed)
+    system.servers = servers
+    for s in servers:  # the token ids the trainer can take: its embedding's rows and its head's outputs
+        s.vocab = vocab_size(host_copy)
+    seconds = wait_ready(servers) if cfg.generator_urls else None  # up already: before any record is written
+    system.runlog = run_folder.RunLog(cfg, run.run_name, run.run_dir, run.step)
+    print(f"run folder: {run.run_dir}")
+    if seconds is None:
+        seconds = wait_ready(servers)
+    tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
+    address = rendezvous_address(cfg)
+    system.publisher = Publisher(
+        servers, run.route, run.run_dir / "published", run.dtype, tied=tied, address=address, device=device
+    )
+    system.publisher.publish(run.first, run.step, wait=True)  # every server holds this policy before its first request
+    system.eos_ids = rg.stop_token_ids(host_copy, tok)
+    last_eval = {}
+    if run.step == 0:  # on a server, before the rollouts' requests
+        evaluator = ServerEvaluator(servers[0], system.eos_ids, policy_version=0, seed=cfg.seed)
+        last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=system.runlog, warm=run.warm)
+    system.loop = RolloutLoop(cfg, servers, task, tok, system.eos_ids, first_group_id=run.dealer.next_group_id)
+    print(
+        f"async: W = {cfg.num_generators} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} "
+        f"s), T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} ({B // T}/rank), "
+        f"buffer N = {N} ({N // T}/rank), {system.loop.capacity} requests in flight or waiting, weights by "
+        f"{run.route} every {cfg.publish_every} step(s)"
+    )
+    system.bar = rg.Progress(run.step, cfg.total_steps)
+    return last_eval
+
+
+class Dealer:
+    """Rank 0: takes the servers' finished requests from the rollout loop, adds their counts to the run totals and
+    deals their rollouts round-robin to the T ranks' shards (its state is checkpointed). With --sampling queue it
+    takes only requests that every shard has room for, so the loop's slots fill and its threads wait."""
+
+    def __init__(self, cfg: AsyncArgs, T: int, state: dict | None = None):
+        self.T = T
+        self.next_group_id, self.next_rank, self.dealt = 0, 0, [0] * T
+        self.empty_requests = 0  # requests in a row whose groups were all dropped
+        self.held = [0] * T  # rollouts in each shard (--sampling queue): the last step's sizes, plus those dealt since
+        self.room = None  # rollouts a shard may hold: N/T for the queue, no limit otherwise
+        self.share = math.ceil(cfg.rollouts_per_step / T)  # the most rollouts a request deals to one shard
+        if cfg.sampling == "queue":
+            self.room = cfg.buffer_size // T
+        if state is not None:
+            self.next_group_id, self.next_rank, self.dealt = state["next_group_id"], state["next_rank"], state["dealt"]
+            self.held = state.get("held", self.held)
+
+    def state_dict(self) -> dict:
+        return {
+            "next_group_id": self.next_group_id,
+            "next_rank": self.next_rank,
+            "dealt": list(self.dealt),
+            "held": list(self.held),
+        }
+
+    def take(self, loop: RolloutLoop, totals: dict, step: int, wait: bool, failure: str | None) -> tuple:
+        """Each rank's message (its rollouts, and why the run must stop or None), the new rollouts and the tokens
+        generated; waits up to a second for a request if `wait` (a shard could not draw a batch)."""
+        failure = failure or loop.failure()
+        limit = None
+        if self.room is not None:  # backpressure: only whole requests that every shard has room for
+            limit = (self.room - max(self.held)) // self.share
+        msgs = [] if failure else loop.receive(wait=1.0 if wait else 0, limit=limit)
+        parts, fresh, stop = self.deal(msgs, totals, step)
+        tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
+        out = [{"rollouts": p, "failure": failure or stop} for p in parts]
+        return out, fresh, tokens
+
+    def deal(self, msgs: list[dict], totals: dict, step: int) -> tuple[list[list], list, str | None]:
+        """The rollouts of `msgs` for each rank, all of them in order, and why the run must stop (or None)."""
+        parts, fresh, failure = [[] for _ in range(self.T)], [], None
+        for m in msgs:
+            totals["gen_seconds"] += m["busy_seconds"]
+            totals["gen_idle_seconds"] += m["idle_seconds"]
+            rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
+            self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
+            if self.empty_requests >= rg.MAX_EMPTY_REQUESTS:
+                failure = rg.all_dropped_message(self.empty_requests, step)
+            for r in m["rollouts"]:
+                parts[self.next_rank].append(r)
+                self.dealt[self.next_rank] += 1
+                self.held[self.next_rank] += 1
+                self.next_rank = (self.next_rank + 1) % self.T
+                self.next_group_id = max(self.next_group_id, r.group_id + 1)
+                fresh.append(r)
+        return parts, fresh, failure
+
+
+def throughput_mu_gamma(totals: dict, T: int, W: int) -> tuple[float, float]:
+    """The paper's way (its App. D.4): mu as the throughput ratio (rollouts trained on / T) / (unique rollouts
+    generated / W), exact when neither side idles, and the speed-up gamma = (1 + W/T) / (1 + mu) of the W/T split
+    over alternating generation and training."""
+    mu = (totals["trained_rollouts"] / T) / (totals["generated_rollouts"] / W)
+    return mu, (1 + W / T) / (1 + mu)
+
+
+def merge_stats(per_rank: list[dict]) -> dict:
+    """The ranks' train_step metrics as the step's: token-weighted means; maxima; sums of counts; loss and
+    grad norm as the mean over ranks (grad norm is already global: FSDP clips globally)."""
+    tokens, out = [s["trained_tokens"] for s in per_rank], {}
+    for k in dict.fromkeys(k for s in per_rank for k in s):
+        vals = [(s[k], n) for s, n in zip(per_rank, tokens) if k in s]
+        if k == "trained_tokens":
+            out[k] = sum(tokens)
+        elif k in ("ratio_max", "nonfinite"):
+            out[k] = max(v for v, _ in vals)
+        elif k in ("loss", "grad_norm"):
+            out[k] = sum(v for v, _ in vals) / len(vals)
+        elif k == "staleness_sums":  # bucket -> summed counts and sums (rg.add_staleness_sums)
+            out[k] = {}
+            for v, _ in vals:
+                for bucket, row in v.items():
+                    out[k][bucket] = [x + y for x, y in zip(out[k].get(bucket, [0] * len(row)), row)]
+        else:
+            out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
+    return out
+
+
+def merge_sums(per_rank: list[dict]) -> dict:
+    """The ranks' rg.batch_sums as the whole batch's."""
+    merged = {"reward": 0, "length": 0, "truncated": 0, "staleness": []}
+    for sums in per_rank:
+        for key, value in sums.items():
+            merged[key] += value
+    return merged
+
+
+def async_record(
+    step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int, **extra
+) -> dict:
+    """One step's record from the ranks' reports (counted into the run totals: the slowest rank's seconds set the
+    pace): rg.step_record, and what the pipeline adds."""
+    stats, train_seconds = merge_stats([r["stats"] for r in reports]), max(r["train_seconds"] for r in reports)
+    rg.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
+    totals["sync_seconds"] += extra["sync_seconds"]
+    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
+    return rg.step_record(
+        step=step,
+        stats=stats,
+        fresh=fresh,
+        sums=merge_sums([r["sums"] for r in reports]),
+        since_last=[s for r in reports for s in r["since_last"]],
+        buffer_size=sum(r["buffer_size"] for r in reports),
+        evicted_uses=sum((r["evicted_uses"] for r in reports), Counter()),
+        batch_size=batch_size,
+        totals=totals,
+        trainers=T,
+        fresh_rollouts=len(fresh),
+        fresh_versions=sorted({r.policy_version for r in fresh}),
+        **extra,
+        train_seconds=train_seconds,
+        trainer_idle_seconds=totals["trainer_idle_seconds"],
+        gen_idle_seconds=totals["gen_idle_seconds"],
+        gen_busy_seconds=totals["gen_seconds"],
+        mu_throughput=mu_throughput,
+        gamma=gamma,
+        num_generators=W,
+        num_trainers=T,
+    )
+
+
+def print_summary(totals: dict, T: int, W: int) -> None:
+    """The run's mu both ways, gamma and the idle seconds of each side."""
+    if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
+        return
+    mu = rg.measured_mu(totals, T)
+    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
+    print(
+        f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
+        f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
+        f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
+        f"(of {totals['gen_seconds']:.1f} busy)"
+    )
+
+
+# ######## The system ends here. What it runs on: trainers, checkpoints, publisher, rollouts, servers, checks ########
+
+
+# ===== FSDP2 trainers ============================================================================
 
 
 class LogprobPolicy(torch.nn.Module):
@@ -76,6 +556,84 @@ class LogprobPolicy(torch.nn.Module):
         out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
+
+
+def shard_policy(model, device: torch.device) -> LogprobPolicy:
+    """The policy under FSDP2: one unit per decoder block (HF lists their classes) and the root (embeddings, tied
+    head, final norm; the log-probs run in its forward). Parameters and Adam state stay fp32 (the masters); on GPUs
+    the forward and backward run on the bf16 copies FSDP all-gathers, and gradients are reduce-scattered in fp32."""
+    policy = LogprobPolicy(model)
+    precision = MixedPrecisionPolicy(param_dtype=kernels.compute_dtype(device), reduce_dtype=torch.float32)
+    for m in model.modules():
+        if type(m).__name__ in (model._no_split_modules or ()):
+            fully_shard(m, mp_policy=precision)
+    fully_shard(policy, mp_policy=precision)
+    return policy
+
+
+def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
+    """The full optimizer state, read by rank 0 alone (other ranks pass {}), broadcast and sharded. Collective."""
+    set_optimizer_state_dict(
+        policy, optimizer, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
+def full_weights(policy) -> dict:
+    """The full fp32 state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere, for a checkpoint. Collective."""
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("policy."): v for k, v in sd.items()}
+
+
+def gather_weights(policy, dtype: torch.dtype, device: torch.device) -> dict:
+    """What a publish sends: on rank 0 the full weights in `dtype` (the compute dtype) on `device` (the GPU for the
+    nccl broadcast, the host for the disk), Hugging Face key names; {} elsewhere. Collective: each shard is cast
+    before its all-gather, a tensor at a time, so a publish moves and holds bf16 on GPUs, not fp32. A tied head is
+    gathered once (two names, one tensor)."""
+    out, gathered, rank0 = {}, {}, dist.get_rank() == 0
+    with torch.no_grad():
+        for k, v in policy.state_dict(keep_vars=True).items():  # keep_vars: a tied head is one object under two names
+            if id(v) not in gathered:
+                mine = v.to(dtype, copy=True)  # never the live parameter: the publisher reads it while training goes on
+                full = mine.full_tensor() if isinstance(mine, DTensor) else mine
+                gathered[id(v)] = full.to(device) if rank0 else None  # the others' gathered copies go at once
+            if rank0:
+                out[k.removeprefix("policy.")] = gathered[id(v)]
+    return out
+
+
+def init_process_group(cfg: AsyncArgs) -> bool:
+    """The trainers' process group: torchrun's (it sets RANK, WORLD_SIZE, MASTER_ADDR), or a world of one under plain
+    python. True when this call created it (and must destroy it)."""
+    if dist.is_initialized():
+        return False
+    # a rank waits in a collective while rank 0 evaluates or saves: NCCL's 10-minute default is too short
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(minutes=cfg.dist_timeout)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def check_sharding(cfg: AsyncArgs, T: int) -> None:
+    """Refuse a batch, buffer or positive bias that T trainer ranks cannot share."""
+    B, N = cfg.batch_size, cfg.buffer_size
+    if B % T or N % T:
+        raise UserError(
+            f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
+            "(torchrun --nproc_per_node): each rank holds N/T, samples B/T"
+        )
+    if cfg.sampling == "queue" and cfg.rollouts_per_step % T:
+        raise UserError(
+            f"--sampling queue: R = {cfg.rollouts_per_step} (--prompts-per-step x --group-size) must be "
+            f"a multiple of the {T} trainer ranks, so that every shard gets the same share of a request"
+        )
+    if N // T - round(cfg.positive_bias * (N // T)) < 1:
+        raise UserError(
+            f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
+            f"{N // T} rollouts would keep no slot for the freshest ones"
+        )
 
 
 def available_cores() -> int:
@@ -117,706 +675,103 @@ def set_cpu_threads(role: str, processes: int) -> int:
     return threads
 
 
-# ===== vLLM servers: launch, requests, weights ====================================================
-
-# A generate request that gets no answer within its bound fails the run (a hung or stopped server): REQUEST_FACTOR times
-# its server's reference answer (the longest of those asking the most tokens per sample so far: its warm-up's until a
-# rollout request answers), scaled to the tokens per sample it asks for, at least REQUEST_FLOOR. Tokens per sample set
-# a request's time: a request's samples decode together, one token each per engine step. A launched server's first
-# request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
-# (probe), so its first requests have the bound of any other.
-REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
-
-
-def env_seconds(name: str, default: float) -> float:
-    """Seconds from the environment variable `name` (a positive number), else `default`; one line for another value."""
-    text = os.environ.get(name)
-    try:
-        seconds = default if text is None else float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise UserError(f"{name}={text!r}: not a positive number of seconds")
-    return seconds
-
-
-# a busy 2-core machine's requests take seconds; a fast cluster may name a hung server sooner with a lower floor
-REQUEST_FLOOR = env_seconds("REPLAY_GRPO_REQUEST_FLOOR", 60.0)
-START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
-PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
-# The publish check stops a run whose server serves other log-probs than the trainer's at the published version by
-# more than this, per probe token on average. Measured on a CPU server (fp32, tiny model): the right weights 2.7e-7;
-# another model's 0.25; the right model with every weight moved at random by 10%, 30%, 100% of its tensor's std
-# 0.035, 0.095, 0.22. It sits above the sampler/trainer gap MISMATCH_WARN warns about (0.05), so bf16 serving does
-# not trip it: it catches weights that are wrong, not a server a few small steps behind
-PROBE_BOUND = 0.1
-READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
-# /pause, /update_weight_version, /resume (no generation) may take CONTROL_FACTOR times the bound of the server's
-# generate requests of the reference size: a hung server is then named by its generate request when one is in flight
-CONTROL_FACTOR = 2
-STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
-LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
-PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
-SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
-SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
-WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
-GENERATE = "/inference/v1/generate"
-# encoded by the run's tokenizer and by a server's (POST /tokenize): other token ids mean another model
-MODEL_PROBE_TEXT = "Please reason step by step: 12+7=?"
-
-
-class ServerError(PipelineError):
-    """A vLLM server did not start, died, or answered an error: one line naming it."""
-
-
-def as_server_error(what: str, e: Exception) -> ServerError:
-    """The error a thread hands to the dealer: a ServerError as it is, anything else as one line naming `what`."""
-    return e if isinstance(e, ServerError) else ServerError(" ".join(f"{what}: {type(e).__name__}: {e}".split()))
-
-
-def timed_out(e: BaseException) -> bool:
-    """Whether a failed request got no answer within its timeout (urllib wraps a connect's timeout in a URLError)."""
-    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
-
-
-def unreadable(text: bytes) -> str | None:
-    """Why an answer is not JSON the run can read (not UTF-8, not JSON, beyond run_folder.read_json's bounds), or
-    None."""
-    try:
-        run_folder.read_json(text.decode(), "it", max_chars=None)
-    except UnicodeDecodeError as e:
-        return f"not UTF-8 at byte {e.start}"
-    except run_folder.JSONBoundError as e:
-        return str(e)
-    except ValueError as e:
-        return f"not JSON: {getattr(e, 'msg', e)}"
-    return None
-
-
-class WrongAnswer(ValueError):
-    """An answer that reads as JSON with every field, whose values the trainer cannot take (a token id outside its
-    vocabulary, a log-prob that is not finite)."""
-
-
-class Late(TimeoutError):
-    """A request that had no whole answer by its deadline."""
-
-    def __init__(self):
-        super().__init__("timed out")
-
-
-def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
-    """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
-    and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
-    the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
-    Other failures raise as urllib's do (OSError, http.client.HTTPException)."""
-    parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = connection(parts.hostname, parts.port, timeout=timeout)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    t0, late = time.monotonic(), threading.Event()
-
-    def cut() -> None:
-        late.set()
-        if conn.sock is not None:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(timeout, cut)
-    timer.daemon = True
-    timer.start()
-    try:
-        headers = {"Content-Type": "application/json", "Connection": "close"}
-        conn.request(method, target, body=data, headers=headers)
-        answer = conn.getresponse()
-        return answer.status, answer.read()
-    except (OSError, http.client.HTTPException):
-        if late.is_set() or time.monotonic() - t0 >= timeout:
-            raise Late from None
-        raise
-    finally:
-        timer.cancel()
-        conn.close()
-
-
-@dataclasses.dataclass
-class Server:
-    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log; and the reference
-    answer of its generate requests' bounds (tokens per sample, seconds)."""
-
-    url: str
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-    reference: tuple[int, float] = (0, 0.0)
-    vocab: int = 0  # the trainer's vocabulary: every sampled token id must be below it (0: not known yet)
-
-    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None, method="POST"):
-        """POST JSON (GET: no body); the answer as JSON ({} when empty), through `parse` when given. Any failure is a
-        ServerError in one line naming the server and the endpoint: no connection, no answer within `timeout` (default:
-        a control request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that
-        `parse` cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its
-        first SHOWN_BYTES bytes."""
-        timeout = self.control_bound() if timeout is None else timeout
-        data = json.dumps(body or {}).encode() if method == "POST" else None
-        t0 = time.monotonic()
-        try:
-            status, text = http_request(self.url + path, method, data, timeout)
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, no whole answer by the deadline
-            if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(2.0)
-            age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
-            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
-        if not 200 <= status < 300:
-            raise ServerError(f"vLLM server {self.url}: {path} answered {status}: {text[:SHOWN_BYTES]!r}")
-        why = unreadable(text) if text.strip() else None
-        if why:
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered what the run cannot read as JSON ({why}): "
-                f"{text[:SHOWN_BYTES]!r}"
-            )
-        value = json.loads(text) if text.strip() else {}
-        try:
-            return parse(value) if parse else value
-        except WrongAnswer as e:
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered what the trainer cannot take ({e}): {text[:SHOWN_BYTES]!r}"
-            ) from None
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered without what the run reads ({what}): {text[:SHOWN_BYTES]!r}"
-            ) from None
-
-    def health(self) -> str | None:
-        """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
-        try:
-            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS)
-        except (OSError, http.client.HTTPException) as e:
-            return f"failed ({e})"
-        if status == 200:
-            return None
-        return f"answered HTTP {status}: {text[:SHOWN_BYTES]!r}" if status >= 400 else f"answered {status}"
-
-    def bound(self, tokens: int) -> float:
-        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
-        ref_tokens, ref_seconds = self.reference
-        if self.proc is not None and ref_tokens < tokens:
-            return START_SECONDS
-        if not ref_tokens:
-            return REQUEST_FLOOR
-        return max(REQUEST_FLOOR, REQUEST_FACTOR * ref_seconds * max(1.0, tokens / ref_tokens))
-
-    def control_bound(self) -> float:
-        """Seconds a request that generates nothing may take (CONTROL_FACTOR above)."""
-        return CONTROL_FACTOR * self.bound(self.reference[0])
-
-    def answered(self, tokens: int, seconds: float) -> None:
-        """Keep the reference of the bounds: the longest answer among those of the most tokens per sample so far."""
-        ref_tokens, ref_seconds = self.reference
-        if tokens > ref_tokens:
-            self.reference = (tokens, seconds)
-        elif tokens == ref_tokens:
-            self.reference = (tokens, max(seconds, ref_seconds))
-
-    def died(self) -> str | None:
-        """Launched here and exited: how, with the last lines of its log; else None."""
-        if self.proc is None or self.proc.poll() is None:
-            return None
-        return f"; the server exited with code {self.proc.returncode}; the end of {self.log}: {self.log_tail()}"
-
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            text = self.log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(line.strip() for line in text[-lines:])
-
-
-def resolve(host: str | None, where: str, timeout: float) -> None:
-    """Refuse a host name that does not resolve within `timeout` (the resolver has no bound of its own: it runs on a
-    daemon thread)."""
-    if not host:
-        raise UserError(f"{where}: no host in the URL")
-    found = []
-
-    def look() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, None))
-        except (OSError, UnicodeError) as e:  # gaierror; a label the IDNA codec refuses (over 63 characters)
-            found.append(e)
-
-    thread = threading.Thread(target=look, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not found:
-        raise UserError(f"{where}: the host {host} was not resolved within {timeout:.0f} s")
-    if isinstance(found[0], Exception):
-        reason = getattr(found[0], "strerror", None) or str(found[0])
-        raise UserError(f"{where}: the host {host} cannot be resolved ({reason}): is the name right?")
-
-
-def probe(url: str, timeout: float = PROBE_SECONDS) -> dict:
-    """What a server the run did not launch is, from a few requests of `timeout` each: its vLLM version (GET /version,
-    at least SERVER_VERSION_FLOOR), its model and context (GET /v1/models), its weight routes (GET /is_paused, there
-    with VLLM_SERVER_DEV_MODE=1), its token route (POST /inference/v1/generate without a body: 400 there, 404 without
-    --enable-scale-out) and /health. Anything else is one line (UserError) naming the URL and what was found: refused,
-    unresolvable, silent, an HTTP error with its status, not a vLLM server, a version below the floor."""
-    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
-    try:
-        _ = parts.port  # urlsplit checks the port when it is read
-    except ValueError as e:
-        raise UserError(f"{where}: {e}") from None
-    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI client's base URL ends in /v1
-        raise UserError(
-            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
-            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
-        )
-    resolve(parts.hostname, where, timeout)
-
-    def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
-        try:
-            return http_request(url + path, method, b"{}" if method == "POST" else None, timeout)
-        except (OSError, http.client.HTTPException) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, ConnectionRefusedError):
-                said = (
-                    "was refused: nothing listens at that address and port (a vLLM server listens once its model is "
-                    "loaded: start the run once its /health answers)"
-                )
-            elif timed_out(e):
-                said = (
-                    f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or "
-                    "too slowly to finish, or the host drops them)"
-                )
-            else:
-                said = f"failed ({reason})"
-            raise UserError(f"{where}: {method} {path} {said}") from None
-
-    def read(path: str, fields):
-        """`fields` of the JSON answer to GET `path`; one line when it is missing, an HTTP error or another answer."""
-        status, text = ask(path)
-        if status == 404:
-            raise UserError(f"{where}: not a vLLM server: GET {path} answered 404 (vLLM's API server has that route)")
-        if status != 200:
-            raise UserError(f"{where}: GET {path} answered HTTP {status}: {text[:SHOWN_BYTES]!r}")
-        try:
-            if unreadable(text):
-                raise ValueError
-            return fields(json.loads(text))
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise UserError(
-                f"{where}: not a vLLM server: GET {path} answered {text[:SHOWN_BYTES]!r}, not what vLLM answers there"
-            ) from None
-
-    version = read("/version", lambda a: str(a["version"]))
-    model, context = read("/v1/models", lambda a: (str(a["data"][0]["id"]), int(a["data"][0]["max_model_len"])))
-    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if numbers < SERVER_VERSION_FLOOR:
-        floor = ".".join(map(str, SERVER_VERSION_FLOOR))
-        raise UserError(
-            f"{where}: vLLM {version} (GET /version); the run needs vLLM {floor} or later on its servers (the weight "
-            "versions of every generated token): upgrade it"
-        )
-    status, text = ask("/is_paused")
-    if status == 404:
-        raise UserError(
-            f"{where}: vLLM {version} serving {model} without its weight routes (GET /is_paused answered 404): start "
-            "it with VLLM_SERVER_DEV_MODE=1 (docs/async.md)"
-        )
-    status, text = ask(GENERATE, "POST")
-    if status == 404:
-        raise UserError(
-            f"{where}: vLLM {version} serving {model} without its token route (POST {GENERATE} answered 404): start "
-            "it with --enable-scale-out (docs/async.md)"
-        )
-    why = Server(url).health()
-    if why:
-        raise UserError(f"{where}: GET /health {why}")
-    return {"url": url, "version": version, "model": model, "max_model_len": context}
-
-
-def check_model(info: dict, tok, model: str, longest_prompt: int, max_new_tokens: int) -> None:
-    """Refuse a server the run did not launch (`info`: what probe found) that serves another model than the run's
-    (its tokenizer reads MODEL_PROBE_TEXT as other token ids: the ids sent to it would be other text), or whose
-    context is shorter than the run's longest prompt and --max-new-tokens."""
-    url, where = info["url"], f"--generator-urls {info['url']}"
-    ids = list(tok.encode(MODEL_PROBE_TEXT, add_special_tokens=False))
-    body = {"prompt": MODEL_PROBE_TEXT, "add_special_tokens": False}
-    try:
-        served = Server(url).post("/tokenize", body, PROBE_SECONDS, parse=lambda a: [int(t) for t in a["tokens"]])
-    except ServerError as e:
-        raise UserError(f"{where}: {e}") from None
-    if served != ids:
-        raise UserError(
-            f"{where}: serves another model than the run's --model {model}: it serves {info['model']}, whose "
-            f"tokenizer reads {MODEL_PROBE_TEXT!r} as token ids {served[:8]}..., where the run's gives {ids[:8]}...; "
-            "the run publishes its weights to it, but the token ids it sends would be other text"
-        )
-    need = longest_prompt + max_new_tokens
-    if info["max_model_len"] < need:
-        raise UserError(
-            f"{where}: its context, {info['max_model_len']} tokens, is below the run's longest prompt and "
-            f"--max-new-tokens ({longest_prompt} + {max_new_tokens} = {need}): start it with --max-model-len {need} "
-            "or more"
-        )
-
-
-def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
-    """The CUDA_VISIBLE_DEVICES entry of each launched server: the GPUs after the T trainers' (W + T <= n_gpus), else
-    shared round-robin (one GPU: the trainer's); None without GPUs. Mapped through an inherited CUDA_VISIBLE_DEVICES
-    (SLURM, containers; ordinals, UUIDs or MIG names alike): a child reads its value as physical devices."""
-    if not n_gpus:
-        return [None] * W
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
-    return [visible[(T + i) % n_gpus] for i in range(W)]
-
-
-LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: never in a forked child
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send this process `sig` once the thread of `parent` that started it ends (Linux's
-    PR_SET_PDEATHSIG; a no-op elsewhere), as a child's preexec_fn or in a process itself: a parent killed by SIGKILL
-    (kill -9, the OOM killer) runs no cleanup, and a server it launched would go on holding its GPU and port. Sent at
-    once when `parent` is already gone (it died before the call)."""
-    if LIBC is None:
-        return
-    LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def launch_servers(
-    cfg: rg.Args, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
-) -> list[Server]:
-    """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
-    wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
-    session so that Ctrl-C reaches the trainer first and stop_servers ends them, and sent SIGTERM by the kernel when
-    the thread that launched it ends (die_with_parent: a trainer killed by SIGKILL leaves none behind). The caller's
-    thread must live as long as the servers: the main thread, in the run and in the test suite's fixture."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    servers = []
-    try:
-        for i, gpu in enumerate(gpus):
-            port = free_port(cfg.generator_host)
-            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
-            if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
-                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = gpu
-            log = log_dir / f"server{i}.log"
-            with open(log, "w") as out:  # the server writes to its own copy of the file descriptor
-                proc = subprocess.Popen(
-                    server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
-                )
-            servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
-    except BaseException:  # a failed launch or Ctrl-C: the ones started live in their own sessions, so end them here
-        stop_servers(servers)
-        raise
-    return servers
-
-
-def server_command(cfg: rg.Args, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
-    """The launch line of one server (docs/async.md gives it for other nodes); `memory`: its share of its GPU."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
-    cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
-    cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
-    cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
-    if cpu:
-        cmd += ["--enforce-eager"]
-    else:
-        cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
-    return cmd
-
-
-def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
-    """Wait until every server answers /health (a line every STARTING_LINE_SECONDS names the launched ones still
-    starting and for how long), then warm each up with a WARM_UP_TOKENS request, the first reference of its bounds;
-    seconds waited. A launched server that exits, or that is not healthy after `timeout`, is a ServerError with its
-    log's last lines; a server the run did not launch is up (probe): one whose /health fails is named at once, and its
-    warm-up has the bound of any request (Server.bound: REQUEST_FLOOR), a launched server's START_SECONDS."""
-    t0 = said = time.monotonic()
-    starting = list(servers)
-    while starting:
-        for s in list(starting):
-            why = s.health()
-            if why is None:
-                starting.remove(s)
-            elif s.died():
-                raise ServerError(f"vLLM server {s.url} did not start{s.died()}")
-            elif s.proc is None:
-                raise ServerError(f"vLLM server {s.url}: /health {why}")
-        now = time.monotonic()
-        if starting and now - t0 > timeout:
-            s = starting[0]
-            raise ServerError(
-                f"vLLM server {s.url} not healthy after {timeout:.0f} s"
-                + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
-            )
-        if starting and now - said >= STARTING_LINE_SECONDS:
-            print(
-                f"vLLM servers still starting after {now - t0:.0f} s: {', '.join(s.url for s in starting)}", flush=True
-            )
-            said = now
-        if starting:
-            time.sleep(1.0)
-    for s in servers:
-        t1 = time.monotonic()
-        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, s.bound(WARM_UP_TOKENS))
-        s.answered(WARM_UP_TOKENS, time.monotonic() - t1)
-    return time.monotonic() - t0
-
-
-def stop_servers(servers: list[Server], timeout: float = 20.0) -> None:
-    """End the servers this run launched (their whole process groups: vLLM starts an engine process)."""
-    for s in servers:
-        if s.proc is not None and s.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGTERM)
-                os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server must see the SIGTERM
-    deadline = time.monotonic() + timeout
-    for s in servers:
-        if s.proc is None:
-            continue
-        try:
-            s.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            s.proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # the engine process, if it outlived the server
-            os.killpg(s.proc.pid, signal.SIGKILL)
-
-
-def on_daemons(fn, n: int) -> list:
-    """[fn(0), ..., fn(n - 1)] run together on daemon threads, raising the first error: a thread blocked on a hung
-    server must not hold the process at its exit (an executor's threads are joined then)."""
-    results, errors = [None] * n, []
-
-    def call(i: int) -> None:
-        try:
-            results[i] = fn(i)
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def on_servers(servers: list[Server], fn) -> list:
-    """[fn(server, i) for each server], all together (on_daemons)."""
-    return on_daemons(lambda i: fn(servers[i], i), len(servers))
-
-
-class ServerGenerator:
-    """rg.make_rollouts' generator on one server: `POST /inference/v1/generate` per prompt (token ids in and out, n
-    samples, the sampled tokens' processed log-probs, a seed drawn from `rng`), the prompts in flight together so the
-    server batches them. Each Sample carries the oldest and newest weight versions of its tokens."""
-
-    def __init__(self, server: Server, eos_ids: list[int], rng: random.Random):
-        self.server, self.eos_ids, self.rng = server, eos_ids, rng
-
-    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
-        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0)
-        params |= dict(ignore_eos=True, stop_token_ids=self.eos_ids, detokenize=False)  # stop where HF stops
-        bodies = [
-            {"token_ids": list(p), "sampling_params": {**params, "seed": self.rng.getrandbits(31)}} for p in prompts
-        ]
-        timeout, t0 = self.server.bound(max_new_tokens), time.monotonic()
-        answers = on_daemons(
-            lambda i: self.server.post(
-                GENERATE, bodies[i], timeout, parse=lambda a: self.samples(a, n, self.server.vocab)
-            ),
-            len(bodies),
-        )
-        self.server.answered(max_new_tokens, time.monotonic() - t0)
-        return answers
-
-    @classmethod
-    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[rg.Sample]:
-        """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not, and
-        WrongAnswer for values the trainer cannot take (token ids from `vocab` on, when given; log-probs that are not
-        finite), which would stop its step (an IndexError) or skip it (a NaN loss) without naming the server."""
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        if len(choices) != n:
-            raise ValueError(f"{len(choices)} choices where {n} were asked for")
-        return [cls.sample(c, vocab) for c in choices]
-
-    @staticmethod
-    def sample(choice: dict, vocab: int = 0) -> rg.Sample:
-        ids = choice["token_ids"]
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            raise ValueError("token_ids is not a list of integers")
-        wrong = [t for t in ids if t < 0 or (vocab and t >= vocab)]
-        if wrong:
-            vocabulary = f"0 to {vocab - 1}" if vocab else "0 and above"
-            raise WrongAnswer(
-                f"choice {choice.get('index')}: token id {wrong[0]} is outside the trainer's vocabulary ({vocabulary})"
-            )
-        lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
-        if len(lp) != len(ids):
-            raise WrongAnswer(f"choice {choice.get('index')}: {len(ids)} token_ids but {len(lp)} log-probs")
-        if not torch.isfinite(lp).all():
-            at = int((~torch.isfinite(lp)).nonzero()[0])
-            raise WrongAnswer(f"choice {choice.get('index')}: log-prob {lp[at].item()} of token {at} is not finite")
-        versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
-        if not versions:  # without them no rollout could say which policy made it
-            raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
-        return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
-
-
-class ServerEvaluator:
-    """rg.evaluate's generator for --mode async: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
-    server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
-    An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
-
-    def __init__(self, server: Server, eos_ids: list[int], policy_version: int, seed: int):
-        self.generator = ServerGenerator(server, eos_ids, random.Random(seed))
-        self.policy_version = policy_version
-
-    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p=1.0, logprobs=False):
-        groups = self.generator.generate(prompts, n, max_new_tokens, temperature, top_p)
-        versions = {v for group in groups for s in group for v in s.versions}
-        if versions != {self.policy_version}:
-            raise ServerError(
-                f"vLLM server {self.generator.server.url}: the evaluation of version {self.policy_version} came back "
-                f"from weights of version(s) {sorted(versions)}"
-            )
-        return groups
-
-    def close(self) -> None:
-        pass
-
-
-def exit_with_parent(parent: int) -> None:
-    """In a helper process: end it once `parent` is gone (a trainer ended by torchrun's SIGTERM never closes it, and
-    it would hold the run's output pipes open)."""
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-class Scorer:
-    """make_rollouts' scorer for the rollout threads: rewards computed in a process of their own, whose main thread
-    holds the verifier's time limit (a SIGALRM, which a thread cannot set). One text per task, so that closing it
-    waits for one verifier at most."""
-
-    def __init__(self):
-        spawn = multiprocessing.get_context("spawn")
-        self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),))
-
-    def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
-        return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
-
-    def close(self) -> None:  # waits: an executor thread left running races the interpreter's exit for its pipe
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class RolloutLoop:
-    """A thread per server running rg.make_rollouts request after request (rewards, advantages, behaviour log-probs
-    frozen) while the trainers step. At most `capacity` requests are in flight or finished and waiting (a thread
-    takes a slot before it starts one, the dealer frees it), so the capacity is the channel's real depth; receive
-    hands out the freshest finished first, and one passed over `capacity` times before any other."""
-
-    def __init__(self, cfg: rg.Args, servers: list[Server], task, tok, eos_ids: list[int], first_group_id: int):
-        self.cfg, self.servers, self.task, self.tok, self.eos_ids = cfg, servers, task, tok, eos_ids
-        W = len(servers)
-        self.capacity = max(W, cfg.batch_size // cfg.rollouts_per_step) if cfg.sampling == "queue" else max(4, 2 * W)
-        self.slots, self.ready, self.cond = threading.Semaphore(self.capacity), [], threading.Condition()
-        self.stop, self.errors, self.next_group_id = threading.Event(), [], first_group_id
-        self.scorer = Scorer()
-        self.threads = [
-            threading.Thread(target=self.run, args=(i, first_group_id), name=f"rollouts-{i}", daemon=True)
-            for i in range(W)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def run(self, index: int, first_group_id: int) -> None:
-        cfg = self.cfg
-        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # its own prompts and seeds, per resume too
-        generator = ServerGenerator(self.servers[index], self.eos_ids, rng)
-        try:
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                while not self.slots.acquire(timeout=0.5):  # the channel is full: the trainers are behind
-                    if self.stop.is_set():
-                        return
-                t1 = time.perf_counter()
-                with self.cond:
-                    group_id = self.next_group_id
-                    self.next_group_id += cfg.prompts_per_step
-                examples = self.task.sample(rng, cfg.prompts_per_step)
-                rollouts, counts = rg.make_rollouts(
-                    generator, self.tok, self.task, examples, cfg, next_group_id=group_id, scorer=self.scorer
-                )
-                msg = {"rollouts": rollouts, "counters": dict(counts), "idle_seconds": t1 - t0}
-                msg |= {"busy_seconds": time.perf_counter() - t1, "generator": index, "passed": 0}
-                with self.cond:
-                    self.ready.append(msg)
-                    self.cond.notify_all()
-        except Exception as e:  # the run stops on it (failure)
-            with self.cond:
-                self.errors.append(as_server_error(f"rollout thread {index}", e))
-                self.cond.notify_all()
-
-    def receive(self, wait: float, limit: int | None = None) -> list[dict]:
-        """Finished requests (at most `limit`), the freshest first, waiting up to `wait` seconds for the first."""
-        with self.cond:
-            if not self.ready and wait > 0 and limit != 0:
-                self.cond.wait_for(lambda: self.ready or self.errors, timeout=wait)
-            # stable: the newest last, after it the overdue ones, the longest passed over last of all
-            order = sorted(self.ready, key=lambda m: m["passed"] if m["passed"] >= self.capacity else -1)
-            taken = order[len(order) - (len(order) if limit is None else min(limit, len(order))) :][::-1]
-            self.ready = [m for m in self.ready if not any(m is t for t in taken)]
-            for m in self.ready if taken else []:  # passed over only when another was taken
-                m["passed"] += 1
-        for _ in taken:
-            self.slots.release()
-        return taken
-
-    def failure(self) -> str | None:
-        """Why the run must stop (a server error or death, in one line), or None."""
-        if self.errors:
-            return str(self.errors[0])
-        for s in self.servers:
-            if s.died():
-                return f"vLLM server {s.url} died{s.died()}"
+def warm_start_threads(device: torch.device) -> int | None:
+    """Rank 0's torch threads while it loads the run, which may train the warm start: the servers are not started
+    yet, so on a CPU it takes this node's cores among its trainer ranks alone (None: unchanged)."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
         return None
+    threads = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    print(f"threads: the warm start (if not cached) uses {threads} torch thread{'s' * (threads > 1)}", flush=True)
+    return threads
 
-    def depth(self) -> int:
-        return len(self.ready)
 
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=1.0)  # a thread blocked in a request is a daemon: it ends with the process
-        self.scorer.close()
+def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
+    """This rank's device, and its torch threads among the processes sharing this machine's cores: its trainer
+    ranks, and the W servers rank 0 launches on its machine (returned: their number)."""
+    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
+    set_cpu_threads(f"trainer rank {rank}", processes)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, processes
+
+
+def barrier() -> None:
+    """dist.barrier on this rank's GPU under NCCL (without device_ids it may guess one and hang)."""
+    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: stop the servers too
+
+
+def vocab_size(model) -> int:
+    """The token ids `model` can take: fewer than both its input embedding's rows and its output head's rows."""
+    heads = [m.weight.shape[0] for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return min(heads)
+
+
+# ===== Resume and checkpoint =====================================================================
+
+
+def resume_async(
+    state: dict, ckpt: Path, rank: int, policy, optimizer, shard: rg.ReplayBuffer, totals: dict
+) -> tuple[int, dict]:
+    """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
+    returns the step and the dealing state."""
+    load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
+    own = run_folder.read_checkpoint_file(
+        ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
+    )
+    shard.load_state_dict(own["buffer"])
+    rg.run_folder.set_rng_state(own["rng"])
+    totals.update(state["totals"])
+    return state["step"], state["dealing"]
+
+
+def save_async_checkpoint(
+    run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model, weights: dict, tok, state: dict
+) -> None:
+    """The model (save_pretrained through rank 0's copy, of the gathered fp32 `weights`) and the full optimizer
+    state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
+    osd = get_optimizer_state_dict(
+        policy,
+        optimizer,  # collective
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
+    if rank == 0:
+        run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
+    barrier()
+    own = {"buffer": shard.state_dict(), "rng": rg.run_folder.rng_state()}
+    torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        run_folder.swap_in_checkpoint(run_dir)
+
+
+# ===== The publisher and the weight check ========================================================
+
+
+def weight_transfer(cfg: AsyncArgs, device: torch.device, T: int) -> str:
+    """--weight-transfer auto: NCCL when every server has a GPU of its own (NCCL refuses two ranks on one GPU), else
+    the disk (on a CPU: vLLM 0.32's NCCL engine needs CUDA)."""
+    if cfg.weight_transfer == "auto":
+        own = bool(cfg.generator_urls) or cfg.num_generators + T <= torch.cuda.device_count()
+        return "nccl" if device.type == "cuda" and own else "disk"
+    if cfg.weight_transfer == "nccl" and device.type != "cuda":
+        raise UserError("--weight-transfer nccl needs CUDA on the trainers (vLLM's NCCL engine): use disk on a CPU")
+    return cfg.weight_transfer
+
+
+def rendezvous_address(cfg: AsyncArgs) -> str:
+    """Where servers reach rank 0's NCCL endpoint: --generator-host for servers launched here; for servers elsewhere
+    this node's address on the route to the first of them (torchrun's MASTER_ADDR is 127.0.0.1 on one node)."""
+    if not cfg.generator_urls:
+        return cfg.generator_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a UDP connect picks the route and sends nothing
+        s.connect((urllib.parse.urlsplit(cfg.generator_urls[0]).hostname, 9))
+        return s.getsockname()[0]
 
 
 class Metadata(list):
@@ -1048,9 +1003,6 @@ def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
     return sum(v.numel() for v in weights.values()) * dtype.itemsize
 
 
-# ===== The trainers ==============================================================================
-
-
 def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
     """The publish check's probe: the first PROBE_PROMPTS held-out prompts and their gold solutions (token ids)."""
     return [
@@ -1089,316 +1041,696 @@ def trainer_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
     return list(logp.float().cpu().split([len(c) for _, c in pairs]))
 
 
-def shard_policy(model, device: torch.device) -> LogprobPolicy:
-    """The policy under FSDP2: one unit per decoder block (HF lists their classes) and the root (embeddings, tied
-    head, final norm; the log-probs run in its forward). Parameters and Adam state stay fp32 (the masters); on GPUs
-    the forward and backward run on the bf16 copies FSDP all-gathers, and gradients are reduce-scattered in fp32."""
-    policy = LogprobPolicy(model)
-    precision = MixedPrecisionPolicy(param_dtype=kernels.compute_dtype(device), reduce_dtype=torch.float32)
-    for m in model.modules():
-        if type(m).__name__ in (model._no_split_modules or ()):
-            fully_shard(m, mp_policy=precision)
-    fully_shard(policy, mp_policy=precision)
-    return policy
+# ===== Rollouts over HTTP ========================================================================
 
 
-def load_optimizer_state(policy, optimizer, full_state: dict) -> None:
-    """The full optimizer state, read by rank 0 alone (other ranks pass {}), broadcast and sharded. Collective."""
-    set_optimizer_state_dict(
-        policy, optimizer, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
+class ServerGenerator:
+    """rg.make_rollouts' generator on one server: `POST /inference/v1/generate` per prompt (token ids in and out, n
+    samples, the sampled tokens' processed log-probs, a seed drawn from `rng`), the prompts in flight together so the
+    server batches them. Each Sample carries the oldest and newest weight versions of its tokens."""
 
+    def __init__(self, server: Server, eos_ids: list[int], rng: random.Random):
+        self.server, self.eos_ids, self.rng = server, eos_ids, rng
 
-def full_weights(policy) -> dict:
-    """The full fp32 state dict on rank 0 (CPU, Hugging Face key names), {} elsewhere, for a checkpoint. Collective."""
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("policy."): v for k, v in sd.items()}
-
-
-def gather_weights(policy, dtype: torch.dtype, device: torch.device) -> dict:
-    """What a publish sends: on rank 0 the full weights in `dtype` (the compute dtype) on `device` (the GPU for the
-    nccl broadcast, the host for the disk), Hugging Face key names; {} elsewhere. Collective: each shard is cast
-    before its all-gather, a tensor at a time, so a publish moves and holds bf16 on GPUs, not fp32. A tied head is
-    gathered once (two names, one tensor)."""
-    out, gathered, rank0 = {}, {}, dist.get_rank() == 0
-    with torch.no_grad():
-        for k, v in policy.state_dict(keep_vars=True).items():  # keep_vars: a tied head is one object under two names
-            if id(v) not in gathered:
-                mine = v.to(dtype, copy=True)  # never the live parameter: the publisher reads it while training goes on
-                full = mine.full_tensor() if isinstance(mine, DTensor) else mine
-                gathered[id(v)] = full.to(device) if rank0 else None  # the others' gathered copies go at once
-            if rank0:
-                out[k.removeprefix("policy.")] = gathered[id(v)]
-    return out
-
-
-def merge_stats(per_rank: list[dict]) -> dict:
-    """The ranks' train_step metrics as the step's: token-weighted means; maxima; sums of counts; loss and
-    grad norm as the mean over ranks (grad norm is already global: FSDP clips globally)."""
-    tokens, out = [s["trained_tokens"] for s in per_rank], {}
-    for k in dict.fromkeys(k for s in per_rank for k in s):
-        vals = [(s[k], n) for s, n in zip(per_rank, tokens) if k in s]
-        if k == "trained_tokens":
-            out[k] = sum(tokens)
-        elif k in ("ratio_max", "nonfinite"):
-            out[k] = max(v for v, _ in vals)
-        elif k in ("loss", "grad_norm"):
-            out[k] = sum(v for v, _ in vals) / len(vals)
-        elif k == "staleness_sums":  # bucket -> summed counts and sums (rg.add_staleness_sums)
-            out[k] = {}
-            for v, _ in vals:
-                for bucket, row in v.items():
-                    out[k][bucket] = [x + y for x, y in zip(out[k].get(bucket, [0] * len(row)), row)]
-        else:
-            out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
-    return out
-
-
-def save_async_checkpoint(
-    run_dir, rank: int, policy, optimizer, shard: rg.ReplayBuffer, model, weights: dict, tok, state: dict
-) -> None:
-    """The model (save_pretrained through rank 0's copy, of the gathered fp32 `weights`) and the full optimizer
-    state from rank 0, each rank's buffer shard and RNG in its own file; swapped in whole by rename."""
-    osd = get_optimizer_state_dict(
-        policy,
-        optimizer,  # collective
-        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-    )
-    if rank == 0:
-        run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
-    barrier()
-    own = {"buffer": shard.state_dict(), "rng": rg.run_folder.rng_state()}
-    torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
-    barrier()
-    if rank == 0:
-        run_folder.swap_in_checkpoint(run_dir)
-
-
-def throughput_mu_gamma(totals: dict, T: int, W: int) -> tuple[float, float]:
-    """The paper's way (its App. D.4): mu as the throughput ratio (rollouts trained on / T) / (unique rollouts
-    generated / W), exact when neither side idles, and the speed-up gamma = (1 + W/T) / (1 + mu) of the W/T split
-    over alternating generation and training."""
-    mu = (totals["trained_rollouts"] / T) / (totals["generated_rollouts"] / W)
-    return mu, (1 + W / T) / (1 + mu)
-
-
-class Dealer:
-    """Rank 0: takes the servers' finished requests from the rollout loop, adds their counts to the run totals and
-    deals their rollouts round-robin to the T ranks' shards (its state is checkpointed). With --sampling queue it
-    takes only requests that every shard has room for, so the loop's slots fill and its threads wait."""
-
-    def __init__(self, cfg: rg.Args, T: int, state: dict | None = None):
-        self.T = T
-        self.next_group_id, self.next_rank, self.dealt = 0, 0, [0] * T
-        self.empty_requests = 0  # requests in a row whose groups were all dropped
-        self.held = [0] * T  # rollouts in each shard (--sampling queue): the last step's sizes, plus those dealt since
-        self.room = None  # rollouts a shard may hold: N/T for the queue, no limit otherwise
-        self.share = math.ceil(cfg.rollouts_per_step / T)  # the most rollouts a request deals to one shard
-        if cfg.sampling == "queue":
-            self.room = cfg.buffer_size // T
-        if state is not None:
-            self.next_group_id, self.next_rank, self.dealt = state["next_group_id"], state["next_rank"], state["dealt"]
-            self.held = state.get("held", self.held)
-
-    def state_dict(self) -> dict:
-        return {
-            "next_group_id": self.next_group_id,
-            "next_rank": self.next_rank,
-            "dealt": list(self.dealt),
-            "held": list(self.held),
-        }
-
-    def take(self, loop: RolloutLoop, totals: dict, step: int, wait: bool, failure: str | None) -> tuple:
-        """Each rank's message (its rollouts, and why the run must stop or None), the new rollouts and the tokens
-        generated; waits up to a second for a request if `wait` (a shard could not draw a batch)."""
-        failure = failure or loop.failure()
-        limit = None
-        if self.room is not None:  # backpressure: only whole requests that every shard has room for
-            limit = (self.room - max(self.held)) // self.share
-        msgs = [] if failure else loop.receive(wait=1.0 if wait else 0, limit=limit)
-        parts, fresh, stop = self.deal(msgs, totals, step)
-        tokens = sum(m["counters"].get("generated_tokens", 0) for m in msgs)
-        out = [{"rollouts": p, "failure": failure or stop} for p in parts]
-        return out, fresh, tokens
-
-    def deal(self, msgs: list[dict], totals: dict, step: int) -> tuple[list[list], list, str | None]:
-        """The rollouts of `msgs` for each rank, all of them in order, and why the run must stop (or None)."""
-        parts, fresh, failure = [[] for _ in range(self.T)], [], None
-        for m in msgs:
-            totals["gen_seconds"] += m["busy_seconds"]
-            totals["gen_idle_seconds"] += m["idle_seconds"]
-            rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
-            self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
-            if self.empty_requests >= rg.MAX_EMPTY_REQUESTS:
-                failure = rg.all_dropped_message(self.empty_requests, step)
-            for r in m["rollouts"]:
-                parts[self.next_rank].append(r)
-                self.dealt[self.next_rank] += 1
-                self.held[self.next_rank] += 1
-                self.next_rank = (self.next_rank + 1) % self.T
-                self.next_group_id = max(self.next_group_id, r.group_id + 1)
-                fresh.append(r)
-        return parts, fresh, failure
-
-
-def merge_sums(per_rank: list[dict]) -> dict:
-    """The ranks' rg.batch_sums as the whole batch's."""
-    merged = {"reward": 0, "length": 0, "truncated": 0, "staleness": []}
-    for sums in per_rank:
-        for key, value in sums.items():
-            merged[key] += value
-    return merged
-
-
-def async_record(
-    step: int, reports: list[dict], totals: dict, fresh: list, batch_size: int, T: int, W: int, **extra
-) -> dict:
-    """One step's record from the ranks' reports (counted into the run totals: the slowest rank's seconds set the
-    pace): rg.step_record, and what the pipeline adds."""
-    stats, train_seconds = merge_stats([r["stats"] for r in reports]), max(r["train_seconds"] for r in reports)
-    rg.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
-    totals["sync_seconds"] += extra["sync_seconds"]
-    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
-    return rg.step_record(
-        step=step,
-        stats=stats,
-        fresh=fresh,
-        sums=merge_sums([r["sums"] for r in reports]),
-        since_last=[s for r in reports for s in r["since_last"]],
-        buffer_size=sum(r["buffer_size"] for r in reports),
-        evicted_uses=sum((r["evicted_uses"] for r in reports), Counter()),
-        batch_size=batch_size,
-        totals=totals,
-        trainers=T,
-        fresh_rollouts=len(fresh),
-        fresh_versions=sorted({r.policy_version for r in fresh}),
-        **extra,
-        train_seconds=train_seconds,
-        trainer_idle_seconds=totals["trainer_idle_seconds"],
-        gen_idle_seconds=totals["gen_idle_seconds"],
-        gen_busy_seconds=totals["gen_seconds"],
-        mu_throughput=mu_throughput,
-        gamma=gamma,
-        num_generators=W,
-        num_trainers=T,
-    )
-
-
-def print_summary(totals: dict, T: int, W: int) -> None:
-    """The run's mu both ways, gamma and the idle seconds of each side."""
-    if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
-        return
-    mu = rg.measured_mu(totals, T)
-    mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
-    print(
-        f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
-        f"(trained/T) / (generated/W) = {mu_throughput:.2f}, gamma = (1 + W/T)/(1 + mu) = {gamma:.2f}; idle "
-        f"seconds: trainers {totals['trainer_idle_seconds']:.1f}, generators {totals['gen_idle_seconds']:.1f} "
-        f"(of {totals['gen_seconds']:.1f} busy)"
-    )
-
-
-def init_process_group(cfg: rg.Args) -> bool:
-    """The trainers' process group: torchrun's (it sets RANK, WORLD_SIZE, MASTER_ADDR), or a world of one under plain
-    python. True when this call created it (and must destroy it)."""
-    if dist.is_initialized():
-        return False
-    # a rank waits in a collective while rank 0 evaluates or saves: NCCL's 10-minute default is too short
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = datetime.timedelta(minutes=cfg.dist_timeout)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
-    return True
-
-
-def check_sharding(cfg: rg.Args, T: int) -> None:
-    """Refuse a batch, buffer or positive bias that T trainer ranks cannot share."""
-    B, N = cfg.batch_size, cfg.buffer_size
-    if B % T or N % T:
-        raise UserError(
-            f"--batch-size {B} and --buffer-size {N} must be multiples of the {T} trainer ranks "
-            "(torchrun --nproc_per_node): each rank holds N/T, samples B/T"
+    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p: float = 1.0):
+        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_new_tokens, logprobs=0)
+        params |= dict(ignore_eos=True, stop_token_ids=self.eos_ids, detokenize=False)  # stop where HF stops
+        bodies = [
+            {"token_ids": list(p), "sampling_params": {**params, "seed": self.rng.getrandbits(31)}} for p in prompts
+        ]
+        timeout, t0 = self.server.bound(max_new_tokens), time.monotonic()
+        answers = on_daemons(
+            lambda i: self.server.post(
+                GENERATE, bodies[i], timeout, parse=lambda a: self.samples(a, n, self.server.vocab)
+            ),
+            len(bodies),
         )
-    if cfg.sampling == "queue" and cfg.rollouts_per_step % T:
-        raise UserError(
-            f"--sampling queue: R = {cfg.rollouts_per_step} (--prompts-per-step x --group-size) must be "
-            f"a multiple of the {T} trainer ranks, so that every shard gets the same share of a request"
-        )
-    if N // T - round(cfg.positive_bias * (N // T)) < 1:
-        raise UserError(
-            f"--positive-bias {cfg.positive_bias}: each of the {T} ranks' buffer shards of N/T = "
-            f"{N // T} rollouts would keep no slot for the freshest ones"
-        )
+        self.server.answered(max_new_tokens, time.monotonic() - t0)
+        return answers
+
+    @classmethod
+    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[rg.Sample]:
+        """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not, and
+        WrongAnswer for values the trainer cannot take (token ids from `vocab` on, when given; log-probs that are not
+        finite), which would stop its step (an IndexError) or skip it (a NaN loss) without naming the server."""
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise ValueError(f"{len(choices)} choices where {n} were asked for")
+        return [cls.sample(c, vocab) for c in choices]
+
+    @staticmethod
+    def sample(choice: dict, vocab: int = 0) -> rg.Sample:
+        ids = choice["token_ids"]
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ValueError("token_ids is not a list of integers")
+        wrong = [t for t in ids if t < 0 or (vocab and t >= vocab)]
+        if wrong:
+            vocabulary = f"0 to {vocab - 1}" if vocab else "0 and above"
+            raise WrongAnswer(
+                f"choice {choice.get('index')}: token id {wrong[0]} is outside the trainer's vocabulary ({vocabulary})"
+            )
+        lp = torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]], dtype=torch.float32)
+        if len(lp) != len(ids):
+            raise WrongAnswer(f"choice {choice.get('index')}: {len(ids)} token_ids but {len(lp)} log-probs")
+        if not torch.isfinite(lp).all():
+            at = int((~torch.isfinite(lp)).nonzero()[0])
+            raise WrongAnswer(f"choice {choice.get('index')}: log-prob {lp[at].item()} of token {at} is not finite")
+        versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
+        if not versions:  # without them no rollout could say which policy made it
+            raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
+        return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
-def warm_start_threads(device: torch.device) -> int | None:
-    """Rank 0's torch threads while it loads the run, which may train the warm start: the servers are not started
-    yet, so on a CPU it takes this node's cores among its trainer ranks alone (None: unchanged)."""
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+class ServerEvaluator:
+    """rg.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
+    server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
+    An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
+
+    def __init__(self, server: Server, eos_ids: list[int], policy_version: int, seed: int):
+        self.generator = ServerGenerator(server, eos_ids, random.Random(seed))
+        self.policy_version = policy_version
+
+    def generate(self, prompts: list, n: int, max_new_tokens: int, temperature: float, top_p=1.0, logprobs=False):
+        groups = self.generator.generate(prompts, n, max_new_tokens, temperature, top_p)
+        versions = {v for group in groups for s in group for v in s.versions}
+        if versions != {self.policy_version}:
+            raise ServerError(
+                f"vLLM server {self.generator.server.url}: the evaluation of version {self.policy_version} came back "
+                f"from weights of version(s) {sorted(versions)}"
+            )
+        return groups
+
+    def close(self) -> None:
+        pass
+
+
+def exit_with_parent(parent: int) -> None:
+    """In a helper process: end it once `parent` is gone (a trainer ended by torchrun's SIGTERM never closes it, and
+    it would hold the run's output pipes open)."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class Scorer:
+    """make_rollouts' scorer for the rollout threads: rewards computed in a process of their own, whose main thread
+    holds the verifier's time limit (a SIGALRM, which a thread cannot set). One text per task, so that closing it
+    waits for one verifier at most."""
+
+    def __init__(self):
+        spawn = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),))
+
+    def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
+        return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
+
+    def close(self) -> None:  # waits: an executor thread left running races the interpreter's exit for its pipe
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RolloutLoop:
+    """A thread per server running rg.make_rollouts request after request (rewards, advantages, behaviour log-probs
+    frozen) while the trainers step. At most `capacity` requests are in flight or finished and waiting (a thread
+    takes a slot before it starts one, the dealer frees it), so the capacity is the channel's real depth; receive
+    hands out the freshest finished first, and one passed over `capacity` times before any other."""
+
+    def __init__(self, cfg: AsyncArgs, servers: list[Server], task, tok, eos_ids: list[int], first_group_id: int):
+        self.cfg, self.servers, self.task, self.tok, self.eos_ids = cfg, servers, task, tok, eos_ids
+        W = len(servers)
+        self.capacity = max(W, cfg.batch_size // cfg.rollouts_per_step) if cfg.sampling == "queue" else max(4, 2 * W)
+        self.slots, self.ready, self.cond = threading.Semaphore(self.capacity), [], threading.Condition()
+        self.stop, self.errors, self.next_group_id = threading.Event(), [], first_group_id
+        self.scorer = Scorer()
+        self.threads = [
+            threading.Thread(target=self.run, args=(i, first_group_id), name=f"rollouts-{i}", daemon=True)
+            for i in range(W)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def run(self, index: int, first_group_id: int) -> None:
+        cfg = self.cfg
+        rng = random.Random(f"{cfg.seed}/{index}/{first_group_id}")  # its own prompts and seeds, per resume too
+        generator = ServerGenerator(self.servers[index], self.eos_ids, rng)
+        try:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                while not self.slots.acquire(timeout=0.5):  # the channel is full: the trainers are behind
+                    if self.stop.is_set():
+                        return
+                t1 = time.perf_counter()
+                with self.cond:
+                    group_id = self.next_group_id
+                    self.next_group_id += cfg.prompts_per_step
+                examples = self.task.sample(rng, cfg.prompts_per_step)
+                rollouts, counts = rg.make_rollouts(
+                    generator, self.tok, self.task, examples, cfg, next_group_id=group_id, scorer=self.scorer
+                )
+                msg = {"rollouts": rollouts, "counters": dict(counts), "idle_seconds": t1 - t0}
+                msg |= {"busy_seconds": time.perf_counter() - t1, "generator": index, "passed": 0}
+                with self.cond:
+                    self.ready.append(msg)
+                    self.cond.notify_all()
+        except Exception as e:  # the run stops on it (failure)
+            with self.cond:
+                self.errors.append(as_server_error(f"rollout thread {index}", e))
+                self.cond.notify_all()
+
+    def receive(self, wait: float, limit: int | None = None) -> list[dict]:
+        """Finished requests (at most `limit`), the freshest first, waiting up to `wait` seconds for the first."""
+        with self.cond:
+            if not self.ready and wait > 0 and limit != 0:
+                self.cond.wait_for(lambda: self.ready or self.errors, timeout=wait)
+            # stable: the newest last, after it the overdue ones, the longest passed over last of all
+            order = sorted(self.ready, key=lambda m: m["passed"] if m["passed"] >= self.capacity else -1)
+            taken = order[len(order) - (len(order) if limit is None else min(limit, len(order))) :][::-1]
+            self.ready = [m for m in self.ready if not any(m is t for t in taken)]
+            for m in self.ready if taken else []:  # passed over only when another was taken
+                m["passed"] += 1
+        for _ in taken:
+            self.slots.release()
+        return taken
+
+    def failure(self) -> str | None:
+        """Why the run must stop (a server error or death, in one line), or None."""
+        if self.errors:
+            return str(self.errors[0])
+        for s in self.servers:
+            if s.died():
+                return f"vLLM server {s.url} died{s.died()}"
         return None
-    threads = max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    print(f"threads: the warm start (if not cached) uses {threads} torch thread{'s' * (threads > 1)}", flush=True)
-    return threads
+
+    def depth(self) -> int:
+        return len(self.ready)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=1.0)  # a thread blocked in a request is a daemon: it ends with the process
+        self.scorer.close()
 
 
-def place_trainer(rank: int, W: int) -> tuple[torch.device, int]:
-    """This rank's device, and its torch threads among the processes sharing this machine's cores: its trainer
-    ranks, and the W servers rank 0 launches on its machine (returned: their number)."""
-    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    processes = local_trainers + (W if int(os.environ.get("GROUP_RANK", "0")) == 0 else 0)
-    set_cpu_threads(f"trainer rank {rank}", processes)
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device, processes
+# ===== vLLM servers: launch, requests, answers ===================================================
 
 
-def resume_async(
-    state: dict, ckpt: Path, rank: int, policy, optimizer, shard: rg.ReplayBuffer, totals: dict
-) -> tuple[int, dict]:
-    """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
-    returns the step and the dealing state."""
-    load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
-    own = run_folder.read_checkpoint_file(
-        ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
-    )
-    shard.load_state_dict(own["buffer"])
-    rg.run_folder.set_rng_state(own["rng"])
-    totals.update(state["totals"])
-    return state["step"], state["dealing"]
+# A generate request that gets no answer within its bound fails the run (a hung or stopped server): REQUEST_FACTOR times
+# its server's reference answer (the longest of those asking the most tokens per sample so far: its warm-up's until a
+# rollout request answers), scaled to the tokens per sample it asks for, at least REQUEST_FLOOR. Tokens per sample set
+# a request's time: a request's samples decode together, one token each per engine step. A launched server's first
+# request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
+# (probe), so its first requests have the bound of any other.
+REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
 
 
-def barrier() -> None:
-    """dist.barrier on this rank's GPU under NCCL (without device_ids it may guess one and hang)."""
-    dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (a positive number), else `default`; one line and exit 2 for
+    another value."""
+    text = os.environ.get(name)
+    try:
+        seconds = default if text is None else float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:  # read as this module loads, before main: the entry's one line and exit status here
+        print(f"error: {name}={text!r}: not a positive number of seconds", file=sys.stderr)
+        raise SystemExit(2)
+    return seconds
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # torchrun stops workers with SIGTERM: stop the servers too
+# a busy 2-core machine's requests take seconds; a fast cluster may name a hung server sooner with a lower floor
+REQUEST_FLOOR = env_seconds("REPLAY_GRPO_REQUEST_FLOOR", 60.0)
+START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
+PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
+# The publish check stops a run whose server serves other log-probs than the trainer's at the published version by
+# more than this, per probe token on average. Measured on a CPU server (fp32, tiny model): the right weights 2.7e-7;
+# another model's 0.25; the right model with every weight moved at random by 10%, 30%, 100% of its tensor's std
+# 0.035, 0.095, 0.22. It sits above the sampler/trainer gap MISMATCH_WARN warns about (0.05), so bf16 serving does
+# not trip it: it catches weights that are wrong, not a server a few small steps behind
+PROBE_BOUND = 0.1
+READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
+# /pause, /update_weight_version, /resume (no generation) may take CONTROL_FACTOR times the bound of the server's
+# generate requests of the reference size: a hung server is then named by its generate request when one is in flight
+CONTROL_FACTOR = 2
+STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
+LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
+PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
+SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
+SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
+WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
+GENERATE = "/inference/v1/generate"
+# encoded by the run's tokenizer and by a server's (POST /tokenize): other token ids mean another model
+MODEL_PROBE_TEXT = "Please reason step by step: 12+7=?"
 
 
-def vocab_size(model) -> int:
-    """The token ids `model` can take: fewer than both its input embedding's rows and its output head's rows."""
-    heads = [m.weight.shape[0] for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
-    return min(heads)
+class ServerError(PipelineError):
+    """A vLLM server did not start, died, or answered an error: one line naming it."""
+
+
+def as_server_error(what: str, e: Exception) -> ServerError:
+    """The error a thread hands to the dealer: a ServerError as it is, anything else as one line naming `what`."""
+    return e if isinstance(e, ServerError) else ServerError(" ".join(f"{what}: {type(e).__name__}: {e}".split()))
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether a failed request got no answer within its timeout (urllib wraps a connect's timeout in a URLError)."""
+    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+def unreadable(text: bytes) -> str | None:
+    """Why an answer is not JSON the run can read (not UTF-8, not JSON, beyond run_folder.read_json's bounds), or
+    None."""
+    try:
+        run_folder.read_json(text.decode(), "it", max_chars=None)
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 at byte {e.start}"
+    except run_folder.JSONBoundError as e:
+        return str(e)
+    except ValueError as e:
+        return f"not JSON: {getattr(e, 'msg', e)}"
+    return None
+
+
+class WrongAnswer(ValueError):
+    """An answer that reads as JSON with every field, whose values the trainer cannot take (a token id outside its
+    vocabulary, a log-prob that is not finite)."""
+
+
+class Late(TimeoutError):
+    """A request that had no whole answer by its deadline."""
+
+    def __init__(self):
+        super().__init__("timed out")
+
+
+def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
+    """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
+    and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
+    the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
+    Other failures raise as urllib's do (OSError, http.client.HTTPException)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = connection(parts.hostname, parts.port, timeout=timeout)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    t0, late = time.monotonic(), threading.Event()
+
+    def cut() -> None:
+        late.set()
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        conn.request(method, target, body=data, headers=headers)
+        answer = conn.getresponse()
+        return answer.status, answer.read()
+    except (OSError, http.client.HTTPException):
+        if late.is_set() or time.monotonic() - t0 >= timeout:
+            raise Late from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+@dataclasses.dataclass
+class Server:
+    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log; and the reference
+    answer of its generate requests' bounds (tokens per sample, seconds)."""
+
+    url: str
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    reference: tuple[int, float] = (0, 0.0)
+    vocab: int = 0  # the trainer's vocabulary: every sampled token id must be below it (0: not known yet)
+
+    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None, method="POST"):
+        """POST JSON (GET: no body); the answer as JSON ({} when empty), through `parse` when given. Any failure is a
+        ServerError in one line naming the server and the endpoint: no connection, no answer within `timeout` (default:
+        a control request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that
+        `parse` cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its
+        first SHOWN_BYTES bytes."""
+        timeout = self.control_bound() if timeout is None else timeout
+        data = json.dumps(body or {}).encode() if method == "POST" else None
+        t0 = time.monotonic()
+        try:
+            status, text = http_request(self.url + path, method, data, timeout)
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, no whole answer by the deadline
+            if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(2.0)
+            age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
+            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
+        if not 200 <= status < 300:
+            raise ServerError(f"vLLM server {self.url}: {path} answered {status}: {text[:SHOWN_BYTES]!r}")
+        why = unreadable(text) if text.strip() else None
+        if why:
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered what the run cannot read as JSON ({why}): "
+                f"{text[:SHOWN_BYTES]!r}"
+            )
+        value = json.loads(text) if text.strip() else {}
+        try:
+            return parse(value) if parse else value
+        except WrongAnswer as e:
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered what the trainer cannot take ({e}): {text[:SHOWN_BYTES]!r}"
+            ) from None
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ServerError(
+                f"vLLM server {self.url}: {path} answered without what the run reads ({what}): {text[:SHOWN_BYTES]!r}"
+            ) from None
+
+    def health(self) -> str | None:
+        """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
+        try:
+            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS)
+        except (OSError, http.client.HTTPException) as e:
+            return f"failed ({e})"
+        if status == 200:
+            return None
+        return f"answered HTTP {status}: {text[:SHOWN_BYTES]!r}" if status >= 400 else f"answered {status}"
+
+    def bound(self, tokens: int) -> float:
+        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
+        ref_tokens, ref_seconds = self.reference
+        if self.proc is not None and ref_tokens < tokens:
+            return START_SECONDS
+        if not ref_tokens:
+            return REQUEST_FLOOR
+        return max(REQUEST_FLOOR, REQUEST_FACTOR * ref_seconds * max(1.0, tokens / ref_tokens))
+
+    def control_bound(self) -> float:
+        """Seconds a request that generates nothing may take (CONTROL_FACTOR above)."""
+        return CONTROL_FACTOR * self.bound(self.reference[0])
+
+    def answered(self, tokens: int, seconds: float) -> None:
+        """Keep the reference of the bounds: the longest answer among those of the most tokens per sample so far."""
+        ref_tokens, ref_seconds = self.reference
+        if tokens > ref_tokens:
+            self.reference = (tokens, seconds)
+        elif tokens == ref_tokens:
+            self.reference = (tokens, max(seconds, ref_seconds))
+
+    def died(self) -> str | None:
+        """Launched here and exited: how, with the last lines of its log; else None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"; the server exited with code {self.proc.returncode}; the end of {self.log}: {self.log_tail()}"
+
+    def log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip() for line in text[-lines:])
+
+
+def resolve(host: str | None, where: str, timeout: float) -> None:
+    """Refuse a host name that does not resolve within `timeout` (the resolver has no bound of its own: it runs on a
+    daemon thread)."""
+    if not host:
+        raise UserError(f"{where}: no host in the URL")
+    found = []
+
+    def look() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, None))
+        except (OSError, UnicodeError) as e:  # gaierror; a label the IDNA codec refuses (over 63 characters)
+            found.append(e)
+
+    thread = threading.Thread(target=look, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        raise UserError(f"{where}: the host {host} was not resolved within {timeout:.0f} s")
+    if isinstance(found[0], Exception):
+        reason = getattr(found[0], "strerror", None) or str(found[0])
+        raise UserError(f"{where}: the host {host} cannot be resolved ({reason}): is the name right?")
+
+
+def failure(e: BaseException, timeout: float) -> str:
+    """What a request that got no answer met, for a line naming the server: refused, silent, or the reason."""
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, ConnectionRefusedError):
+        return (
+            "was refused: nothing listens at that address and port (a vLLM server listens once its model is loaded: "
+            "start the run once its /health answers)"
+        )
+    if timed_out(e):
+        return (
+            f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or too "
+            "slowly to finish, or the host drops them)"
+        )
+    return f"failed ({reason})"
+
+
+def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
+    """Refuse in one line (UserError, naming the URL) a server the run did not launch that it cannot use: a URL that
+    is not a server's address, a host that does not resolve, no answer within `timeout`, no vLLM at least
+    SERVER_VERSION_FLOOR (GET /version: the weight versions of every token), /health failing. What else a server
+    needs (its weight and token routes, its model and context) tools/check_servers.py diagnoses: the docs tell a
+    --generator-urls user to run it first; the run meets those faults at its first publish or request."""
+    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    more = f" (python tools/check_servers.py {url} diagnoses it)"
+    try:
+        _ = parts.port  # urlsplit checks the port when it is read
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI client's base URL ends in /v1
+        raise UserError(
+            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
+            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
+        )
+    resolve(parts.hostname, where, timeout)
+    try:
+        status, text = http_request(url + "/version", "GET", None, timeout)
+    except (OSError, http.client.HTTPException) as e:
+        raise UserError(f"{where}: GET /version {failure(e, timeout)}") from None
+    try:
+        if status != 200 or unreadable(text):
+            raise ValueError
+        version = str(json.loads(text)["version"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{where}: GET /version answered HTTP {status}: {text[:SHOWN_BYTES]!r}{more}") from None
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < SERVER_VERSION_FLOOR:
+        floor = ".".join(map(str, SERVER_VERSION_FLOOR))
+        raise UserError(
+            f"{where}: vLLM {version} (GET /version); the run needs vLLM {floor} or later on its servers (the weight "
+            "versions of every generated token): upgrade it"
+        )
+    why = Server(url).health()
+    if why:
+        raise UserError(f"{where}: GET /health {why}")
+    return {"url": url, "version": version}
+
+
+def check_model(url: str, tok, model: str) -> None:
+    """Refuse a server the run did not launch that serves another model than the run's: its tokenizer reads
+    MODEL_PROBE_TEXT as other token ids (the ids sent to it would be other text)."""
+    where = f"--generator-urls {url}"
+    ids = list(tok.encode(MODEL_PROBE_TEXT, add_special_tokens=False))
+    body = {"prompt": MODEL_PROBE_TEXT, "add_special_tokens": False}
+    try:
+        served = Server(url).post("/tokenize", body, PROBE_SECONDS, parse=lambda a: [int(t) for t in a["tokens"]])
+    except ServerError as e:
+        raise UserError(f"{where}: {e}") from None
+    if served != ids:
+        raise UserError(
+            f"{where}: serves another model than the run's --model {model}: its tokenizer reads {MODEL_PROBE_TEXT!r} "
+            f"as token ids {served[:8]}..., where the run's gives {ids[:8]}...; the run publishes its weights to it, "
+            "but the token ids it sends would be other text"
+        )
+
+
+def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES entry of each launched server: the GPUs after the T trainers' (W + T <= n_gpus), else
+    shared round-robin (one GPU: the trainer's); None without GPUs. Mapped through an inherited CUDA_VISIBLE_DEVICES
+    (SLURM, containers; ordinals, UUIDs or MIG names alike): a child reads its value as physical devices."""
+    if not n_gpus:
+        return [None] * W
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
+    return [visible[(T + i) % n_gpus] for i in range(W)]
+
+
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: never in a forked child
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send this process `sig` once the thread of `parent` that started it ends (Linux's
+    PR_SET_PDEATHSIG; a no-op elsewhere), as a child's preexec_fn or in a process itself: a parent killed by SIGKILL
+    (kill -9, the OOM killer) runs no cleanup, and a server it launched would go on holding its GPU and port. Sent at
+    once when `parent` is already gone (it died before the call)."""
+    if LIBC is None:
+        return
+    LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_servers(
+    cfg: AsyncArgs, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
+) -> list[Server]:
+    """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
+    wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
+    session so that Ctrl-C reaches the trainer first and stop_servers ends them, and sent SIGTERM by the kernel when
+    the thread that launched it ends (die_with_parent: a trainer killed by SIGKILL leaves none behind). The caller's
+    thread must live as long as the servers: the main thread, in the run and in the test suite's fixture."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = []
+    try:
+        for i, gpu in enumerate(gpus):
+            port = free_port(cfg.generator_host)
+            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
+            if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            log = log_dir / f"server{i}.log"
+            with open(log, "w") as out:  # the server writes to its own copy of the file descriptor
+                proc = subprocess.Popen(
+                    server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
+                )
+            servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
+    except BaseException:  # a failed launch or Ctrl-C: the ones started live in their own sessions, so end them here
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def server_command(cfg: AsyncArgs, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
+    """The launch line of one server (docs/async.md gives it for other nodes); `memory`: its share of its GPU."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
+    cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
+    cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
+    cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
+    if cpu:
+        cmd += ["--enforce-eager"]
+    else:
+        cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
+    return cmd
+
+
+def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
+    """Wait until every server answers /health (a line every STARTING_LINE_SECONDS names the launched ones still
+    starting and for how long), then warm each up with a WARM_UP_TOKENS request, the first reference of its bounds;
+    seconds waited. A launched server that exits, or that is not healthy after `timeout`, is a ServerError with its
+    log's last lines; a server the run did not launch is up (probe): one whose /health fails is named at once, and its
+    warm-up has the bound of any request (Server.bound: REQUEST_FLOOR), a launched server's START_SECONDS."""
+    t0 = said = time.monotonic()
+    starting = list(servers)
+    while starting:
+        for s in list(starting):
+            why = s.health()
+            if why is None:
+                starting.remove(s)
+            elif s.died():
+                raise ServerError(f"vLLM server {s.url} did not start{s.died()}")
+            elif s.proc is None:
+                raise ServerError(f"vLLM server {s.url}: /health {why}")
+        now = time.monotonic()
+        if starting and now - t0 > timeout:
+            s = starting[0]
+            raise ServerError(
+                f"vLLM server {s.url} not healthy after {timeout:.0f} s"
+                + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
+            )
+        if starting and now - said >= STARTING_LINE_SECONDS:
+            print(
+                f"vLLM servers still starting after {now - t0:.0f} s: {', '.join(s.url for s in starting)}", flush=True
+            )
+            said = now
+        if starting:
+            time.sleep(1.0)
+    for s in servers:
+        t1 = time.monotonic()
+        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, s.bound(WARM_UP_TOKENS))
+        s.answered(WARM_UP_TOKENS, time.monotonic() - t1)
+    return time.monotonic() - t0
+
+
+def stop_servers(servers: list[Server], timeout: float = 20.0) -> None:
+    """End the servers this run launched (their whole process groups: vLLM starts an engine process)."""
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGTERM)
+                os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server must see the SIGTERM
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        if s.proc is None:
+            continue
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # the engine process, if it outlived the server
+            os.killpg(s.proc.pid, signal.SIGKILL)
+
+
+def on_daemons(fn, n: int) -> list:
+    """[fn(0), ..., fn(n - 1)] run together on daemon threads, raising the first error: a thread blocked on a hung
+    server must not hold the process at its exit (an executor's threads are joined then)."""
+    results, errors = [None] * n, []
+
+    def call(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def on_servers(servers: list[Server], fn) -> list:
+    """[fn(server, i) for each server], all together (on_daemons)."""
+    return on_daemons(lambda i: fn(servers[i], i), len(servers))
 
 
 def start_generators(
-    cfg: rg.Args, run_dir: Path, model, tok, T: int, device: torch.device, probed=(), longest_prompt: int = 0
+    cfg: AsyncArgs, run_dir: Path, model, tok, T: int, device: torch.device, probed=()
 ) -> list[Server]:
-    """--generator-urls (`probed`: what probe found of each), refused if one serves another model or too short a
-    context (check_model), or W servers launched on this node from a plain folder of the current policy (`model`: rank
-    0's host copy) under the run folder; not yet waited for."""
+    """--generator-urls (`probed`: what reach found of each), refused if one serves another model (check_model), or W
+    servers launched on this node from a plain folder of the current policy (`model`: rank 0's host copy) under the
+    run folder; not yet waited for."""
     if cfg.generator_urls:
         for info in probed:
-            check_model(info, tok, cfg.model, longest_prompt=longest_prompt, max_new_tokens=cfg.max_new_tokens)
+            check_model(info["url"], tok, cfg.model)
         return [Server(url.rstrip("/")) for url in cfg.generator_urls]
     try:
         rg.import_vllm()
     except rg.VLLMUnavailable as e:
-        raise UserError(f"--mode async launches vLLM servers: {e}") from None
+        raise UserError(f"async_pipeline.py launches vLLM servers: {e}") from None
     folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
     n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus = server_gpus(cfg.num_generators, T, n_gpus)
@@ -1407,237 +1739,64 @@ def start_generators(
     return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory=memory)
 
 
-def weight_transfer(cfg: rg.Args, device: torch.device, T: int) -> str:
-    """--weight-transfer auto: NCCL when every server has a GPU of its own (NCCL refuses two ranks on one GPU), else
-    the disk (on a CPU: vLLM 0.32's NCCL engine needs CUDA)."""
-    if cfg.weight_transfer == "auto":
-        own = bool(cfg.generator_urls) or cfg.num_generators + T <= torch.cuda.device_count()
-        return "nccl" if device.type == "cuda" and own else "disk"
-    if cfg.weight_transfer == "nccl" and device.type != "cuda":
-        raise UserError("--weight-transfer nccl needs CUDA on the trainers (vLLM's NCCL engine): use disk on a CPU")
-    return cfg.weight_transfer
+# ===== Checks and main ===========================================================================
 
 
-def rendezvous_address(cfg: rg.Args) -> str:
-    """Where servers reach rank 0's NCCL endpoint: --generator-host for servers launched here; for servers elsewhere
-    this node's address on the route to the first of them (torchrun's MASTER_ADDR is 127.0.0.1 on one node)."""
-    if not cfg.generator_urls:
-        return cfg.generator_host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a UDP connect picks the route and sends nothing
-        s.connect((urllib.parse.urlsplit(cfg.generator_urls[0]).hostname, 9))
-        return s.getsockname()[0]
+def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
+    """replay_grpo.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
+    rg.validate(cfg, argv)
+
+    def need(ok, message):
+        if not ok:
+            raise UserError(message)
+
+    for name, test, valid in (
+        ("num_generators", lambda v: v >= 1, ">= 1"),
+        ("num_generators", lambda v: v <= 256, "<= 256 (a process each)"),
+        ("publish_check", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
+    ):
+        need(test(getattr(cfg, name)), f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {valid}")
+    urls, W = cfg.generator_urls, cfg.num_generators
+    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
+    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    need(
+        not any(a == "--generator" or a.startswith("--generator=") for a in argv),
+        "--generator: async_pipeline.py generates on vLLM servers (--num-generators, --generator-urls)",
+    )
+    need(
+        cfg.prox_lag == 0,
+        f"--prox-lag {cfg.prox_lag}: only the synchronous loop (replay_grpo.py) keeps lagged weights: use 0 here",
+    )
+    need(
+        cfg.sampling != "queue" or cfg.zero_variance_groups == "keep",
+        "--sampling queue needs --zero-variance-groups keep here: requests thinned by dropped groups cannot fill "
+        "the queue exactly",
+    )
 
 
-def train_async(cfg: rg.Args) -> dict:
-    """The W/T pipeline: run under `torchrun --nproc_per_node T`, or as one process (T = 1)."""
-    owns_group = init_process_group(cfg)
-    rank, T, W = dist.get_rank(), dist.get_world_size(), cfg.num_generators
-    device, _ = place_trainer(rank, 0 if cfg.generator_urls else W)
-    B, N = cfg.batch_size, cfg.buffer_size
-    servers, loop, publisher, runlog, old_sigterm = [], None, None, None, signal.getsignal(signal.SIGTERM)
-    run_dir = None
+def parse_args(argv: list[str]) -> AsyncArgs:
+    """--preset NAME (replay_grpo.PRESETS) picks the defaults; every other flag overrides them."""
+    return rg.parse_args(argv, flags=AsyncArgs, description=__doc__)
+
+
+def run_async(argv: list[str]) -> dict:
+    cfg = parse_args(argv)
+    validate(cfg, argv)
+    run_folder.quiet_libraries(cfg.verbose)
     try:
-        # 0. setup: the servers given by URL probed (before anything is written), the run folder (rank 0 creates it),
-        #    the policy sharded over the T ranks, a buffer shard each
-        check_sharding(cfg, T)
-        probed = [probe(url.rstrip("/")) for url in cfg.generator_urls] if rank == 0 else []
-        run_folder.seed_everything(cfg.seed)
-        if rank == 0:
-            kernels.report_precision(device)
-        box = [run_folder.open_run(cfg) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        run_name, run_dir, ckpt = box[0]
-        if rank == 0:  # first: it may write the warm-start cache that the others then read
-            with rg.torch_threads(warm_start_threads(device)):
-                task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
-        barrier()
-        if rank != 0:
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank)
-        prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
-        kernels.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, route=route)  # before sharding
-        kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
-        # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
-        # and save_pretrained writes a checkpoint through it
-        host_copy = kernels.cast_copy(model, kernels.compute_dtype(device), torch.device("cpu")) if rank == 0 else None
-        policy = shard_policy(model, device)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-        shard = rg.make_buffer(cfg, capacity=N // T, seed=cfg.seed + 1_000_003 * rank)
-        # rank 0's run totals and dealing state (checkpointed)
-        totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
-        step, dealing = 0, None
-        if state is not None:
-            step, dealing = resume_async(
-                state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard, totals=totals
-            )
-        dealer = Dealer(cfg, T, dealing)
-        nonfinite_streak, last_eval, fresh, step_tokens = 0, {}, [], 0  # step_tokens: generated since the last record
-        ready = False  # every shard could draw a batch at the last look
-        dtype = kernels.compute_dtype(device)
-        publish_from = device if route == "nccl" else torch.device("cpu")  # the disk route writes from the host
-        first = gather_weights(policy, dtype, publish_from)  # collective
-        probes = probe_pairs(task, tok)
-        if rank == 0:
-            signal.signal(signal.SIGTERM, _interrupt)
-            servers = start_generators(
-                cfg, run_dir, host_copy, tok, T=T, device=device, probed=probed, longest_prompt=task.longest_prompt
-            )
-            for s in servers:  # the token ids the trainer can take: its embedding's rows and its head's outputs
-                s.vocab = vocab_size(host_copy)
-            seconds = wait_ready(servers) if cfg.generator_urls else None  # up already: before any record is written
-            runlog = run_folder.RunLog(cfg, run_name, run_dir, step)
-            print(f"run folder: {run_dir}")
-            if seconds is None:
-                seconds = wait_ready(servers)
-            tied = bool(getattr(host_copy.config, "tie_word_embeddings", False))
-            publisher = Publisher(
-                servers, route, run_dir / "published", dtype, tied=tied, address=rendezvous_address(cfg), device=device
-            )
-            publisher.publish(first, step, wait=True)  # every server holds this policy before its first request
-            eos_ids = rg.stop_token_ids(host_copy, tok)
-            if step == 0:  # on a server, before the rollouts' requests
-                evaluator = ServerEvaluator(servers[0], eos_ids, policy_version=step, seed=cfg.seed)
-                last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=runlog, warm=warm)
-            loop = RolloutLoop(cfg, servers, task, tok, eos_ids, first_group_id=dealer.next_group_id)
-            print(
-                f"async: W = {W} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} s), "
-                f"T = {T} trainer rank(s); requests of {cfg.rollouts_per_step} rollouts, batch B = {B} "
-                f"({B // T}/rank), buffer N = {N} ({N // T}/rank), {loop.capacity} requests in flight or waiting, "
-                f"weights by {route} every {cfg.publish_every} step(s)"
-            )
-            bar = rg.Progress(step, cfg.total_steps)
+        return train_async(cfg)
+    except PipelineError as e:  # a generator died; every rank stops
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
 
-        del first
-        while step < cfg.total_steps:
-            # 1. rank 0 takes what the generators finished and deals it round-robin; it waits (the
-            #    trainers idle) only while a shard lacks a batch of B/T
-            t0 = time.perf_counter()
-            if rank == 0:
-                failure = publisher.error and str(publisher.error)
-                out, new, tokens = dealer.take(loop, totals, step, wait=not ready, failure=failure)
-                fresh += new
-                step_tokens += tokens
-            box = [None]
-            dist.scatter_object_list(box, out if rank == 0 else None, src=0)
-            mine = box[0]
-            shard.push(mine["rollouts"])
-            if mine["failure"]:  # every rank stops here, none is left waiting in a collective
-                if rank == 0:
-                    mine["failure"] += f"; {run_folder.what_is_kept(run_dir)}"
-                barrier()  # the others wait: once a rank exits, torchrun SIGTERMs the rest
-                raise PipelineError(
-                    mine["failure"]
-                    if rank == 0
-                    else f"rank {rank} stopped by rank 0: {mine['failure'].splitlines()[0]}"
-                )
-            ready = rg.all_ranks(torch.tensor(shard.ready(B // T, step), device=device))  # every shard has a batch
-            if not ready:
-                if rank == 0:
-                    totals["trainer_idle_seconds"] += time.perf_counter() - t0
-                continue
-            wait_seconds = time.perf_counter() - t0
 
-            # 2. one optimizer step on B/T rollouts per rank (their uses are counted); FSDP averages the gradients
-            batch, since_last_use = shard.sample(B // T, step)
-            t0 = time.perf_counter()
-            policy.train()
-            stats = rg.train_step(policy, optimizer, batch, cfg, tok.pad_token_id, version=step)
-            optimizer.zero_grad(set_to_none=True)  # their memory back for the publish and the evaluation
-            report = {
-                "stats": stats,
-                "train_seconds": time.perf_counter() - t0,
-                "sums": rg.batch_sums(batch, step),
-                "since_last": since_last_use,
-                "buffer_size": len(shard),
-                "evicted_uses": shard.evicted_uses,
-            }
-            reports = [None] * T if rank == 0 else None
-            dist.gather_object(report, reports, dst=0)
-            step += 1  # the policy version of the updated weights
-            nonfinite_streak = nonfinite_streak + 1 if stats["nonfinite"] else 0  # same on every rank
-            if nonfinite_streak >= rg.MAX_NONFINITE_STEPS:
-                raise run_folder.nonfinite_stop(nonfinite_streak, step, ckpt)
+def main(argv: list[str] | None = None) -> dict | None:
+    return rg.run_command(run_async, argv)
 
-            # 3. publish the weights every k steps and at an evaluation (a server evaluates them: it waits for them,
-            #    as the queue baseline's next requests do); on GPUs one gathered copy at a time: while the last is
-            #    still going out, this step's is not gathered (the next publish sends newer weights)
-            evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
-            t0 = time.perf_counter()
-            publishing = step % cfg.publish_every == 0 or evaluating
-            if publishing and route == "nccl" and waits and rank == 0:
-                publisher.idle(failure=loop.failure)
-            elif publishing and route == "nccl":
-                publishing = rg.all_ranks(torch.tensor(rank != 0 or not publisher.sending, device=device))
-            check = None  # every --publish-check k-th publish: the probe and the trainer's log-probs (collective)
-            if publishing and cfg.publish_check and step % (cfg.publish_every * cfg.publish_check) == 0:
-                check = (probes, trainer_logprobs(policy, probes, tok))
-            if publishing:
-                gathered = gather_weights(policy, dtype, publish_from)  # collective
-                if rank == 0:
-                    publisher.publish(gathered, step, wait=waits, failure=loop.failure, check=check)
-                del gathered
-            weights = full_weights(policy) if evaluating else None  # the checkpoint's fp32 (collective)
-            evaluator = None
-            if rank == 0 and evaluating and publisher.done_version == step:  # else the failure stops the next step
-                evaluator = ServerEvaluator(servers[0], eos_ids, policy_version=step, seed=cfg.seed + step)
-            sync_seconds = time.perf_counter() - t0
 
-            # 4. rank 0: the step's record, an evaluation every --eval-every steps; every rank: a checkpoint
-            if rank == 0:
-                dealer.held = [r["buffer_size"] for r in reports]
-                record = async_record(
-                    step=step,
-                    reports=reports,
-                    totals=totals,
-                    fresh=fresh,
-                    batch_size=B,
-                    T=T,
-                    W=W,
-                    generated_tokens=step_tokens,
-                    queue_depth=loop.depth(),
-                    publish_seconds=publisher.seconds,
-                    publishes=publisher.count,
-                    publish_probe_diff=publisher.probe_diff,
-                    mixed_version_rollouts=totals.get("mixed_version_rollouts", 0),
-                    rollouts_per_rank=list(dealer.dealt),
-                    wait_seconds=wait_seconds,
-                    sync_seconds=sync_seconds,
-                )
-                fresh, step_tokens = [], 0
-                evaluation = rg.end_step(cfg, record, batch, tok, task, evaluator=evaluator, runlog=runlog, bar=bar)
-                last_eval = evaluation or last_eval
-                if evaluator is not None:
-                    evaluator.close()
-            if evaluating:
-                state = {"step": step, "totals": totals, "dealing": dealer.state_dict(), "mode": "async", "trainers": T}
-                save_async_checkpoint(
-                    run_dir,
-                    rank,
-                    policy=policy,
-                    optimizer=optimizer,
-                    shard=shard,
-                    weights=weights,
-                    model=host_copy,
-                    tok=tok,
-                    state=state,
-                )
-        if rank == 0:
-            bar.close()
-            print_summary(totals, T, W)
-        return {**last_eval, "run_dir": str(run_dir)}
-    except ServerError as e:  # a server failed at setup (the loop's failures, PipelineErrors, say what is kept)
-        raise ServerError(f"{e}; {run_folder.what_is_kept(run_dir)}") from None
-    finally:
-        if rank == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
-            try:
-                if loop is not None:
-                    loop.close()
-                if publisher is not None:
-                    publisher.close()
-            finally:  # the servers stop whatever happened above (a second Ctrl-C included)
-                stop_servers(servers)
-                signal.signal(signal.SIGTERM, old_sigterm)
-        if runlog is not None:
-            runlog.close()
-        if owns_group:
-            dist.destroy_process_group()
+if __name__ == "__main__":
+    import async_pipeline  # run as the module that the tests and tools import: one copy of every class
+
+    async_pipeline.main()

@@ -16,12 +16,12 @@ Where the paper is silent or this code departs from it: rewards are {0, 1} (the 
 the population std + 1e-6; zero-variance groups are kept and counted (--zero-variance-groups drop refills them);
 training samples untruncated (top-p 1, no top-k) so behaviour and trainer log-probs agree; a supervised warm start
 gives the tiny model its skill; the synchronous loop alternates generation and training, the paper's W/T split is
---mode async (async_pipeline.py).
+its own entry beside this one (async_pipeline.py, its flags extending these).
 
 Two parts, each in the order a rollout flows. The method: the config and presets, Rollout and the advantages, the
 ReplayBuffer and its rules, the losses and train_step, the rollout maker, the synchronous loop `train`. Then, after
 the one line that marks its end, what it runs on: tasks and rewards, models and log-probs, generation, evaluation,
-the run's records, flag checks, the planner, main.
+the run's records, flag checks, the memory plan, the planner, main.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.util
 import itertools
 import json
 import math
@@ -68,7 +69,7 @@ class Args:
     preset: PresetName = "cpu"  # a named set of every flag's defaults (PRESETS below); later flags override it
     # --- the method (the paper's symbols) ---
     group_size: int = 16  # G: completions per prompt; the GRPO advantage is the reward's z-score within its group
-    prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step (async: a request)
+    prompts_per_step: int = 8  # fresh prompts per step: R = prompts_per_step x G new rollouts a step
     batch_size: int = 128  # B: rollouts sampled from the buffer for each optimizer step (the paper: 60)
     buffer_size: int = 128  # N: FIFO replay buffer capacity in rollouts; N = B = R with k = 1 is on-policy GRPO
     publish_every: int = 1  # k: copy the trainer's weights to the generator(s) every k optimizer steps
@@ -124,17 +125,10 @@ class Args:
     sample_every: int = 0  # also write a few trained rollouts to <run>/samples.jsonl every this many steps (0: off)
     verbose: bool = False  # let vLLM's and math-verify's own log lines (weight reloads, timeouts) reach the console
     # --- engine and infrastructure ---
-    mode: Literal["sync", "async"] = "sync"  # async: W vLLM servers stream to T trainers (torchrun, FSDP2)
-    num_generators: int = 1  # W (--mode async): vLLM servers (launched: one per GPU the trainers do not use)
-    generator_urls: list[str] = dataclasses.field(default_factory=list)  # async: servers started elsewhere (W URLs)
-    generator_host: str = "127.0.0.1"  # async: the address the launched servers listen on
-    weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # async: how weights reach the servers (docs/async.md)
-    publish_check: int = 1  # async: every k-th publish, each server's log-probs of a fixed probe checked (0: off)
-    generator: Literal["auto", "vllm", "hf"] = "auto"  # sync: vllm, an engine synced on publish; hf: transformers
+    generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
-    dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
     activation_checkpointing: bool = False  # keep each decoder layer's input only, recompute the rest in backward
 
     @property
@@ -144,9 +138,7 @@ class Args:
 
 # Fixed settings of the method (a flag each would only clutter --help; edit them here):
 PRIORITY_EPS = 0.01  # eps of the priority (|A| + eps)^alpha: a zero-advantage rollout can still be drawn
-STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
 BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "priority_alpha", "priority_tau")  # its rules
-MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
 
@@ -559,44 +551,6 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     return step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
 
 
-@torch.no_grad()
-def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
-    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
-    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
-    log-prob mismatch on the rollouts made by exactly the weights trained now."""
-    sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
-    ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
-    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
-        sums["entropy"] += ent.sum().item()
-        sums["clipped"] += clipped.sum().item()
-        sums["ratio"] += ratio.sum().item()
-        ratio_max = max(ratio_max, ratio.max().item())
-        add_staleness_sums(
-            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
-        )
-        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
-        if fresh.any():
-            d = (logp - behaviour)[fresh]
-            sums["mismatch_abs"] += d.abs().sum().item()
-            sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
-            sums["mismatch_tokens"] += int(fresh.sum())
-    stats = {
-        "loss": loss,
-        "entropy": sums["entropy"] / total_tokens,
-        "clip_frac": sums["clipped"] / total_tokens,
-        "ratio_mean": sums["ratio"] / total_tokens,
-        "ratio_max": ratio_max,
-        "grad_norm": grad_norm,
-        "nonfinite": int(math.isnan(grad_norm)),  # train_step passes NaN for a skipped step
-        "trained_tokens": total_tokens,
-        "staleness_sums": staleness_sums,
-    }
-    if m := sums["mismatch_tokens"]:
-        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
-        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
-    return stats
-
-
 # ===== The rollout maker: G completions per prompt, scored, group statistics frozen =================
 
 
@@ -651,9 +605,9 @@ def train(cfg: Args) -> dict:
     run_folder.seed_everything(cfg.seed)
     kernels.report_precision(device)
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
-    run_name, run_dir, ckpt = run_folder.open_run(cfg)
+    run_name, run_dir, ckpt = run_folder.open_run(cfg, "replay_grpo.py")
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
-    kernels.check_memory_plan(cfg, model, (task.longest_prompt, task.longest_eval_prompt), device)  # or refuses it
+    check_memory_plan(cfg, model, (task.longest_prompt, task.longest_eval_prompt), device)  # or refuses it
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
@@ -1801,11 +1755,11 @@ def first_evaluation(generator, tok, task: Task, cfg: Args, runlog, warm: dict |
     return metrics
 
 
-def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0):
+def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0, mode: str = "sync"):
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
     the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
     the warm start's record, logged at step 0 only, is None. The optimizer state is read on rank 0 only (at 7B it
-    is ~60 GB: the other ranks get it by broadcast)."""
+    is ~60 GB: the other ranks get it by broadcast). mode: the loop resuming it, sync or async (async_pipeline.py)."""
     task = make_task(cfg)
     if task.repeats and rank == 0:
         where = cfg.data_path or f"--rg-dataset {cfg.rg_dataset}"
@@ -1816,7 +1770,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         return task, model, tok, model_dir, warm, None
 
     torch_load = functools.partial(torch.load, weights_only=False)
-    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if cfg.mode == "sync" else ()
+    sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if mode == "sync" else ()
     state = run_folder.read_checkpoint_file(
         ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
     )
@@ -1824,11 +1778,11 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         state["optimizer"] = run_folder.read_checkpoint_file(
             ckpt, "optimizer.pt", torch_load, ("state", "param_groups")
         )
-    if (state["mode"], state["trainers"]) != (cfg.mode, trainers):
+    if (state["mode"], state["trainers"]) != (mode, trainers):
         raise UserError(
-            f"--resume: {ckpt} was saved by --mode {state['mode']} with "
+            f"--resume: {ckpt} was saved by {run_folder.ENTRIES[state['mode']]} with "
             f"{state['trainers']} trainer rank(s); resume it that way, not with "
-            f"--mode {cfg.mode} on {trainers} rank(s)"
+            f"{run_folder.ENTRIES[mode]} on {trainers} rank(s)"
         )
     # checkpoints hold the fp32 masters
     model, tok = run_folder.read_checkpoint_file(
@@ -1978,6 +1932,48 @@ class Progress:
         self.bar.close()
 
 
+STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  # label, largest staleness in it
+MISMATCH_WARN = 0.05  # warn when sampler and trainer log-probs differ more than this per token
+
+
+@torch.no_grad()
+def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
+    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
+    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
+    log-prob mismatch on the rollouts made by exactly the weights trained now."""
+    sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
+    ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
+    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
+        sums["entropy"] += ent.sum().item()
+        sums["clipped"] += clipped.sum().item()
+        sums["ratio"] += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        add_staleness_sums(
+            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
+        )
+        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
+        if fresh.any():
+            d = (logp - behaviour)[fresh]
+            sums["mismatch_abs"] += d.abs().sum().item()
+            sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
+            sums["mismatch_tokens"] += int(fresh.sum())
+    stats = {
+        "loss": loss,
+        "entropy": sums["entropy"] / total_tokens,
+        "clip_frac": sums["clipped"] / total_tokens,
+        "ratio_mean": sums["ratio"] / total_tokens,
+        "ratio_max": ratio_max,
+        "grad_norm": grad_norm,
+        "nonfinite": int(math.isnan(grad_norm)),  # train_step passes NaN for a skipped step
+        "trained_tokens": total_tokens,
+        "staleness_sums": staleness_sums,
+    }
+    if m := sums["mismatch_tokens"]:
+        stats["logprob_mismatch_abs"] = sums["mismatch_abs"] / m
+        stats["logprob_mismatch_kl"] = sums["mismatch_kl"] / m
+    return stats
+
+
 def staleness_bucket(staleness: int) -> str:
     """The STALENESS_BUCKETS label of a staleness: '0', '1', '2-3', '4-7' or '8+'."""
     return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
@@ -2036,21 +2032,15 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
     for names, test, valid in (
         (
             "group_size prompts_per_step batch_size buffer_size total_steps max_new_tokens pass_k micro_batch_size "
-            "publish_every num_generators eval_size arith_terms sft_patience sft_check_prompts".split(),
+            "publish_every eval_size arith_terms sft_patience sft_check_prompts".split(),
             lambda v: v >= 1,
             ">= 1",
         ),
-        (
-            "eval_every sft_warmup_steps arith_max_operand sample_every dist_timeout publish_check".split(),
-            lambda v: v >= 0,
-            ">= 0",
-        ),
+        ("eval_every sft_warmup_steps arith_max_operand sample_every".split(), lambda v: v >= 0, ">= 0"),
         (("lr", "sft_lr", "m2po_tau"), lambda v: 0 < v < math.inf, "a positive number"),
         (("temperature",), lambda v: 0.01 <= v <= 100, "in [0.01, 100] (logits / T must stay finite)"),
         (("group_size", "batch_size", "buffer_size"), lambda v: v <= MAX_ROLLOUTS, f"<= {MAX_ROLLOUTS} (rollouts)"),
-        (("num_generators",), lambda v: v <= 256, "<= 256 (a process each)"),
         (("arith_terms",), lambda v: v <= MAX_MODEL_LEN, f"<= {MAX_MODEL_LEN} (the longest context)"),
-        (("dist_timeout",), lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
         (("clip_low", "positive_bias"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (
             ("arith_demo_error", "sft_target", "sft_imitation", "vllm_gpu_memory_utilization"),
@@ -2098,14 +2088,11 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
-    typed = typed_flags(argv)
+    typed = typed_flags(argv, type(cfg))
     for owner, used, names in OWNED_FLAGS:  # a preset's own value was not typed: only what the user typed is refused
         for name in names:
             asked = name in typed and (name not in OFF_VALUES or getattr(cfg, name) != OFF_VALUES[name])
             need(used(cfg) or not asked, f"{flag(name)}: only {owner} reads it, so it would be ignored")
-    urls, W = cfg.generator_urls, cfg.num_generators
-    need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
-    need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
     validate_rules(cfg, need)
     validate_correction(cfg, need)
 
@@ -2124,19 +2111,15 @@ OWNED_FLAGS = (
         lambda cfg: cfg.sft_warmup_steps > 0,
         "sft_target sft_patience sft_check_prompts sft_lr sft_lr_decay sft_imitation arith_demo_error".split(),
     ),
-    (
-        "--mode async",
-        lambda cfg: cfg.mode == "async",
-        "num_generators generator_urls generator_host weight_transfer publish_check dist_timeout".split(),
-    ),
 )
 # An owned flag typed at this value turns its feature off, so asks for nothing that could be ignored: accepted
 OFF_VALUES = {"sft_target": 0.0, "sft_imitation": 0.0, "arith_demo_error": 0.0, "sft_lr_decay": False}
 
 
-def typed_flags(argv: list[str]) -> set[str]:
-    """The Args fields named on a command line: --name value, --name=value, underscores or dashes, --no-name."""
-    fields = {f.name for f in dataclasses.fields(Args)}
+def typed_flags(argv: list[str], flags: type = Args) -> set[str]:
+    """The fields of `flags` (Args, or the async entry's) named on a command line: --name value, --name=value,
+    underscores or dashes, --no-name."""
+    fields = {f.name for f in dataclasses.fields(flags)}
     typed = set()
     for token in argv:
         if not token.startswith("--"):
@@ -2167,10 +2150,6 @@ def validate_correction(cfg: Args, need) -> None:
     need(
         cfg.loss == "grpo" or cfg.correction in ("tis", "seq-mask"),
         f"--correction {cfg.correction}: needs --loss grpo (it reshapes the clipped ratio; asymre has none)",
-    )
-    need(
-        cfg.prox_lag == 0 or cfg.mode == "sync",
-        "--prox-lag: only the synchronous loop keeps lagged weights (--mode async: 0)",
     )
 
 
@@ -2222,15 +2201,11 @@ def validate_rules(cfg: Args, need) -> None:
         f"--sampling queue: --batch-size {B} must be a multiple of R = {R} (--prompts-per-step x "
         "--group-size), so that whole requests fill a batch and no rollout waits forever",
     )
-    need(
-        cfg.mode == "sync" or cfg.zero_variance_groups == "keep",
-        "--sampling queue --mode async needs "
-        "--zero-variance-groups keep: requests thinned by dropped groups cannot fill the queue exactly",
-    )
 
 
-def parse_args(argv: list[str]) -> Args:
-    """--preset NAME picks the defaults; every other flag overrides them."""
+def parse_args(argv: list[str], flags: type = Args, description: str = __doc__) -> Args:
+    """--preset NAME picks the defaults; every other flag overrides them. `flags`: Args, or a class extending it (the
+    async entry's), whose own fields keep their defaults under every preset."""
     preset = "cpu"
     for i, a in enumerate(argv):  # the last --preset wins, as for every other flag
         if a == "--preset" and i + 1 < len(argv):
@@ -2239,10 +2214,267 @@ def parse_args(argv: list[str]) -> Args:
             preset = a.split("=", 1)[1]
     if preset not in PRESETS:
         raise UserError(f"--preset {preset}: unknown (valid: {', '.join(PRESETS)})")
-    cfg = tyro.cli(Args, default=PRESETS[preset], args=argv, description=__doc__.split("\n\n")[0])
-    if cfg.mode == "async" and any(a == "--generator" or a.startswith("--generator=") for a in argv):
-        raise UserError("--generator: --mode async generates on vLLM servers (--num-generators, --generator-urls)")
-    return cfg
+    known = {f.name for f in dataclasses.fields(flags)} | {"help"}
+    for token in argv:  # one line, where tyro would print a box
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if token.startswith("--") and name not in known and name.removeprefix("no_") not in known:
+            entry = description.split(":")[0]
+            raise UserError(f"{token.split('=')[0]}: {entry} has no such flag ({entry} --help lists them)")
+    default = flags(**{f.name: getattr(PRESETS[preset], f.name) for f in dataclasses.fields(Args)})
+    return tyro.cli(flags, default=default, args=argv, description=description.split("\n\n")[0])
+
+
+# ===== The memory plan: a step's bytes on each trainer's device, checked before the first step =====
+# Bytes a train step needs on each trainer's device, estimated before the first step from the model's shapes and the
+# run's settings (`plan_memory`), printed as a table and checked against the device (`check_memory_plan`):
+#   states       fp32 masters 4, gradients 4, Adam's two moments 8 bytes a parameter (per rank: its FSDP2 shard)
+#   fresh grad   sync: the largest parameter's new fp32 gradient, live beside its .grad until autograd adds it (a
+#                second micro-batch, or a tied embedding's second use: 0.51 GiB of the 0.5B-width peak on an H200)
+#   copies       the compute-dtype weights the forward and backward use: autocast's casts of every weight (sync);
+#                FSDP2's all-gathered root (embeddings, head, final norm) and two decoder layers, and fp32 gradients
+#                of the root and two layers before their reduce-scatter (async)
+#   activations  tokens of the longest micro-batch (micro-batch x (longest training prompt + max new tokens)) x
+#                (layers x act_layer + act_outside); with activation checkpointing, layers x 4h (each layer's fp32
+#                input) + one layer's act_layer for its recompute. Per token, c the compute dtype's bytes:
+#                act_layer   = 16h + 8 (two RMSNorms in fp32) + 5hc (the inputs of q, k, v, gate and up, each
+#                              cast) + 3qc + 2kc (attention: q, output, o_proj's input; k and v) + 4 heads (its
+#                              log-sum-exp) + 4ic (the MLP); in fp32 compute the cast inputs are shared (8h)
+#                act_outside = 14h (the embedding's output, the final norm, the head's input, its gradient)
+#                (h hidden, i intermediate, q heads x head_dim, k key-value heads x head_dim)
+#   workspace    the triton log-prob backward's dz buffer and fp32 dH (backward_workspace_bytes) for the tokens above
+#   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter); async: the
+#                --vllm-gpu-memory-utilization share of each launched server on this rank's GPU (server_gpus)
+#   publisher    async rank 0 with --weight-transfer nccl: the full model gathered in c for a publish, and vLLM's
+#                packed broadcast buffers; held while the publisher thread sends, beside the next steps
+#   evaluation   sync, after a step: a separate evaluator's copy (c a parameter) and its KV cache (pass@k prompts x k
+#                sequences x (longest evaluation prompt + max new tokens) x layers x 2k c), beside the masters and
+#                Adam (gradients are freed by then); async evaluates on a server: nothing on the trainers
+#   reserve      what no tensor of the run holds: the CUDA context, NCCL's buffers, the allocator's fragmentation
+# The peak is the larger of the step and the evaluation. Checked on CPU against measurement (tests/test_memory_plan.py);
+# not yet against a GPU's allocator.
+DEVICE_GIB_ENV = "REPLAY_GRPO_DEVICE_GIB"  # a test hook: plan for a device of this many GiB (e.g. on a CPU)
+GIB = 2**30
+# Estimates, not measured here: the CUDA context with cuBLAS's workspaces (~0.5 GiB with lazy module loading) and the
+# caching allocator's fragmentation (~0.5 GiB), and each NCCL communicator's buffers (NCCL_BUFFSIZE's default 4 MiB
+# per peer and channel: 2 ring peers x up to 32 channels)
+CONTEXT_RESERVE_BYTES = 2**30
+NCCL_COMMUNICATOR_BYTES = 2**28
+# vllm.distributed.weight_transfer.packed_tensor (vLLM 0.32): DEFAULT_PACKED_BUFFER_SIZE_BYTES (1 GiB) x
+# DEFAULT_PACKED_NUM_BUFFERS (2), the nccl route's broadcast buffers; written out, as vLLM is optional
+PACKED_BROADCAST_BYTES = 2 * 2**30
+FRESH_GRADIENT_ROW = "fresh gradient (largest parameter)"
+PUBLISHER_ROW, RESERVE_ROW = "publisher (nccl: gathered copy, buffers)", "reserve (CUDA context, NCCL, fragmentation)"
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The device's memory (REPLAY_GRPO_DEVICE_GIB simulates one); None where there is no plan to check (CPU)."""
+    if os.environ.get(DEVICE_GIB_ENV):
+        return int(float(os.environ[DEVICE_GIB_ENV]) * GIB)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def shard_elements(params, ranks: int) -> int:
+    """Elements of the largest FSDP2 shard of `params` over `ranks` (each tensor split on dim 0, padded)."""
+    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // max(1, p.shape[0])) if p.dim() else 1 for p in params)
+
+
+def activation_bytes(config, tokens: int, compute_bytes: int, checkpointing: bool = False) -> int:
+    """Bytes autograd saves for the forward of `tokens` tokens through a decoder of `config` (see above)."""
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    c = compute_bytes
+    inputs = 5 * h * c if c < 4 else 8 * h
+    layer = 16 * h + 8 + inputs + (3 * q + 2 * kv) * c + 4 * heads + 4 * i * c
+    per_token = (L * 4 * h + layer) if checkpointing else L * layer
+    return tokens * (per_token + 14 * h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a run generates and evaluates, as its caller knows it: the plan reads the method's flags only."""
+
+    servers: int = 0  # W vLLM servers of async_pipeline.py; 0: the synchronous loop's generator in this process
+    launched: bool = True  # the servers are launched on this node's GPUs (not started elsewhere)
+    route: str = "disk"  # how the weights reach the servers: nccl or disk
+    asked: str = "auto"  # the route asked for (auto: nccl where every server has a GPU of its own)
+
+
+def servers_on_gpu(layout: Layout, trainers: int, n_gpus: int | None, gpu: int) -> int:
+    """The launched vLLM servers on GPU `gpu` of this node: async_pipeline.server_gpus's round-robin after the
+    trainers' GPUs (rank r on GPU r). None or 0 GPUs: every server has a GPU of its own, or runs on the CPU."""
+    if not layout.servers or not layout.launched or not n_gpus:
+        return 0
+    return sum((trainers + i) % n_gpus == gpu for i in range(layout.servers))
+
+
+def plan_memory(
+    model, cfg, prompt_tokens, device_total: int, compute_bytes: int, trainers=1, rank=0, n_gpus=None, layout=Layout()
+) -> dict:
+    """This rank's bytes by row (see above) for `model` (meta tensors will do) under the run's settings `cfg`.
+    prompt_tokens: the longest (training, evaluation) prompt, or one length for both; n_gpus: this node's GPUs
+    (servers_on_gpu); layout: the servers and their weight transfer (async_pipeline.py's), or none (the sync loop)."""
+    sync = not layout.servers
+    train_prompt, eval_prompt = (prompt_tokens, prompt_tokens) if isinstance(prompt_tokens, int) else prompt_tokens
+    c = compute_bytes
+    params = list(model.parameters())
+    P = sum(p.numel() for p in params)
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+    layer_P = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
+    mine = P if trainers == 1 else shard_elements(params, trainers)
+    tokens = cfg.micro_batch_size * (train_prompt + cfg.max_new_tokens)
+    config = model.config
+    kv = config.num_key_value_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    rows = {"fp32 masters": 4 * mine, "fp32 gradients": 4 * mine, "Adam moments (fp32)": 8 * mine}
+    if sync:  # async: FSDP2's unsharded fp32 gradients are in its compute copies' row
+        rows[FRESH_GRADIENT_ROW] = 4 * max(p.numel() for p in params)
+        rows["compute copies"] = c * P if c < 4 else 0
+    else:
+        root = P - layer_P * len(layers)
+        rows["compute copies"] = c * (root + 2 * layer_P) + 4 * (root + 2 * layer_P)
+    rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
+    rows["log-prob workspace"] = kernels.backward_workspace_bytes(tokens, config.hidden_size, config.vocab_size, c)
+    vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
+    if sync:
+        generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
+    else:  # a server sharing this GPU takes its --vllm-gpu-memory-utilization of it (async_pipeline.start_generators)
+        generator = servers_on_gpu(layout, trainers, n_gpus, rank) * int(cfg.vllm_gpu_memory_utilization * device_total)
+    rows["generator (resident)"] = generator
+    nccl_publisher = not sync and rank == 0 and layout.route == "nccl"
+    if nccl_publisher:
+        rows[PUBLISHER_ROW] = c * P + PACKED_BROADCAST_BYTES
+    evaluator = c * P if sync and cfg.publish_every > 1 else 0  # an HF copy, built for the evaluation
+    evaluates_here = evaluator or (sync and not vllm)  # else: in the engine, or on a server (async)
+    kv_cache = (
+        50
+        * cfg.pass_k
+        * bool(evaluates_here)
+        * (eval_prompt + cfg.max_new_tokens)
+        * config.num_hidden_layers
+        * 2
+        * kv
+        * c
+    )
+    rows["evaluation (copy + KV cache)"] = evaluator + kv_cache
+    communicators = (trainers > 1) + (layout.servers if nccl_publisher else 0)  # FSDP's group, one per server
+    rows[RESERVE_ROW] = CONTEXT_RESERVE_BYTES + NCCL_COMMUNICATOR_BYTES * communicators
+    after = ("fp32 masters", "Adam moments (fp32)", "generator (resident)", "evaluation (copy + KV cache)")
+    after += (PUBLISHER_ROW, RESERVE_ROW)
+    train = sum(rows.values()) - rows["evaluation (copy + KV cache)"]
+    evaluation = sum(rows.get(key, 0) for key in after)
+    return {
+        "rows": rows,
+        "train": train,
+        "evaluation": evaluation,
+        "peak": max(train, evaluation),
+        "prompt_tokens": (train_prompt, eval_prompt),
+        "route": layout.route if not sync else ("a vLLM engine" if vllm else "an HF copy") + " in this process",
+    }
+
+
+def check_memory_plan(
+    cfg, model, prompt_tokens, device: torch.device, trainers: int = 1, rank: int = 0, n_gpus=None, layout=Layout()
+):
+    """Before the first step, on a GPU (or a device simulated by REPLAY_GRPO_DEVICE_GIB): rank 0 prints the plan, a
+    column per kind of rank, and every rank refuses a run that cannot fit in one line naming flags that would.
+    prompt_tokens: the longest (training, evaluation) prompt kept; n_gpus: this node's (default: those torch sees);
+    layout: the caller's servers (plan_memory)."""
+    total = device_bytes(device)
+    if total is None:
+        return None
+    c = kernels.compute_dtype(device).itemsize
+    if n_gpus is None:
+        n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+
+    def plans(cfg, T, n_gpus=n_gpus, layout=layout):  # every trainer rank's
+        kw = dict(prompt_tokens=prompt_tokens, device_total=total, compute_bytes=c, trainers=T)
+        return [plan_memory(model, cfg, rank=r, n_gpus=n_gpus, layout=layout, **kw) for r in range(T)]
+
+    mine = plans(cfg, trainers)
+    if rank == 0:
+        print_plan(mine, total, layout)
+    peak = max(p["peak"] for p in mine)
+    if peak <= total:
+        return mine
+    raise UserError(
+        f"the memory plan needs {peak / GIB:.1f} GiB on a trainer's device, more than its {total / GIB:.1f} GiB "
+        f"(the table above): {fitting_flags(cfg, trainers, plans, total, n_gpus=n_gpus, layout=layout)}"
+    )
+
+
+def print_plan(plans: list[dict], total: int, layout: Layout) -> None:
+    """The table: a column for rank 0 and one for each run of ranks with the same plan; a row absent is 0."""
+    columns = [("rank 0", plans[0])]
+    start = 1
+    for r in range(1, len(plans)):
+        if r + 1 == len(plans) or plans[r + 1]["rows"] != plans[start]["rows"]:
+            columns.append((f"rank {start}" if r == start else f"ranks {start}-{r}", plans[start]))
+            start = r + 1
+    train, evaluation = plans[0]["prompt_tokens"]
+    how = f"weights to the servers by {plans[0]['route']}" if layout.servers else plans[0]["route"]
+    print(f"memory plan per trainer rank (GiB, estimated before the first step; device {total / GIB:.1f} GiB):")
+    print(f"  longest prompt {train} tokens in training, {evaluation} in evaluation; {how}")
+    print(f"  {'':44}" + "".join(f"{name:>12}" for name, _ in columns))
+    for key in dict.fromkeys(k for p in plans for k in p["rows"]):
+        print(f"  {key:44}" + "".join(f"{p['rows'].get(key, 0) / GIB:12.1f}" for _, p in columns))
+    for key in ("train", "evaluation", "peak"):
+        print(
+            f"  {key + (' step' if key == 'train' else ''):44}" + "".join(f"{p[key] / GIB:12.1f}" for _, p in columns)
+        )
+
+
+def fitting_flags(cfg, trainers: int, plans, total: int, n_gpus: int = 0, layout: Layout = Layout()) -> str:
+    """The fewest changes that fit: activation checkpointing, then smaller micro-batches, then more trainer ranks. No
+    layout it proposes puts a launched server on rank 0's GPU: where the run's does (server_gpus shares rank 0's
+    first), or with more trainer ranks, the servers are as many as have a GPU of their own (W + T <= the node's);
+    a layout beyond this node's GPUs is named with the GPUs it needs."""
+    sizes = [cfg.micro_batch_size >> k for k in range(cfg.micro_batch_size.bit_length())]
+    acs = dict.fromkeys([cfg.activation_checkpointing, True])
+    W = layout.servers or 1
+    local = layout.launched  # servers that rank 0 launches on this node's GPUs
+    route = layout.asked if layout.asked != "auto" else ("nccl" if n_gpus else "disk")
+
+    def layouts(T):  # (servers, the node's GPUs planned: None for each server on a GPU of its own, or beyond this node)
+        if not local or not n_gpus:
+            yield W, (n_gpus if T == trainers else None)
+        elif T == trainers and not servers_on_gpu(layout, T, n_gpus, 0):  # the user's layout: none on rank 0's GPU
+            yield W, n_gpus
+        elif T < n_gpus:
+            yield min(W, n_gpus - T), n_gpus  # every server on a GPU of its own
+        else:
+            yield W, None  # more GPUs than this node's
+
+    tries = [(T, w, n, ac, m) for T in range(trainers, 9) for w, n in layouts(T) for ac in acs for m in sizes]
+
+    def changes(t):  # on this node first, fewer ranks, servers kept, fewer flags changed, the micro-batch kept
+        T, w, n, ac, m = t
+        return n is None and bool(n_gpus), T, w != W, (ac != cfg.activation_checkpointing) + (m != sizes[0]), -m
+
+    for T, w, n, ac, m in sorted(tries, key=changes):
+        changed = dataclasses.replace(cfg, activation_checkpointing=ac, micro_batch_size=m)
+        same = T == trainers and w == W and n == n_gpus
+        tried = layout if same else dataclasses.replace(layout, servers=w if T > 1 else layout.servers, route=route)
+        if max(p["peak"] for p in plans(changed, T, n, tried)) > total:
+            continue
+        flags = ["--activation-checkpointing"] * (ac and not cfg.activation_checkpointing)
+        flags += [f"--micro-batch-size {m}"] * (m != cfg.micro_batch_size)
+        servers = [f"--num-generators {w}"] * (w != W and T > 1)
+        node = f" on a node of {w + T} GPUs (this one has {n_gpus})" if n is None and n_gpus and local else ""
+        if same:
+            return "it fits with " + " ".join(flags)
+        if T == trainers:  # async: the servers off the trainers' GPUs
+            return f"it fits{node} with every server on a GPU of its own: {' '.join(servers + flags)}".rstrip(": ")
+        if layout.servers:
+            return f"it fits on {T} trainer ranks{node}: torchrun --nproc_per_node {T} ... " + " ".join(flags + servers)
+        return (
+            f"it fits with async_pipeline.py on {T} trainer ranks{node}: torchrun --standalone --nproc_per_node {T} "
+            f"async_pipeline.py --preset {cfg.preset} --num-generators 1 {' '.join(flags)} (and your other "
+            "flags; more generators on the GPUs left)"
+        ).replace("  (", " (")
+    return "nothing tried fits (activation checkpointing, micro-batches down to 1, up to 8 trainer ranks)"
 
 
 # ===== The planner: the paper's compute-optimal N/R and B/R =======================================
@@ -2342,10 +2574,6 @@ def plan(args: PlanArgs) -> dict:
 # ===== Main =======================================================================================
 
 
-class PipelineError(RuntimeError):
-    """--mode async: a vLLM server failed (or rank 0 stopped the run because of one)."""
-
-
 def terminated(signum, frame):
     """SIGTERM (kill, a scheduler, a container's stop) stops a run as Ctrl-C does: by default it would end the process
     at once, with no line saying what is kept. A second one, while the run stops, is ignored."""
@@ -2353,7 +2581,9 @@ def terminated(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def run_command(run: Callable[[list[str]], dict | None], argv: list[str] | None) -> dict | None:
+    """`run` on the command line (default: sys.argv's): a UserError is one line and exit 2, Ctrl-C or SIGTERM says
+    what is kept and exits 130; the run's folder is unlocked whatever happens. Both entries run this way."""
     argv = sys.argv[1:] if argv is None else argv
     old_sigterm = None
     if threading.current_thread() is threading.main_thread():
@@ -2362,24 +2592,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         old_sigterm = signal.signal(signal.SIGTERM, terminated)
     try:
-        if argv[:1] == ["plan"]:
-            return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
-        cfg = parse_args(argv)
-        validate(cfg, argv)
-        run_folder.quiet_libraries(cfg.verbose)
-        if cfg.mode == "async":
-            from async_pipeline import train_async  # the W/T pipeline: imported only when used
-
-            return train_async(cfg)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise UserError("torchrun --nproc_per_node > 1 needs --mode async (the synchronous loop is one process)")
-        return train(cfg)
+        return run(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    except PipelineError as e:  # --mode async: a generator died; every rank stops
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
     except KeyboardInterrupt:
         print(f"interrupted: {run_folder.what_is_kept()}", file=sys.stderr)
         raise SystemExit(130)
@@ -2389,7 +2605,22 @@ def main(argv: list[str] | None = None) -> dict | None:
             signal.signal(signal.SIGTERM, old_sigterm)
 
 
+def run_sync(argv: list[str]) -> dict:
+    if argv[:1] == ["plan"]:
+        return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
+    cfg = parse_args(argv)
+    validate(cfg, argv)
+    run_folder.quiet_libraries(cfg.verbose)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("torchrun --nproc_per_node > 1 runs async_pipeline.py (the synchronous loop is one process)")
+    return train(cfg)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    return run_command(run_sync, argv)
+
+
 if __name__ == "__main__":
-    import replay_grpo  # run as the module that async_pipeline.py imports: one copy of every class
+    import replay_grpo  # run as the module that async_pipeline.py and the tools import: one copy of every class
 
     replay_grpo.main()

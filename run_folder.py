@@ -19,6 +19,8 @@ class UserError(Exception):
     """A mistake in flags, input files or the run folder: printed as one clear line, never as a traceback."""
 
 
+ENTRIES = {"sync": "replay_grpo.py", "async": "async_pipeline.py"}  # the script that runs each loop
+
 # Flags a resume may change: how long to run, how often to evaluate and log, where the folder is, and the
 # infrastructure that sets how fast, not what, the run computes. Any other difference from config.json is refused.
 RESUMABLE = (
@@ -166,10 +168,11 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def check_resume_config(cfg, run_dir: Path) -> None:
-    """The saved configuration is the truth: refuse a resume whose flags differ outside RESUMABLE (one line naming
-    each, with its saved and given values), or that gives a flag config.json lacks another value than its default;
-    append the flags that changed (and those config.json lacks: saved as null) to <run>/resumes.jsonl."""
+def check_resume_config(cfg, run_dir: Path, entry: str) -> None:
+    """The saved configuration is the truth: refuse a resume by another entry than the one that started the run
+    (`entry`: replay_grpo.py or async_pipeline.py), or whose flags differ outside RESUMABLE (one line naming each,
+    with its saved and given values), or that gives a flag config.json lacks another value than its default; append
+    the flags that changed (and those config.json lacks: saved as null) to <run>/resumes.jsonl."""
     config = run_dir / "config.json"
     try:
         saved = read_json(config.read_text(), str(config), max_chars=None)
@@ -180,6 +183,10 @@ def check_resume_config(cfg, run_dir: Path) -> None:
             f"--resume: {config} is missing or damaged ({type(e).__name__}): the run's "
             "settings are unknown, so it cannot be continued"
         ) from None
+    # a folder from before the two entries names its loop by --mode instead
+    made_by = saved.pop("entry", None) or ENTRIES.get(saved.pop("mode", "sync"), "replay_grpo.py")
+    if made_by != entry:
+        raise UserError(f"--resume: {run_dir} was started by {made_by}, so only {made_by} continues it, not {entry}")
     given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as saved: JSON types
 
     def flag(name: str) -> str:
@@ -315,9 +322,10 @@ def disk_full(e: BaseException, where: Path) -> bool:
 # ===== Creating a run folder, its checkpoints and its records =====================================
 
 
-def open_run(cfg) -> tuple[str, Path, Path]:
-    """Run name, folder (created, locked for this process, config saved once) and checkpoint; never overwrites a
-    run, resumes one without --resume, resumes it with other settings, or appends to a killed run's records."""
+def open_run(cfg, entry: str) -> tuple[str, Path, Path]:
+    """Run name, folder (created, locked for this process, config saved once with the `entry` that runs it) and
+    checkpoint; never overwrites a run, resumes one without --resume, resumes it with other settings or by the other
+    entry, or appends to a killed run's records."""
     R, B, N = cfg.rollouts_per_step, cfg.batch_size, cfg.buffer_size
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_name = cfg.run_name or f"{cfg.preset}-{cfg.loss}-N{N}-B{B}-R{R}-s{cfg.seed}-{stamp}"
@@ -348,10 +356,10 @@ def open_run(cfg) -> tuple[str, Path, Path]:
             f"folder (rm -r {run_dir}) to start again, or choose another --run-name"
         )
     if cfg.resume:
-        check_resume_config(cfg, run_dir)
+        check_resume_config(cfg, run_dir, entry)
     else:
         try:
-            write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+            write_atomic(run_dir / "config.json", json.dumps({"entry": entry, **dataclasses.asdict(cfg)}, indent=2))
         except OSError as e:
             full = "disk full: " if disk_full(e, run_dir) else ""
             raise UserError(f"{full}cannot write {run_dir / 'config.json'} ({e.strerror or e})") from None

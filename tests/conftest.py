@@ -1,4 +1,4 @@
-"""Real vLLM server processes for the tests of --mode async, shared by the whole session (a server takes half a
+"""Real vLLM server processes for the tests of async_pipeline.py, shared by the whole session (a server takes half a
 minute to start on 2 cores). They listen on 127.0.0.2, not the trainers' own address, so that nothing assumes
 localhost. Without vLLM these tests skip with the reason, except under REPLAY_GRPO_REQUIRE_VLLM=1 (CI).
 

@@ -1,4 +1,4 @@
-"""Stand-in HTTP servers for the fault tests of --mode async. Each binds a loopback address of this machine (127.0.0.x)
+"""Stand-in HTTP servers for the fault tests of async runs. Each binds a loopback address of this machine (127.0.0.x)
 on a free port, serves on a thread of its own, and stops by itself after MAX_REQUESTS requests or LIFETIME seconds, or
 when closed. A "vllm" stand-in answers the routes the run uses as vLLM 0.32's API server does (the samples: a fixed
 completion, log-probs of -1, the weight version last published) until its `fault` takes over; "500" answers HTTP 500

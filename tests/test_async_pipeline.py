@@ -1,7 +1,7 @@
-"""--mode async on real vLLM server processes (tests/conftest.py): served log-probs against the trainer's, publishes
-(tied and untied heads), version spans across a publish; through the real CLI, torchrun with 2 FSDP2 trainer ranks,
-resume with servers the run launches itself, a server killed mid-run, and one process (T = 1) stopped by Ctrl-C.
-CPU, offline."""
+"""async_pipeline.py on real vLLM server processes (tests/conftest.py): served log-probs against the trainer's,
+publishes (tied and untied heads), version spans across a publish; through the real CLI, torchrun with 2 FSDP2 trainer
+ranks, resume with servers the run launches itself, a server killed mid-run, and one process (T = 1) stopped by
+Ctrl-C. CPU, offline."""
 
 import copy
 import json
@@ -31,7 +31,7 @@ import warm_start  # noqa: E402
 
 TINY = (
     "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
-    "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --eval-every 0 --mode async "
+    "--buffer-size 16 --max-new-tokens 4 --eval-size 8 --pass-k 2 --eval-every 0 "
     "--num-generators 1 --loss asymre --lr 1e-3"
 ).split()  # asymre: nonzero gradients at reward 0
 
@@ -58,7 +58,7 @@ def torchrun(nproc: int, *args) -> list[str]:
         str(nproc),
         "--master-port",
         str(free_port()),
-        str(ROOT / "replay_grpo.py"),
+        str(ROOT / "async_pipeline.py"),
         *TINY,
         *args,
     ]
@@ -170,6 +170,24 @@ def two_rank_run(tmp_path_factory, vllm_servers):
     return out / "t2", log
 
 
+def test_the_door_torchrun_async_pipeline_names_its_entry_and_only_it_resumes_the_run(two_rank_run):
+    """`torchrun --nproc_per_node 2 async_pipeline.py --preset cpu ... --num-generators 1` (the fixture's run) trains
+    through the W/T system's own entry: its config.json names that entry, and replay_grpo.py refuses to resume the
+    folder in one line (exit 2), writing nothing."""
+    run_dir, log = two_rank_run
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["entry"] == "async_pipeline.py" and config["num_generators"] == 1 and "mode" not in config
+    assert [r["step"] for r in metrics(run_dir)] == list(range(7)) and "async: W = 1 vLLM server(s)" in log
+    before = sorted(p.name for p in run_dir.iterdir())
+    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--out-dir", str(run_dir.parent)]
+    res = subprocess.run(
+        cmd + ["--run-name", run_dir.name, "--resume"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    started = f"{run_dir} was started by async_pipeline.py, so only async_pipeline.py continues it, not replay_grpo.py"
+    assert res.returncode == 2 and res.stderr == f"error: --resume: {started}\n", res.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
 def test_two_ranks_write_rank_0s_trained_samples_every_sample_every_steps(two_rank_run):
     run_dir, _ = two_rank_run
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -273,7 +291,7 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path, tiny):
         res = subprocess.run(
             [
                 sys.executable,
-                str(ROOT / "replay_grpo.py"),
+                str(ROOT / "async_pipeline.py"),
                 *tiny,
                 "--sft-warmup-steps",
                 "20",
@@ -295,14 +313,14 @@ def test_an_async_run_logged_to_a_file_has_no_progress_bar(tmp_path, tiny):
 
 
 def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
-    """T = 1 as plain `python replay_grpo.py` launching its server; Ctrl-C (SIGINT to the process group) ends it
+    """T = 1 as plain `python async_pipeline.py` launching its server; Ctrl-C (SIGINT to the process group) ends it
     cleanly, server included, even when it was started with SIGINT ignored, as a background job of a script starts
     it. The trainer shares the cores with the server it launched; the warm start, trained before the server starts,
     uses them all."""
     run = Run(
         [
             sys.executable,
-            str(ROOT / "replay_grpo.py"),
+            str(ROOT / "async_pipeline.py"),
             *TINY,
             "--total-steps",
             "100000",
@@ -482,12 +500,12 @@ def build_shifted(model, seed: int):
 
 
 def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path):
-    """--mode async evaluates on a server holding the published weights: its greedy completions of the held-out
+    """async_pipeline.py evaluates on a server holding the published weights: its greedy completions of the held-out
     prompts are HF generate's token for token, the greedy accuracy is the same, and the record names the version;
     an answer from other weights than the version evaluated is one line naming the server."""
     model, tok = warm_start.build_tiny_model(51)
     server = vllm_servers["tied"]
-    cfg = rg.parse_args(TINY + ["--max-new-tokens", "12", "--eval-size", "16"])
+    cfg = ap.parse_args(TINY + ["--max-new-tokens", "12", "--eval-size", "16"])
     task = rg.make_task(cfg)
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="127.0.0.1")
     publisher.publish(model.state_dict(), 51, wait=True)
@@ -579,7 +597,7 @@ def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_s
 def test_the_rollout_loop_hands_out_the_freshest_first_within_its_slots():
     """The channel (no servers: the dealer's side alone): at most `capacity` requests in flight or waiting, the
     newest finished first, and one passed over `capacity` times goes before any newer one."""
-    cfg = rg.parse_args(TINY + ["--sampling", "queue", "--batch-size", "16", "--buffer-size", "16"])
+    cfg = ap.parse_args(TINY + ["--sampling", "queue", "--batch-size", "16", "--buffer-size", "16"])
     loop = ap.RolloutLoop(cfg, [], task=None, tok=None, eos_ids=[], first_group_id=0)
     assert loop.capacity == 2  # max(W, B/R) for the queue: B/R = 16/8
     assert loop.slots.acquire(timeout=0) and loop.slots.acquire(timeout=0) and not loop.slots.acquire(timeout=0)
@@ -628,11 +646,11 @@ def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
 
 def test_the_weight_transfer_is_nccl_only_where_every_server_has_its_own_gpu(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert ap.weight_transfer(rg.parse_args(TINY), cpu, 1) == "disk"
+    assert ap.weight_transfer(ap.parse_args(TINY), cpu, 1) == "disk"
     with pytest.raises(rg.UserError, match="^--weight-transfer nccl needs CUDA"):
-        ap.weight_transfer(rg.parse_args(TINY + ["--weight-transfer", "nccl"]), cpu, 1)
+        ap.weight_transfer(ap.parse_args(TINY + ["--weight-transfer", "nccl"]), cpu, 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    five = rg.parse_args(TINY + ["--num-generators", "5"])
+    five = ap.parse_args(TINY + ["--num-generators", "5"])
     assert ap.weight_transfer(five, gpu, 3) == "nccl"  # (W, T) = (5, 3) on 8 GPUs
     assert ap.weight_transfer(five, gpu, 4) == "disk"  # one server would share a trainer's GPU
 
@@ -640,11 +658,11 @@ def test_the_weight_transfer_is_nccl_only_where_every_server_has_its_own_gpu(mon
 def test_where_the_servers_are_does_not_change_the_warm_start():
     """The warm-start cache is keyed by what changes the warm start: which servers generate, where, and how the
     weights reach them do not, so a run on other servers reuses it."""
-    base = rg.parse_args(TINY)
+    base = ap.parse_args(TINY)
     elsewhere = TINY + ["--generator-urls", "http://a:1", "http://b:2", "--num-generators", "2"]
     elsewhere += ["--generator-host", "10.0.0.2", "--weight-transfer", "disk"]
     cpu = torch.device("cpu")
-    assert warm_start.warm_start_key(rg.parse_args(elsewhere), cpu) == warm_start.warm_start_key(base, cpu)
+    assert warm_start.warm_start_key(ap.parse_args(elsewhere), cpu) == warm_start.warm_start_key(base, cpu)
 
 
 def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch):
@@ -656,7 +674,7 @@ def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch
     launched = []
     monkeypatch.setattr(ap.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    cfg = rg.parse_args(TINY)
+    cfg = ap.parse_args(TINY)
     ap.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
     (gpu2, env2), (gpu3, env3), (cpu, env_cpu) = launched
     assert env2["CUDA_VISIBLE_DEVICES"] == "2" and env3["CUDA_VISIBLE_DEVICES"] == "3"
@@ -801,7 +819,7 @@ def test_the_process_group_timeout_is_the_flag(tmp_path, monkeypatch, tiny):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "init_process_group", spy)
-    rg.main(tiny + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
+    ap.main(tiny + ["--total-steps", "1", "--dist-timeout", "7", "--out-dir", str(tmp_path), "--run-name", "t"])
     assert seen["timeout"] == datetime.timedelta(minutes=7)
 
 
@@ -814,7 +832,7 @@ def test_a_trainer_with_servers_elsewhere_takes_every_core_unless_told(tmp_path,
         env["OMP_NUM_THREADS"] = omp
     args = [*tiny, "--total-steps", "2", "--out-dir", str(tmp_path), "--run-name", "t"]
     res = subprocess.run(
-        [sys.executable, str(ROOT / "replay_grpo.py"), *args],
+        [sys.executable, str(ROOT / "async_pipeline.py"), *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -843,7 +861,7 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
     import kernels
 
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    rg.main(tiny + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])
+    ap.main(tiny + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])
     ckpt = tmp_path / "d" / "checkpoint"
     assert {t.dtype for t in load_file(ckpt / "model.safetensors").values()} == {torch.float32}
     assert json.loads((ckpt / "config.json").read_text())["dtype"] == "float32"
@@ -851,6 +869,6 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
 
 def test_async_trains_with_activation_checkpointing_applied_before_fully_shard(tmp_path, tiny):
     """Each decoder layer checkpointed, then sharded: the FSDP2 units all-gather again for the recompute."""
-    out = rg.main(tiny + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
+    out = ap.main(tiny + ["--total-steps", "2", "--activation-checkpointing", "--out-dir", str(tmp_path)])
     recs = metrics(Path(out["run_dir"]))[1:]
     assert len(recs) == 2 and all(r["grad_norm"] > 0 and r["nonfinite"] == 0 for r in recs), recs

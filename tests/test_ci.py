@@ -4,6 +4,8 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,16 +30,21 @@ def test_the_source_check_names_each_kind_of_violation():
     assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
 
 
-def test_the_source_check_keeps_the_method_first_in_replay_grpo():
-    """The method's landmarks in replay_grpo.py before their lines: the real file passes; one pushed down fails."""
+@pytest.mark.parametrize("name", ["replay_grpo.py", "async_pipeline.py"])
+def test_the_source_check_keeps_the_method_and_the_system_first(name):
+    """replay_grpo.py's marked method end and async_pipeline.py's train_async before their lines, each with 40 lines
+    of room at least: the real files pass; pushed down, or without the line, they fail in one line each."""
     check = load_check()
-    path = Path("replay_grpo.py")
+    path, (start, limit) = Path(name), check.POSITIONS[name]
     text = (ROOT / path).read_text()
     assert check.violations(path, text, set()) == []
-    pushed = "\n" * 300 + text  # 300 more lines above everything
-    found = check.violations(path, pushed, set())
-    assert len(found) == 4 and "'class ReplayBuffer' must start before line 260" in found[0]
-    assert check.violations(path, text.replace(check.METHOD_END, "# the end"), set())[-1].startswith(path.name + ":-:")
+    at = next(i + 1 for i, line in enumerate(text.splitlines()) if line.startswith(start))
+    assert at <= limit - 40, f"{name}: {start!r} at line {at}, less than 40 lines before its limit {limit}"
+    found = check.violations(path, "\n" * (limit - at) + text, set())  # pushed down to its limit
+    assert found == [f"{name}:{limit}: {start!r} must start before line {limit} (the method or system first)"]
+    assert check.violations(path, text.replace(start, "# gone"), set()) == [
+        f"{name}:-: {start!r} must start before line {limit} (the method or system first)"
+    ]
 
 
 def test_the_source_check_fails_on_a_tracked_tree_over_its_size_limit(tmp_path, capsys):

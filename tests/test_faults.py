@@ -73,8 +73,11 @@ def test_a_resume_with_a_flag_that_shapes_the_run_is_refused_naming_each(tmp_pat
     err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--resume", "--buffer-size", "16", "--lr", "0.5"))
     assert "--buffer-size 16 (saved: 8)" in err and f"--lr 0.5 (saved: {rg.PRESETS['cpu'].lr})" in err
     assert "mixes two" in err
-    err = user_error(capsys, small_args(tmp_path, "--run-name", "r", "--resume", "--mode", "async"))
-    assert "--mode async (saved: sync)" in err
+    with pytest.raises(SystemExit) as exc:  # the other entry: one line, exit 2
+        ap.main(small_args(tmp_path, "--run-name", "r", "--resume"))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert "was started by replay_grpo.py, so only replay_grpo.py continues it, not async_pipeline.py" in err
     assert (tmp_path / "r" / "config.json").read_text() == saved  # a refused resume writes nothing
 
 
@@ -421,13 +424,7 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--batch-size", "100000000", "--buffer-size", "100000000"], "--batch-size 100000000: must be <= 65536"),
         (["--arith-terms", "1000000"], "--arith-terms 1000000: must be <= 4096"),
         (["--arith-terms", "3000"], "--arith-terms 3000: every eval prompt is longer than the model's context (512"),
-        (["--mode", "async", "--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
-        (["--mode", "async", "--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
-        (["--generator-urls", "http://a:1"], "--generator-urls ['http://a:1']: only --mode async reads it"),
-        (["--mode", "async", "--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
-        (["--mode", "async", "--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
-        (["--mode", "async", "--generator", "vllm"], "--generator: --mode async generates on vLLM servers"),
-        (["--mode", "async", "--weight-transfer", "nccl"], "--weight-transfer nccl needs CUDA on the trainers"),
+        (["--generator-urls", "http://a:1"], "--generator-urls: replay_grpo.py has no such flag"),
         (["--sft-target", "0.5"], "--sft-target 0.5: only a warm start (--sft-warmup-steps > 0) reads it"),
         (["--sft-imitation", "0.6"], "--sft-imitation 0.6: only a warm start (--sft-warmup-steps > 0) reads it"),
         (["--task", "gsm8k", "--arith-terms", "3"], "--arith-terms 3: only --task arith reads it"),
@@ -439,6 +436,30 @@ def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, 
     t0 = time.time()
     err = user_error(capsys, small_args(tmp_path, "--run-name", "x", *extra))
     assert needle in err and time.time() - t0 < 20, err
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
+        (["--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
+        (["--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
+        (["--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
+        (["--generator", "vllm"], "--generator: async_pipeline.py generates on vLLM servers"),
+        (["--weight-transfer", "nccl"], "--weight-transfer nccl needs CUDA on the trainers"),
+        (["--mode", "async"], "--mode: async_pipeline.py has no such flag"),
+        (["--correction", "decoupled", "--loss", "grpo", "--prox-lag", "1"], "--prox-lag 1: only the synchronous loop"),
+        (
+            ["--sampling", "queue", "--zero-variance-groups", "drop"],
+            "--sampling queue needs --zero-variance-groups keep",
+        ),
+    ],
+)
+def test_async_settings_that_cannot_work_are_refused_by_its_entry_within_seconds(tmp_path, extra, needle):
+    t0 = time.time()
+    res = cli(small_args(tmp_path, "--run-name", "x", *extra), entry="async_pipeline.py")
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert needle in res.stderr and time.time() - t0 < 60, res.stderr
 
 
 def test_a_presets_own_value_or_a_flag_that_turns_a_feature_off_passes_without_what_reads_it():
@@ -833,7 +854,7 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
     assert records_without_timing(tmp_path / "a") == records_without_timing(tmp_path / "b")
 
 
-# --- 8. --mode async: a server that hangs stops the run ----------------------------------------------
+# --- 8. async_pipeline.py: a server that hangs stops the run ----------------------------------------------
 
 
 def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path, vllm_servers):
@@ -841,8 +862,8 @@ def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path
     the trainer would otherwise train the last batch over and over: the run stops once a request outlasts its bound
     (10 x the longest so far, at least the floor: FLOOR here), names the server, keeps the
     checkpoint and stops the server; --resume continues from it on another (the session's)."""
-    args = small_args(tmp_path, "--mode", "async", "--run-name", "r", "--eval-every", "5")
-    run = Run([sys.executable, str(ROOT / "replay_grpo.py"), *args, "--total-steps", "100000"], env=ENV)
+    args = small_args(tmp_path, "--run-name", "r", "--eval-every", "5")
+    run = Run([sys.executable, str(ROOT / "async_pipeline.py"), *args, "--total-steps", "100000"], env=ENV)
     try:
         started = run.poll_until(
             lambda: (tmp_path / "r" / "checkpoint").exists() and len(metrics(tmp_path / "r")) >= 8, 400
@@ -865,7 +886,7 @@ def test_a_stopped_server_stops_the_run_in_one_line_and_the_run_resumes(tmp_path
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] % 5 == 0 and state["step"] >= 5
     resumed = subprocess.run(
-        [sys.executable, str(ROOT / "replay_grpo.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)]
+        [sys.executable, str(ROOT / "async_pipeline.py"), *args, "--resume", "--total-steps", str(state["step"] + 2)]
         + ["--generator-urls", vllm_servers["tied"].url],
         cwd=ROOT,
         env=ENV,
@@ -883,7 +904,7 @@ def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vl
     times out, and the loop delivers again once the trainer takes."""
     monkeypatch.setattr(ap, "REQUEST_FLOOR", 1.0)
     monkeypatch.setattr(ap, "START_SECONDS", 60.0)
-    cfg = rg.parse_args(small_args(tmp_path, "--mode", "async", "--generator-urls", vllm_servers["tied"].url))
+    cfg = ap.parse_args(small_args(tmp_path, "--generator-urls", vllm_servers["tied"].url))
     model, tok = warm_start.build_tiny_model(0)
     server = vllm_servers["tied"]
     publisher = ap.Publisher([server], "disk", tmp_path / "p", torch.float32, True, "127.0.0.1")
@@ -902,7 +923,7 @@ def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vl
         loop.close()
 
 
-# --- 9. --mode async: what hangs never holds the run -------------------------------------------------------
+# --- 9. async_pipeline.py: what hangs never holds the run -------------------------------------------------------
 
 
 def silent_server() -> tuple[socket.socket, str]:
@@ -999,9 +1020,9 @@ def test_the_nccl_rendezvous_is_on_the_route_to_servers_elsewhere(monkeypatch):
     """Servers on other nodes reach rank 0 at its address on the route to them, whatever torchrun's MASTER_ADDR
     (127.0.0.1 on one node) says; servers launched here at --generator-host."""
     monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")
-    cfg = rg.parse_args(["--mode", "async", "--generator-urls", "http://127.0.0.2:8000"])
+    cfg = ap.parse_args(["--generator-urls", "http://127.0.0.2:8000"])
     assert ap.rendezvous_address(cfg) == "127.0.0.1"
-    assert ap.rendezvous_address(rg.parse_args(["--mode", "async", "--generator-host", "127.0.0.3"])) == "127.0.0.3"
+    assert ap.rendezvous_address(ap.parse_args(["--generator-host", "127.0.0.3"])) == "127.0.0.3"
 
 
 def test_the_scorer_process_ends_with_its_trainer():
@@ -1023,7 +1044,7 @@ def test_the_scorer_process_ends_with_its_trainer():
     assert not os.path.exists(f"/proc/{pid}"), pid
 
 
-# --- 10. --mode async: servers the run did not launch, probed at start; a wrong answer or silence named -------------
+# --- 10. async_pipeline.py: servers the run did not launch, probed at start; a wrong answer or silence named ------
 
 
 @functools.cache
@@ -1039,8 +1060,8 @@ def tiny_tokenizer():
 
 def async_args(out_dir: Path, url: str, *extra) -> list[str]:
     """A run on the stand-in, whose answers carry no model: no publish check of its log-probs (--publish-check 0)."""
-    return [sys.executable, str(ROOT / "replay_grpo.py")] + small_args(
-        out_dir, "--mode", "async", "--generator-urls", url, "--run-name", "r", "--publish-check", "0", *extra
+    return [sys.executable, str(ROOT / "async_pipeline.py")] + small_args(
+        out_dir, "--generator-urls", url, "--run-name", "r", "--publish-check", "0", *extra
     )
 
 
@@ -1049,37 +1070,78 @@ def at(url: str):
     return contextlib.nullcontext(types.SimpleNamespace(url=url))
 
 
-START_FAULTS = {  # how the server is made, what the one line says, and whether the run folder was made by then
-    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 0),
-    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 0),
-    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 0),
-    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 0),
-    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 0),
-    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404", 0),
-    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404", 0),
+DIAGNOSED = {  # how the server is made, and what tools/check_servers.py's one line for it says
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port"),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved"),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved"),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s"),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server'),
+    "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404"),
+    "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404"),
     "a version below the floor": (
         lambda: StandIn(version="0.31.2"),
         "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
-        0,
     ),
     "no weight routes": (
         lambda: StandIn(missing=("/is_paused",)),
         "without its weight routes (GET /is_paused answered 404): start it with VLLM_SERVER_DEV_MODE=1",
-        0,
     ),
     "no token route": (
         lambda: StandIn(missing=(GENERATE,)),
         f"without its token route (POST {GENERATE} answered 404): start it with --enable-scale-out",
+    ),
+    "a context too short": (
+        lambda: StandIn(encode=encode, max_model_len=8),
+        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens (--context 64)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DIAGNOSED))
+def test_the_preflight_names_what_is_wrong_with_a_server_in_one_line_within_seconds(case):
+    """python tools/check_servers.py URL --context N, the check the docs ask for before a run on servers started
+    elsewhere: one line (exit 2) names the URL and what was found, within seconds; a right server is one line, exit
+    0."""
+    make, needle = DIAGNOSED[case]
+    cmd = [sys.executable, str(ROOT / "tools" / "check_servers.py"), "--context", "64"]
+    with make() as server:
+        t0 = time.time()
+        res = subprocess.run(cmd + [server.url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90)
+        took = time.time() - t0
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-3000:]
+    assert res.stderr.startswith(f"error: --generator-urls {server.url}: ") and needle in res.stderr, res.stderr
+    assert took < 30, took
+    with StandIn(encode=encode, max_model_len=64) as server:
+        res = subprocess.run(cmd + [server.url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0 and res.stdout.endswith(": ok\n") and "context 64" in res.stdout, res.stdout
+
+
+WEIGHT_ROUTES = ("/is_paused", "/pause", "/resume", "/collective_rpc", "/update_weight_version")  # dev mode's
+START_FAULTS = {  # how the server is made, what the run's one line says, its exit status, whether its folder was made
+    "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 2, 0),
+    "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 2, 0),
+    "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 2, 0),
+    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 2, 0),
+    "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 2, 0),
+    "a plain http.server": (lambda: StandIn("static"), "GET /version answered HTTP 404: ", 2, 0),
+    "a version below the floor": (
+        lambda: StandIn(version="0.31.2"),
+        "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
+        2,
         0,
     ),
     "another model": (
         lambda: StandIn(tokens=[7, 7, 7]),
-        "serves another model than the run's --model tiny: it serves /models/stand-in, whose tokenizer reads",
+        "serves another model than the run's --model tiny: its tokenizer reads",
+        2,
         1,
     ),
-    "a context too short": (
-        lambda: StandIn(encode=encode, max_model_len=8),
-        "its context, 8 tokens, is below the run's longest prompt and --max-new-tokens",
+    # the faults the preflight names and the run meets at its first request (the warm-up) or publish
+    "no token route": (lambda: StandIn(encode=encode, missing=(GENERATE,)), f"{GENERATE} answered 404", 1, 1),
+    "no weight routes": (
+        lambda: StandIn(encode=encode, missing=WEIGHT_ROUTES),
+        "/pause?mode=keep&clear_cache=false answered 404",
+        1,
         1,
     ),
 }
@@ -1087,19 +1149,23 @@ START_FAULTS = {  # how the server is made, what the one line says, and whether 
 
 @pytest.mark.parametrize("case", list(START_FAULTS))
 def test_a_server_elsewhere_that_is_down_wrong_or_silent_is_named_in_one_line_within_seconds(tmp_path, case):
-    """Each URL is probed at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found, within
-    seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same command
-    runs once the server is right (the model checks come once the run's tokenizer is loaded, after config.json)."""
-    make, needle, folder_made = START_FAULTS[case]
+    """Each URL is reached at start (PROBE_SECONDS a request): one line (exit 2) names the URL and what was found,
+    within seconds; before, a run waited for /health for 30 minutes, saying nothing. Nothing is recorded: the same
+    command runs once the server is right (the model check comes once the run's tokenizer is loaded, after
+    config.json). A server without the routes a run needs stops it at its first request or publish, in one line."""
+    make, needle, code, folder_made = START_FAULTS[case]
     with make() as server:
         t0 = time.time()
         rc, log = Run(async_args(tmp_path, server.url)).finish(timeout=90)
         took = time.time() - t0
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
-    assert errors[0].startswith(f"error: --generator-urls {server.url}: ") and needle in errors[0], errors
-    assert took < 30, took
-    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert rc == code and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    named = f"error: --generator-urls {server.url}: " if code == 2 else f"error: vLLM server {server.url}: "
+    assert errors[0].startswith(named) and needle in errors[0], errors
+    assert took < 30 + 30 * (code == 1), took  # code 1: after the run's start (its tokenizer, its first publish)
+    records = tmp_path / "r" / "metrics.jsonl"  # exit 2: none, the same command runs once the server is right
+    assert (tmp_path / "r").exists() == bool(folder_made) and not (tmp_path / "r" / "checkpoint").exists()
+    assert code == 1 or not records.exists() or not records.stat().st_size
     print(f"[{case}: one line {took:.1f} s after the start] {errors[0]}")
 
 
@@ -1262,7 +1328,7 @@ def test_each_servers_rank_offset_follows_the_world_sizes_of_the_servers_before_
 
 def test_a_request_floor_that_is_not_seconds_is_one_line():
     env = dict(ENV, REPLAY_GRPO_REQUEST_FLOOR="soon")
-    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), "--preset", "cpu", "--mode", "async", "--total-steps", "1"]
+    cmd = [sys.executable, str(ROOT / "async_pipeline.py"), "--preset", "cpu", "--total-steps", "1"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "error: REPLAY_GRPO_REQUEST_FLOOR='soon': not a positive number of seconds"
@@ -1272,8 +1338,8 @@ def test_a_request_floor_that_is_not_seconds_is_one_line():
 # --- a run folder, the warm-start cache and --out-dir compared by their real paths -----------------
 
 
-def cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "replay_grpo.py"), *args]
+def cli(args: list[str], timeout: float = 120, entry: str = "replay_grpo.py") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / entry), *args]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -1372,11 +1438,11 @@ def test_a_correction_knob_out_of_its_range_is_one_line(tmp_path, extra, needle)
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--publish-check", "1"], "--publish-check 1: only --mode async reads it"),
-        (["--num-generators=1"], "--num-generators 1: only --mode async reads it"),
-        (["--generator_host", "127.0.0.1"], "--generator-host 127.0.0.1: only --mode async reads it"),
-        (["--weight-transfer", "auto"], "--weight-transfer auto: only --mode async reads it"),
-        (["--dist-timeout", "120"], "--dist-timeout 120: only --mode async reads it"),
+        (["--publish-check", "1"], "--publish-check: replay_grpo.py has no such flag"),
+        (["--num-generators=1"], "--num-generators: replay_grpo.py has no such flag"),
+        (["--generator_host", "127.0.0.1"], "--generator_host: replay_grpo.py has no such flag"),
+        (["--weight-transfer", "auto"], "--weight-transfer: replay_grpo.py has no such flag"),
+        (["--dist-timeout", "120"], "--dist-timeout: replay_grpo.py has no such flag"),
         (["--correction", "decoupled", "--loss", "grpo", "--tis-cap", "2"], "--tis-cap 2.0: only --correction tis"),
         (["--correction", "tis", "--decoupled_cap=5"], "--decoupled-cap 5.0: only --correction decoupled reads it"),
         (["--sft-lr-decay"], "--sft-lr-decay True: only a warm start (--sft-warmup-steps > 0) reads it"),

@@ -69,7 +69,8 @@ def test_a_missed_speed_target_is_a_measured_row_not_a_failure(monkeypatch, caps
 
 
 def test_without_vllm_the_async_check_is_skipped_not_failed(monkeypatch, tmp_path):
-    """--mode async runs on `vllm serve`: where vLLM does not import, the row says so instead of failing the run."""
+    """async_pipeline.py runs on `vllm serve`: where vLLM does not import, the row says so instead of failing the
+    run."""
     import gpu_check
 
     def unavailable():

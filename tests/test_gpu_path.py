@@ -397,7 +397,7 @@ def test_the_disk_publish_writes_the_compute_dtype_once_with_the_head(tmp_path):
 
 
 def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, monkeypatch, vllm_servers):
-    """--mode async: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
+    """async_pipeline.py: rank 0 builds its evaluator for each evaluation and drops it; during the train steps no copy
     of the policy but the trainer's lives in the trainer process."""
     import gc
     import weakref
@@ -415,8 +415,8 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
 
     monkeypatch.setattr(rg.HFGenerator, "__init__", init)
     monkeypatch.setattr(rg, "train_step", train_step)
-    argv = SMALL + ["--mode", "async", "--generator-urls", vllm_servers["tied"].url, "--eval-every", "2"]
-    out = rg.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
+    argv = SMALL + ["--generator-urls", vllm_servers["tied"].url, "--eval-every", "2"]
+    out = ap.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
     assert live == [0, 0, 0, 0], live
     assert len(built) == 0  # the evaluators built for steps 0, 2 and 4 are gone too
     assert [r["step"] for r in metrics(out["run_dir"]) if "eval/greedy_acc" in r] == [0, 2, 4]

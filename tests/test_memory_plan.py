@@ -1,4 +1,4 @@
-"""The memory plan (kernels.plan_memory, printed and checked before the first step) against measurement on this CPU,
+"""The memory plan (rg.plan_memory, printed and checked before the first step) against measurement on this CPU,
 --activation-checkpointing, and the GPU presets' plans on simulated devices (REPLAY_GRPO_DEVICE_GIB, a test hook)."""
 
 import ast
@@ -75,8 +75,8 @@ def test_parameter_gradient_and_adam_bytes_are_exact(width):
     rg.train_step(model, opt, batch(), cfg, tok.pad_token_id, version=0)
     for hook in hooks:
         hook.remove()
-    rows = kernels.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
-    assert rows[kernels.FRESH_GRADIENT_ROW] == max(fresh)
+    rows = rg.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
+    assert rows[rg.FRESH_GRADIENT_ROW] == max(fresh)
     assert rows["fp32 masters"] == sum(p.nbytes for p in model.parameters())
     assert rows["fp32 gradients"] == sum(p.grad.nbytes for p in model.parameters())
     moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
@@ -91,7 +91,7 @@ def test_activation_bytes_are_what_autograd_saves_within_25_percent(width, dtype
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, dtype)
     model, _ = warm_start.build_tiny_model(0, **WIDTHS[width])
     measured = saved_bytes(model.train(), batch())
-    estimate = kernels.activation_bytes(model.config, 300, compute_bytes=2 if dtype == "bfloat16" else 4)
+    estimate = rg.activation_bytes(model.config, 300, compute_bytes=2 if dtype == "bfloat16" else 4)
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
 
 
@@ -107,7 +107,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_from_fewer_s
         runs[ac] = stats["loss"], {n: p.grad.clone() for n, p in m.named_parameters()}, saved_bytes(m, batch())
     (loss, grads, saved), (loss_ac, grads_ac, saved_ac) = runs[False], runs[True]
     assert abs(loss - loss_ac) <= 1e-6 and max((grads[n] - g).abs().max().item() for n, g in grads_ac.items()) <= 1e-6
-    est = [kernels.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
+    est = [rg.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
     assert saved_ac < 0.7 * saved and est[1] < 0.7 * est[0], (saved, saved_ac, est)
 
 
@@ -126,24 +126,24 @@ def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeyp
         memory_plan.plan(["--preset", "math-qwen2.5-7b"], memory_plan.H200_GIB)
     message = str(refused.value)
     assert "\n" not in message and "torchrun --standalone --nproc_per_node" in message, message
-    assert "--preset math-qwen2.5-7b --mode async" in message, message
+    assert "async_pipeline.py --preset math-qwen2.5-7b --num-generators 1" in message, message
 
 
-README_7B = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "5"]
+README_7B = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "5"]
 README_7B += ["--batch-size", "60", "--buffer-size", "84", "--prompts-per-step", "1"]
 EVALUATION = "evaluation (copy + KV cache)"
 
 
 def test_the_readmes_7b_async_command_fits_80_gb_ranks_at_the_presets_prompt_bound(capsys, monkeypatch):
-    """torchrun --nproc_per_node 3 ... --preset math-qwen2.5-7b --mode async --num-generators 5 ...: W + T = 8 GPUs
+    """torchrun --nproc_per_node 3 async_pipeline.py --preset math-qwen2.5-7b --num-generators 5 ...: W + T = 8 GPUs
     of 80 GB, every MATH prompt the run keeps at most --max-prompt-tokens 1024 (training and evaluation alike), the
     weights to the servers by NCCL (each server has a GPU of its own)."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    assert rg.parse_args(README_7B).max_prompt_tokens == 1024
+    assert ap.parse_args(README_7B[1:]).max_prompt_tokens == 1024
     plans = memory_plan.plan(README_7B, memory_plan.H100_GIB, trainers=3, gpus=8)
     assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30
     assert [p["prompt_tokens"] for p in plans] == [(1024, 1024)] * 3 and plans[0]["route"] == "nccl"
-    assert kernels.PUBLISHER_ROW in plans[0]["rows"] and "activations (8192 tokens)" in plans[0]["rows"]
+    assert rg.PUBLISHER_ROW in plans[0]["rows"] and "activations (8192 tokens)" in plans[0]["rows"]
     out = capsys.readouterr().out
     assert "longest prompt 1024 tokens in training, 1024 in evaluation; weights to the servers by nccl" in out, out
     with pytest.raises(rg.UserError, match="it fits with --activation-checkpointing$"):  # the preset's setting
@@ -166,7 +166,7 @@ def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
     model = memory_plan.meta_model(cfg.model)
 
     def plan(train, evaluation):
-        return kernels.plan_memory(model, cfg, (train, evaluation), device_total=80 * 2**30, compute_bytes=2)
+        return rg.plan_memory(model, cfg, (train, evaluation), device_total=80 * 2**30, compute_bytes=2)
 
     short, long_eval, long_train = plan(100, 100), plan(100, 1100), plan(1100, 100)
     assert long_eval["rows"][EVALUATION] - short["rows"][EVALUATION] == 1000 * kv_bytes_per_token(model, cfg, 2)
@@ -175,34 +175,35 @@ def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
 
 
 def test_async_rank_0_holds_no_evaluator_since_a_server_evaluates():
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    plans = [kernels.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r) for r in range(3)]
+    servers = rg.Layout(servers=5)
+    plans = [rg.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r, layout=servers) for r in range(3)]
     assert all(p["rows"][EVALUATION] == 0 for p in plans)
     rows = plans[0]["rows"]
-    after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[kernels.RESERVE_ROW]
+    after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[rg.RESERVE_ROW]
     assert plans[0]["evaluation"] == after < plans[0]["train"]
 
 
 def test_the_nccl_publisher_is_planned_on_rank_0_only_and_only_for_nccl():
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
     P = sum(p.numel() for p in model.parameters())
 
     def plans(route):
-        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, route=route)
-        return [kernels.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
+        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, layout=rg.Layout(5, route=route))
+        return [rg.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
 
     nccl, disk = plans("nccl"), plans("disk")
-    assert nccl[0]["rows"][kernels.PUBLISHER_ROW] == 2 * P + kernels.PACKED_BROADCAST_BYTES  # bf16 gather + buffers
-    assert all(kernels.PUBLISHER_ROW not in p["rows"] for p in nccl[1:] + disk)
-    extra = nccl[0]["rows"][kernels.RESERVE_ROW] - disk[0]["rows"][kernels.RESERVE_ROW]
-    assert extra == 5 * kernels.NCCL_COMMUNICATOR_BYTES  # a communicator per server
+    assert nccl[0]["rows"][rg.PUBLISHER_ROW] == 2 * P + rg.PACKED_BROADCAST_BYTES  # bf16 gather + buffers
+    assert all(rg.PUBLISHER_ROW not in p["rows"] for p in nccl[1:] + disk)
+    extra = nccl[0]["rows"][rg.RESERVE_ROW] - disk[0]["rows"][rg.RESERVE_ROW]
+    assert extra == 5 * rg.NCCL_COMMUNICATOR_BYTES  # a communicator per server
     assert nccl[1]["rows"] == disk[1]["rows"]
 
 
 def test_the_packed_broadcast_buffers_are_vllms_own():
-    """kernels.PACKED_BROADCAST_BYTES against the installed vLLM's defaults, read from its source (not imported)."""
+    """rg.PACKED_BROADCAST_BYTES against the installed vLLM's defaults, read from its source (not imported)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None:
         pytest.skip("vLLM is not installed")
@@ -212,7 +213,7 @@ def test_the_packed_broadcast_buffers_are_vllms_own():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").startswith("DEFAULT_PACKED_"):
             names[node.targets[0].id] = eval(compile(ast.Expression(node.value), str(path), "eval"))
     packed = names["DEFAULT_PACKED_BUFFER_SIZE_BYTES"] * names["DEFAULT_PACKED_NUM_BUFFERS"]
-    assert kernels.PACKED_BROADCAST_BYTES == packed
+    assert rg.PACKED_BROADCAST_BYTES == packed
 
 
 def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys, monkeypatch):
@@ -220,7 +221,7 @@ def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys,
     --vllm-gpu-memory-utilization of the device; ranks 0 and 1 hold one, rank 2 none."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", "3"]
+    argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "3"]
     plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3, gpus=4)
     gpus = ap.server_gpus(3, 3, 4)
     share = int(0.3 * memory_plan.H100_GIB * 2**30)
@@ -244,13 +245,13 @@ def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch
     shares rank 0's GPU (5 + 4); the layout advised keeps every server on a GPU of its own."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    argv = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(W)]
+    argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(W)]
     with pytest.raises(rg.UserError) as refused:
         memory_plan.plan(argv, gib, trainers=T, gpus=8)
     message = str(refused.value)
     w, t = advised_layout(message, W, T)
     assert "fits" in message and not set(ap.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
-    advised = ["--preset", "math-qwen2.5-7b", "--mode", "async", "--num-generators", str(w)]
+    advised = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(w)]
     for flag in ("--micro-batch-size", "--activation-checkpointing"):
         advised += re.findall(rf"{flag}(?: \d+)?", message)
     memory_plan.plan([a for f in advised for a in f.split()], gib, trainers=t, gpus=8)  # and it fits
@@ -285,9 +286,9 @@ def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(
     cfg = rg.parse_args(ARGS)
     task = rg.make_task(cfg)
     longest = max(len(rg.render_prompt(warm_start.byte_tokenizer(), ex.prompt)) for ex in task.eval)
-    plan = kernels.plan_memory(model, cfg, longest, device_total=2**30, compute_bytes=4)
+    plan = rg.plan_memory(model, cfg, longest, device_total=2**30, compute_bytes=4)
     activations = next(v for k, v in plan["rows"].items() if k.startswith("activations"))
-    monkeypatch.setenv(kernels.DEVICE_GIB_ENV, str((plan["peak"] - activations / 4) / 2**30))
+    monkeypatch.setenv(rg.DEVICE_GIB_ENV, str((plan["peak"] - activations / 4) / 2**30))
     argv = ARGS + ["--out-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as refused:
         rg.main(argv + ["--run-name", "big"])
@@ -302,9 +303,9 @@ def test_the_log_prob_workspace_row_is_what_the_triton_backward_allocates_for_th
     """The dz buffer [tokens x Vs] in the compute dtype and the fp32 dH [tokens x d] of kernels._backward_triton, for
     the micro-batch's tokens: past 256 MiB once 4 x tokens x d outgrows the buffer's budget (the 7B preset's
     micro-batch of 4 x (4096 + 1024) tokens at d = 3584)."""
-    cfg = rg.parse_args(README_7B)
+    cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    plan = kernels.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8)
+    plan = rg.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8, layout=rg.Layout(servers=5))
     tokens, h, V = cfg.micro_batch_size * (4096 + cfg.max_new_tokens), model.config.hidden_size, model.config.vocab_size
     Vs = kernels.vocab_split(tokens, h, V, 2)
     assert plan["rows"]["log-prob workspace"] == tokens * Vs * 2 + 4 * tokens * h > 2**28

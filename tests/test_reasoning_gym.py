@@ -174,7 +174,7 @@ def test_rewards_are_reasoning_gyms_own_scores(name):
 
 
 def test_a_scorer_process_rebuilds_the_gold():
-    """--mode async scores in a spawned process: the gold text alone must carry the problem."""
+    """async_pipeline.py scores in a spawned process: the gold text alone must carry the problem."""
     task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset="countdown", rg_config='{"size": 2}', eval_size=2))
     own = reasoning_gym.create_dataset("countdown").score_answer
     problems = entries("countdown", {}, seed=0, size=2)

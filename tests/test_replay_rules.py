@@ -334,10 +334,6 @@ def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_pa
         (["--sampling", "queue", "--max-uses", "2"], "--max-age and --max-uses do not apply"),
         (["--sampling", "queue", "--batch-size", "12"], "--batch-size 12 must be a multiple of R = 8"),
         (
-            ["--sampling", "queue", "--mode", "async", "--zero-variance-groups", "drop"],
-            "--sampling queue --mode async needs --zero-variance-groups keep",
-        ),
-        (
             ["--sampling", "without-replacement", "--batch-size", "16", "--positive-bias", "0.25"],
             "leaving 12 for never-used ones, fewer than --batch-size 16",
         ),
@@ -392,10 +388,8 @@ def test_each_rule_trains_in_the_synchronous_loop(tmp_path, name):
 def test_each_rule_trains_in_the_async_pipeline(tmp_path, name, vllm_servers):
     cmd = [
         sys.executable,
-        str(ROOT / "replay_grpo.py"),
+        str(ROOT / "async_pipeline.py"),
         *small_args(tmp_path, *RULES[name], "--run-name", name),
-        "--mode",
-        "async",
         "--generator-urls",
         vllm_servers["tied"].url,
     ]
@@ -405,16 +399,14 @@ def test_each_rule_trains_in_the_async_pipeline(tmp_path, name, vllm_servers):
 
 
 def test_the_async_queue_trains_on_every_rollout_it_takes_exactly_once(tmp_path, vllm_servers):
-    """--mode async --sampling queue on two servers: nothing is evicted unused; what the trainer took from the
+    """async_pipeline.py --sampling queue on two servers: nothing is evicted unused; what the trainer took from the
     servers is trained on once or still waits in the queue (the checkpoint's buffer, never used)."""
     cmd = [
         sys.executable,
-        str(ROOT / "replay_grpo.py"),
+        str(ROOT / "async_pipeline.py"),
         *small_args(
             tmp_path, "--sampling", "queue", "--prompts-per-step", "1", "--total-steps", "12", "--run-name", "q"
         ),
-        "--mode",
-        "async",
         "--num-generators",
         "2",
         "--generator-urls",

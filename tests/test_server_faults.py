@@ -1,4 +1,4 @@
-"""Faults of the vLLM servers of --mode async that no real server makes on demand, through the real CLI against the
+"""Faults of the vLLM servers of async_pipeline.py that no real server makes on demand, through the real CLI against the
 stand-in servers of misbehaving_server.py: answers that come a byte at a time (every request has a deadline, not a
 bound per read), answers the trainer cannot take (token ids outside its vocabulary, log-probs that are not finite,
 fewer log-probs than tokens), a URL with a path; and the test suite's own servers, which must not outlive a killed

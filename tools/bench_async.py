@@ -1,8 +1,9 @@
-"""--mode async's training wall time on vLLM servers against an earlier revision's, one run each on this machine.
+"""async_pipeline.py's training wall time on vLLM servers against an earlier revision's, one run each on this machine.
 
     python tools/bench_async.py REV [--steps 200] [--seed 0] [--out-dir runs/bench-async]
 
-Both sides run `--preset cpu --mode async --num-generators 2` with the same seed and the same cached warm start
+Both sides run `--preset cpu --num-generators 2` on the W/T system (async_pipeline.py; before it had its own entry,
+`replay_grpo.py --mode async`) with the same seed and the same cached warm start
 (made first, outside the timing, when the cache lacks it). REV runs from `git archive REV` (its own generator
 processes, started inside its timing as it starts them); this tree runs on two vLLM servers started beforehand and
 passed by --generator-urls (their start-up and warm-up time printed apart). Prints each side's wall time, the
@@ -53,7 +54,7 @@ def summary(run_dir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("rev", help="the revision to compare with (its --mode async), e.g. d76cecf")
+    p.add_argument("rev", help="the revision to compare with (its W/T system), e.g. d76cecf")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/bench-async")
@@ -69,7 +70,7 @@ def main() -> None:
     # the task, the warm start's length and the lr pinned: two revisions on either side of a preset change run
     # the same flags
     preset = ["--preset", "cpu", "--arith-max-operand", "49", "--sft-warmup-steps", "650", "--lr", "3e-6"]
-    flags = preset + ["--mode", "async", "--num-generators", "2", "--seed", str(a.seed)]
+    flags = preset + ["--num-generators", "2", "--seed", str(a.seed)]
     flags += ["--total-steps", str(a.steps), "--out-dir", str(out)]
     # the warm start, cached under --out-dir for both sides (its key leaves out where generation runs)
     run(
@@ -81,16 +82,18 @@ def main() -> None:
     old_tree = Path(tempfile.mkdtemp(prefix="bench_async_"))
     archive = subprocess.run(["git", "archive", a.rev], cwd=ROOT, capture_output=True, check=True).stdout
     tarfile.open(fileobj=io.BytesIO(archive)).extractall(old_tree)
-    old_seconds = run([sys.executable, "replay_grpo.py", *flags, "--run-name", f"old-{stamp}"], old_tree)
+    own_entry = "def main(" in (old_tree / "async_pipeline.py").read_text()
+    entry = ["async_pipeline.py"] if own_entry else ["replay_grpo.py", "--mode", "async"]
+    old_seconds = run([sys.executable, *entry, *flags, "--run-name", f"old-{stamp}"], old_tree)
 
     model, tok = warm_start.build_tiny_model(0)  # the architecture; each run publishes its own weights first
     folder = rg.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
-    cfg = rg.parse_args(["--generator-host", "127.0.0.1", "--seed", str(a.seed)])
+    cfg = ap.parse_args(["--generator-host", "127.0.0.1", "--seed", str(a.seed)])
     servers = ap.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
     try:
         start_seconds = ap.wait_ready(servers)
         urls = ["--generator-urls", *[s.url for s in servers]]
-        new_seconds = run([sys.executable, "replay_grpo.py", *flags, *urls, "--run-name", f"new-{stamp}"], ROOT)
+        new_seconds = run([sys.executable, "async_pipeline.py", *flags, *urls, "--run-name", f"new-{stamp}"], ROOT)
     finally:
         ap.stop_servers(servers)
 

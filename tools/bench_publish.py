@@ -1,4 +1,4 @@
-"""bench_publish.py: what one weight publish of --mode async moves, counted on CPU with the project's own code, and
+"""bench_publish.py: what one weight publish of async_pipeline.py moves, counted on CPU with the project's own code, and
 what it would take on GPUs (an estimate from bandwidths, not a measurement).
 
 Counted here: the tiny Qwen2 of the tests under FSDP2 on one CPU rank, W vLLM CPU servers launched with the nccl

@@ -25,7 +25,7 @@ checks and runs the others in fp32 (a CPU without bf16 instructions multiplies b
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
   memory plan  that run's train steps' measured peak (generator apart) within the plan's estimate
-  async      --mode async --sampling queue, T = 1, W = 1 vLLM server on the one GPU (each publish
+  async      async_pipeline.py --sampling queue, T = 1, W = 1 vLLM server on the one GPU (each publish
              awaited): a clean start, increasing policy versions, a clean exit with no process left
   vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
              publish the engine's greedy output equals HF's; engine vs trainer log-probs below the
@@ -237,9 +237,9 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     cfg = rg.parse_args(argv)
     model, tok = real_build(0, **shape)
     longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
-    plan = kernels.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
+    plan = rg.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
     rows = plan["rows"]  # the generator's share is apart, and the reserve is what the allocator does not count
-    planned = (plan["train"] - rows["generator (resident)"] - rows[kernels.RESERVE_ROW]) / 2**30
+    planned = (plan["train"] - rows["generator (resident)"] - rows[rg.RESERVE_ROW]) / 2**30
     row(
         "memory plan: qwen-0.5b's train step",
         f"measured peak {peak:.2f} GiB, planned {planned:.2f} GiB",
@@ -322,13 +322,13 @@ def check_precision(dev: str, smoke: bool) -> None:
 
 
 def async_run(out: Path, name: str, extra: tuple = ()) -> tuple[int, list[dict], list[str], str]:
-    """A 12-step --mode async run of the cpu preset's task with one server: its exit code, its step records, the
+    """A 12-step async_pipeline.py run of the cpu preset's task with one server: its exit code, its step records, the
     processes left in its session, its log."""
     cmd = [
         sys.executable,
-        str(ROOT / "replay_grpo.py"),
+        str(ROOT / "async_pipeline.py"),
         *(
-            "--preset cpu --mode async --num-generators 1 --sft-warmup-steps 0 --total-steps 12 "
+            "--preset cpu --num-generators 1 --sft-warmup-steps 0 --total-steps 12 "
             "--eval-size 8 --eval-every 6 --loss asymre --prompts-per-step 2 --batch-size 32 "
             "--buffer-size 64 --sampling queue --out-dir"
         ).split(),
@@ -368,7 +368,7 @@ def async_run(out: Path, name: str, extra: tuple = ()) -> tuple[int, list[dict],
 def check_async(out: Path, smoke: bool) -> None:
     """One GPU: the trainer and its server share it (disk publishes), the evaluations on the server; two or more:
     the server on a GPU of its own, publishes by NCCL broadcast, each checked against the trainer's log-probs."""
-    if without_vllm("async"):  # --mode async launches `vllm serve` processes
+    if without_vllm("async"):  # async_pipeline.py launches `vllm serve` processes
         return
     code, records, left, log = async_run(out, "async")
     recs = [r for r in records if r["step"] > 0]

@@ -1,9 +1,12 @@
-"""memory_plan.py: the memory plan of replay_grpo.py for every GPU preset, offline (the models built on the meta
-device from their shapes), for a device of a given size: the table each run prints before its first step.
+"""memory_plan.py: the memory plan of replay_grpo.py and async_pipeline.py for every GPU preset, offline (the models
+built on the meta device from their shapes), for a device of a given size: the table each run prints before its first
+step.
 
     python tools/memory_plan.py    # every GPU preset: sync on one 139.8 GiB H200, async (W, T) = (5, 3) on 8 x 80 GB
-    python tools/memory_plan.py --device-gib 79.2 --trainers 3 --gpus 8 -- --preset math-qwen2.5-7b --mode async \
+    python tools/memory_plan.py --device-gib 79.2 --trainers 3 --gpus 8 -- async_pipeline.py --preset math-qwen2.5-7b \
         --num-generators 5
+
+The flags are replay_grpo.py's, or async_pipeline.py's after its name.
 
 The longest training and evaluation prompt are taken as the preset's --max-prompt-tokens (a run uses the longest it
 keeps, at most that; PROMPT_TOKENS without the flag), or, for --task reasoning-gym, whose problems are generated
@@ -73,36 +76,48 @@ def meta_model(name: str):
 
 
 def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None = None) -> list[dict]:
-    """Print the plan of `argv` (replay_grpo.py flags) on a node of `gpus` GPUs (default: one each for the trainers
-    and the servers) and return it; raises rg.UserError when it does not fit."""
-    cfg = rg.parse_args(argv)
-    W = cfg.num_generators if cfg.mode == "async" else 0
-    gpus = gpus or W + trainers
-    # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
-    own = bool(cfg.generator_urls) or W + trainers <= gpus
-    route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
+    """Print the plan of `argv` (replay_grpo.py flags, or async_pipeline.py and its flags) on a node of `gpus` GPUs
+    (default: one each for the trainers and the servers) and return it; raises rg.UserError when it does not fit."""
+    layout = rg.Layout()
+    if argv[:1] == ["async_pipeline.py"]:
+        import async_pipeline
+
+        cfg = async_pipeline.parse_args(argv[1:])
+        W = cfg.num_generators
+        gpus = gpus or W + trainers
+        # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
+        own = bool(cfg.generator_urls) or W + trainers <= gpus
+        route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
+        layout = rg.Layout(W, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+    else:
+        cfg = rg.parse_args(argv)
+        gpus = gpus or trainers
     prompts = 2 * (cfg.max_prompt_tokens or PROMPT_TOKENS,)
     if cfg.task == "reasoning-gym":  # longer prompts than --max-prompt-tokens would be skipped
         prompts = tuple(min(n, cfg.max_prompt_tokens or n) for n in generated_prompt_bound(cfg))
-    os.environ[kernels.DEVICE_GIB_ENV] = str(device_gib)
+    os.environ[rg.DEVICE_GIB_ENV] = str(device_gib)
     os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's
     model, cpu = meta_model(cfg.model), torch.device("cpu")
-    return kernels.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, route=route)
+    return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device-gib", type=float, default=H200_GIB)
-    ap.add_argument("--trainers", type=int, default=1, help="T, with --mode async among the flags")
+    ap.add_argument("--trainers", type=int, default=1, help="T, with async_pipeline.py and its flags")
     ap.add_argument("--gpus", type=int, default=None, help="the node's GPUs (default: W + T, each its own)")
-    ap.add_argument("flags", nargs="*", help="replay_grpo.py flags after --; none: every GPU preset")
+    ap.add_argument(
+        "flags",
+        nargs="*",
+        help="replay_grpo.py flags after -- (or async_pipeline.py and its flags); none: every GPU preset",
+    )
     args = ap.parse_args()
     runs = [(args.flags, args.device_gib, args.trainers, args.gpus)]
     if not args.flags:
         W, T, gpus = ASYNC
         presets = [["--preset", p] for p in rg.PRESETS if rg.PRESETS[p].model != "tiny"]
         runs = [(argv, H200_GIB, 1, 1) for argv in presets]
-        runs += [(argv + ["--mode", "async", "--num-generators", str(W)], H100_GIB, T, gpus) for argv in presets]
+        runs += [(["async_pipeline.py", *argv, "--num-generators", str(W)], H100_GIB, T, gpus) for argv in presets]
     for argv, device_gib, trainers, gpus in runs:
         print(f"\n{' '.join(argv)}, {trainers} trainer rank(s), {device_gib} GiB, {gpus or 'W + T'} GPU(s):")
         try:
