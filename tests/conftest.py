@@ -17,7 +17,8 @@ import signal
 import types
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as replay_grpo.py sets it, before torch loads libgomp
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # as replay_grpo.py does, before torch loads libgomp
+    os.environ["GOMP_SPINCOUNT"] = "300"
 
 import pytest
 
