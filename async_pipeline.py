@@ -1494,23 +1494,30 @@ def failure(e: BaseException, timeout: float) -> str:
     return f"failed ({reason})"
 
 
+def server_address(url: str) -> tuple[str, urllib.parse.SplitResult]:
+    """The flag's words for `url` and its parts, or UserError: a port that is not one, or a path, query or fragment
+    (an OpenAI client's base URL ends in /v1: the run and the preflight call vLLM's routes themselves)."""
+    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    try:
+        _ = parts.port  # urlsplit checks the port when it is read
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise UserError(
+            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
+            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
+        )
+    return where, parts
+
+
 def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
     """Refuse in one line (UserError, naming the URL) a server the run did not launch that it cannot use: a URL that
     is not a server's address, a host that does not resolve, no answer within `timeout`, no vLLM at least
     SERVER_VERSION_FLOOR (GET /version: the weight versions of every token), /health failing. What else a server
     needs (its weight and token routes, its model and context) tools/check_servers.py diagnoses: the docs tell a
     --generator-urls user to run it first; the run meets those faults at its first publish or request."""
-    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    where, parts = server_address(url)
     more = f" (python tools/check_servers.py {url} diagnoses it)"
-    try:
-        _ = parts.port  # urlsplit checks the port when it is read
-    except ValueError as e:
-        raise UserError(f"{where}: {e}") from None
-    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI client's base URL ends in /v1
-        raise UserError(
-            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
-            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
-        )
     resolve(parts.hostname, where, timeout)
     try:
         status, text = http_request(url + "/version", "GET", None, timeout)

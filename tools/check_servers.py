@@ -17,7 +17,6 @@ import http.client
 import json
 import re
 import sys
-import urllib.parse
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the method's modules live at the root
@@ -29,16 +28,7 @@ from run_folder import UserError
 def diagnose(url: str, context: int = 0, timeout: float = ap.PROBE_SECONDS) -> dict:
     """What the server at `url` is ({"url", "version", "model", "max_model_len"}), or UserError: one line naming the
     URL and what was found."""
-    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
-    try:
-        _ = parts.port  # urlsplit checks the port when it is read
-    except ValueError as e:
-        raise UserError(f"{where}: {e}") from None
-    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI client's base URL ends in /v1
-        raise UserError(
-            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
-            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
-        )
+    where, parts = ap.server_address(url)
     ap.resolve(parts.hostname, where, timeout)
 
     def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
