@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # as replay_grpo.py does, before torch loads libgomp
+# as replay_grpo.py does, before torch loads libgomp; not in pytest-xdist workers, which run one torch thread each
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PYTEST_XDIST_WORKER"} & set(os.environ):
     os.environ["GOMP_SPINCOUNT"] = "300"
 
 import pytest

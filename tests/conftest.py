@@ -17,9 +17,6 @@ import signal
 import types
 from pathlib import Path
 
-if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # as replay_grpo.py does, before torch loads libgomp
-    os.environ["GOMP_SPINCOUNT"] = "300"
-
 import pytest
 
 import async_pipeline as ap

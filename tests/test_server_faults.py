@@ -36,13 +36,15 @@ def one_error(log: str) -> str:
 
 # --- a server that answers a byte at a time is named at the request's deadline ----------------------------------
 
-START_DRIPS = {  # the route that drips (a byte every 2 s), what the one line says
+START_DRIPS = {  # a route the run probes at its start that drips (a byte every 2 s), what the one line says
     "/version": "GET /version got no answer within 5 s",
+    "/health": "GET /health failed (timed out)",
+    "/tokenize": "/tokenize failed (timed out): no answer in 5 s, this request's bound",
+}
+PREFLIGHT_DRIPS = {  # a route only the preflight probes (the run meets it later, within its request bound: MID_RUN)
     "/v1/models": "GET /v1/models got no answer within 5 s",
     "/is_paused": "GET /is_paused got no answer within 5 s",
     GENERATE: f"POST {GENERATE} got no answer within 5 s",
-    "/health": "GET /health failed (timed out)",
-    "/tokenize": "/tokenize failed (timed out): no answer in 5 s, this request's bound",
 }
 
 
@@ -61,6 +63,20 @@ def test_a_probe_answered_a_byte_at_a_time_is_named_at_its_deadline(tmp_path, ro
     assert took < 45, took  # the start (torch, the tokenizer) and one 5 s deadline
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
     print(f"[{route}: one line {took:.1f} s after the start] {error}")
+
+
+@pytest.mark.parametrize("route", list(PREFLIGHT_DRIPS))
+def test_a_preflight_probe_answered_a_byte_at_a_time_is_named_at_its_deadline(route):
+    """tools/check_servers.py's probes have PROBE_SECONDS each in all, not per read: a route that drips its answer a
+    byte every 2 s is one line (exit 2) naming the URL and the route after 5 s."""
+    cmd = [sys.executable, str(ROOT / "tools" / "check_servers.py"), "--context", "64"]
+    with StandIn(encode=encode, drip=(route,), drip_seconds=2.0) as server:
+        t0 = time.time()
+        res = subprocess.run(cmd + [server.url], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        took = time.time() - t0
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-3000:]
+    assert res.stderr.startswith(f"error: --generator-urls {server.url}: ") and PREFLIGHT_DRIPS[route] in res.stderr
+    assert took < 30, took
 
 
 MID_RUN = {  # the stand-in's fault, what the line says after the endpoint, the bound it reports within
