@@ -120,6 +120,21 @@ def test_the_small_gpu_presets_fit_one_h200_beside_the_engine(preset, capsys, mo
     assert "memory plan per trainer rank" in capsys.readouterr().out
 
 
+def test_a_plan_leaves_the_process_computing_in_its_own_dtype(monkeypatch, capsys):
+    """The plan is made for a bf16 GPU of a given size; a run in the same process afterwards (on this CPU: fp32)
+    must not inherit either, or its generation and log-probs silently change precision."""
+    for name in (kernels.COMPUTE_DTYPE_ENV, rg.DEVICE_GIB_ENV):
+        monkeypatch.delenv(name, raising=False)
+    before = kernels.compute_dtype(torch.device("cpu"))
+    memory_plan.plan(["--preset", "gsm8k-qwen2.5-0.5b"], memory_plan.H200_GIB)
+    assert "memory plan per trainer rank" in capsys.readouterr().out
+    assert kernels.compute_dtype(torch.device("cpu")) == before == torch.float32
+    assert kernels.COMPUTE_DTYPE_ENV not in os.environ and rg.DEVICE_GIB_ENV not in os.environ
+    monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "float32")  # a value set by the user is kept, and restored
+    memory_plan.plan(["--preset", "gsm8k-qwen2.5-0.5b"], memory_plan.H200_GIB)
+    assert os.environ[kernels.COMPUTE_DTYPE_ENV] == "float32" and rg.DEVICE_GIB_ENV not in os.environ
+
+
 def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeypatch):
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     with pytest.raises(rg.UserError) as refused:

@@ -14,6 +14,7 @@ offline, bounded from the task's own prompts (generated_prompt_bound); the compu
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -95,10 +96,26 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
     prompts = 2 * (cfg.max_prompt_tokens or PROMPT_TOKENS,)
     if cfg.task == "reasoning-gym":  # longer prompts than --max-prompt-tokens would be skipped
         prompts = tuple(min(n, cfg.max_prompt_tokens or n) for n in generated_prompt_bound(cfg))
-    os.environ[rg.DEVICE_GIB_ENV] = str(device_gib)
-    os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's
     model, cpu = meta_model(cfg.model), torch.device("cpu")
-    return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
+    # the device's size and a bf16 GPU's dtype for this plan only: a caller in the same process (a test, then a
+    # real fp32 run on the CPU) must not inherit them
+    with planned_device(device_gib):
+        return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
+
+
+@contextlib.contextmanager
+def planned_device(device_gib: float):
+    saved = {k: os.environ.get(k) for k in (rg.DEVICE_GIB_ENV, kernels.COMPUTE_DTYPE_ENV)}
+    os.environ[rg.DEVICE_GIB_ENV] = str(device_gib)
+    os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> int:
