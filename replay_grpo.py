@@ -2084,6 +2084,11 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
         f"--pass-k {cfg.pass_k}: at most {MAX_PASS_K} (k samples for each of "
         f"{PASS_K_PROMPTS} prompts at every evaluation)",
     )
+    need(
+        cfg.pass_k >= 2,
+        f"--pass-k {cfg.pass_k}: k >= 2 (eval/pass@1 is the temperature-0.1 metric, and one sample at temperature 1 "
+        "is eval/acc_t1 already)",
+    )
     need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
     need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
     for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once

@@ -415,6 +415,7 @@ def test_a_fresh_start_on_a_full_disk_is_one_line(small_disk, capsys):
         (["--arith-max-operand", "0"], "--arith-max-operand 0: every problem is held out"),
         (["--max-new-tokens", "100000"], "--max-new-tokens 100000: the model's context is 512 positions"),
         (["--pass-k", "1000000"], "--pass-k 1000000: at most 256"),
+        (["--pass-k", "1"], "--pass-k 1: k >= 2 (eval/pass@1 is the temperature-0.1 metric"),
         (["--prompts-per-step", "100000000"], "exceed --buffer-size 8"),
         (["--seed", "99999999999999999999999"], "--seed 99999999999999999999999: must be in [0, 2^32)"),
         (["--lr", "1e30"], "--lr 1e+30: must be below 1"),

@@ -317,7 +317,7 @@ def test_smollm2_gguf_two_rl_steps_with_weight_sync(tmp_path):
             *(
                 "--generator vllm --sft-warmup-steps 0 --arith-max-operand 9 --group-size 4 "
                 "--prompts-per-step 2 --batch-size 8 --buffer-size 8 --max-new-tokens 24 --micro-batch-size "
-                "4 --eval-size 4 --pass-k 1 --total-steps 2 --eval-every 0 --lr 1e-5 --loss asymre "
+                "4 --eval-size 4 --pass-k 2 --total-steps 2 --eval-every 0 --lr 1e-5 --loss asymre "
                 "--out-dir"
             ).split(),
             str(tmp_path),
