@@ -1007,10 +1007,9 @@ def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
 
 def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
     """The publish check's probe: the first PROBE_PROMPTS held-out prompts and their gold solutions (token ids)."""
-    return [
-        (rg.render_prompt(tok, ex.prompt), tok(ex.solution or ex.answer, add_special_tokens=False)["input_ids"])
-        for ex in task.eval[:PROBE_PROMPTS]
-    ]
+    probes = task.eval[:PROBE_PROMPTS]
+    gold = [tok(ex.solution or ex.answer, add_special_tokens=False)["input_ids"] for ex in probes]
+    return [(rg.render_prompt(tok, ex.prompt, task.shots), ids) for ex, ids in zip(probes, gold)]
 
 
 def check_served(server: Server, pairs: list, expected: list[torch.Tensor], version: int) -> float:

@@ -102,6 +102,7 @@ class Args:
     data_path: str | None = None  # jsonl: the {"prompt", "answer"} file (<= 10% held out); gsm8k / math: a local copy
     rg_dataset: str = "gsm_symbolic"  # reasoning-gym: the generator, a name in reasoning_gym.factory.DATASETS
     rg_config: str = "{}"  # reasoning-gym: the generator's options as JSON, e.g. '{"size": 1000}' (training problems)
+    rg_shots: int = 0  # reasoning-gym: worked problems of the generator (question, tagged gold) as earlier chat turns
     eval_size: int = 200  # held-out prompts for greedy accuracy and pass@1 (pass@k uses the first 50)
     max_new_tokens: int = 8  # maximum completion length; longer completions are cut and flagged truncated
     max_prompt_tokens: int | None = None  # longer prompts are skipped, counted and logged; the memory plan assumes this
@@ -563,7 +564,7 @@ def make_rollouts(
     what was generated (rollouts, tokens, verifier failures, zero-variance groups)."""
     scorer = score_texts if scorer is None else scorer
     verifier = VERIFIERS[task.verifier]
-    prompt_ids = [render_prompt(tok, ex.prompt) for ex in examples]
+    prompt_ids = [render_prompt(tok, ex.prompt, task.shots) for ex in examples]
     groups = generator.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature)
     rollouts, counts = [], Counter()
     for g, (ex, pids, samples) in enumerate(zip(examples, prompt_ids, groups)):
@@ -772,6 +773,7 @@ class Task:
     repeats: int = 0  # rows left out of `train` because their prompt is held out
     longest_prompt: int = 0  # tokens of the longest training prompt kept (fit_to_context), for the memory plan
     longest_eval_prompt: int = 0  # and of the longest held-out one
+    shots: tuple = ()  # (question, reply) pairs shown as earlier chat turns before every prompt (render_prompt)
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -935,6 +937,7 @@ TaskName = Literal["arith", "gsm8k", "math", "jsonl", "reasoning-gym"]  # the --
 RG_VERSION = "0.1.25"  # the reasoning-gym release pinned by the extra rg (pyproject.toml) and requirements.lock
 RG_EVAL_SEED = 1_000_000_000  # reasoning-gym's held-out problems: problem i is generated from this seed + i
 RG_EVAL_DRAWS = 10  # held-out problems drawn per --eval-size at most, to find that many distinct questions
+RG_SHOT_SEED = 2_000_000_000  # --rg-shots' worked problems: problem i is generated from this seed + i
 RG_INSTRUCTION = "\nGive your final answer, and nothing else, between <answer> and </answer> tags."
 
 
@@ -1010,11 +1013,24 @@ def make_rg_task(cfg: Args) -> Task:
     if not train:
         raise UserError(f"--rg-dataset {cfg.rg_dataset}: every training problem is held out: nothing is left to train")
     test = [rg_example(cfg, options, e) for e in held_out.values()]
+    shots = {}  # distinct questions, none held out: a shot never shows a held-out answer
+    if cfg.rg_shots:
+        pool = open_rg_dataset(cfg, {**options, "seed": RG_SHOT_SEED, "size": RG_EVAL_DRAWS * cfg.rg_shots})
+        for e in pool:
+            if e["question"] not in held_out and len(shots) < cfg.rg_shots:
+                ex = rg_example(cfg, options, e)
+                shots.setdefault(ex.prompt, ex.solution)
+        if len(shots) < cfg.rg_shots:
+            raise UserError(
+                f"--rg-shots {cfg.rg_shots}: {len(pool)} problems of {cfg.rg_dataset} hold only {len(shots)} distinct "
+                "questions that are not held out: lower it, or widen the generator (--rg-config)"
+            )
 
     def draw(rng: random.Random) -> Example:
         return train[rng.randrange(len(train))]
 
-    return Task("reasoning-gym", draw, test, "reasoning-gym", train=train, repeats=len(training) - len(train))
+    repeats = len(training) - len(train)
+    return Task("reasoning-gym", draw, test, "reasoning-gym", train=train, repeats=repeats, shots=tuple(shots.items()))
 
 
 def make_task(cfg: Args) -> Task:
@@ -1191,10 +1207,15 @@ def load_pretrained(name: str, dtype: torch.dtype):
     return model, tok
 
 
-def render_prompt(tok, text: str) -> list[int]:
-    """Token ids of a user message, through the tokenizer's chat template when it has one."""
+def render_prompt(tok, text: str, shots: tuple = ()) -> list[int]:
+    """Token ids of a user message after a task's shots (question, reply) as earlier turns, through the tokenizer's
+    chat template when it has one (else the texts in a row)."""
+    turns = [{"role": r, "content": c} for q, a in shots for r, c in (("user", q), ("assistant", a))]
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        turns.append({"role": "user", "content": text})
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "".join(f"{q}{a}\n" for q, a in shots) + text
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -1219,7 +1240,7 @@ def fit_to_context(cfg: Args, task: Task, tok, model, rank: int = 0) -> None:
     for part, rows in (("eval", task.eval), ("train", task.train)):
         if rows is None:
             continue
-        lengths = [len(render_prompt(tok, ex.prompt)) for ex in rows]
+        lengths = [len(render_prompt(tok, ex.prompt, task.shots)) for ex in rows]
         kept = [ex for ex, n in zip(rows, lengths) if n <= room]
         skipped[f"skipped_{part}_prompts"] = len(rows) - len(kept)
         rows[:] = kept  # in place: the task's sampler draws from this list
@@ -1669,7 +1690,7 @@ def evaluate(
     streams: evaluating (or not) never changes training."""
     with run_folder.forked_rng(seed):
         verifier = VERIFIERS[task.verifier]
-        prompts = [render_prompt(tok, ex.prompt) for ex in task.eval]
+        prompts = [render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
 
         def generate_and_score(n: int, temperature: float, top_p: float, count: int):
             """n completions of each of the first `count` held-out prompts, and their rewards (a list per prompt)."""
@@ -2090,6 +2111,7 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
         "is eval/acc_t1 already)",
     )
     need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
+    need(cfg.rg_shots >= 0, f"--rg-shots {cfg.rg_shots}: the number of worked problems shown, 0 or more")
     need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
     for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
@@ -2112,7 +2134,7 @@ OWNED_FLAGS = (
     ("--correction m2po", lambda cfg: cfg.correction == "m2po", ("m2po_tau",)),
     ("--correction decoupled", lambda cfg: cfg.correction == "decoupled", ("decoupled_cap", "prox_lag")),
     ("--task arith", lambda cfg: cfg.task == "arith", ("arith_terms", "arith_max_operand", "arith_demo_error")),
-    ("--task reasoning-gym", lambda cfg: cfg.task == "reasoning-gym", ("rg_dataset", "rg_config")),
+    ("--task reasoning-gym", lambda cfg: cfg.task == "reasoning-gym", ("rg_dataset", "rg_config", "rg_shots")),
     (
         "a warm start (--sft-warmup-steps > 0)",
         lambda cfg: cfg.sft_warmup_steps > 0,
@@ -2120,7 +2142,7 @@ OWNED_FLAGS = (
     ),
 )
 # An owned flag typed at this value turns its feature off, so asks for nothing that could be ignored: accepted
-OFF_VALUES = {"sft_target": 0.0, "sft_imitation": 0.0, "arith_demo_error": 0.0, "sft_lr_decay": False}
+OFF_VALUES = {"sft_target": 0.0, "sft_imitation": 0.0, "arith_demo_error": 0.0, "sft_lr_decay": False, "rg_shots": 0}
 
 
 def typed_flags(argv: list[str], flags: type = Args) -> set[str]:

@@ -118,6 +118,8 @@ def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
     """The flags the warm start reads, and the compute dtype it trains in (a CPU's fp32 warm start is another model
     than a GPU's bf16 one)."""
     fields = {k: getattr(cfg, k) for k in WARM_START_FLAGS}
+    if cfg.task == "reasoning-gym":  # its problems and prompts (other tasks' keys stay as they were)
+        fields.update(rg_dataset=cfg.rg_dataset, rg_config=cfg.rg_config, rg_shots=cfg.rg_shots)
     fields["compute_dtype"] = str(kernels.compute_dtype(device))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -136,7 +138,8 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
 
     @functools.cache  # a few thousand distinct problems, drawn again and again: each tokenized once
     def encode(prompt: str, solution: str) -> tuple[list[int], list[int]]:
-        return rg.render_prompt(tok, prompt), tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        solution_ids = tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return rg.render_prompt(tok, prompt, task.shots), solution_ids
 
     def train_steps(steps: int, lr: float):
         """`steps` supervised steps at `lr` (decaying linearly to lr / steps with --sft-lr-decay), one at a time."""
@@ -200,7 +203,7 @@ def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
     evaluation: checking changes no later draw."""
     verifier = rg.VERIFIERS[task.verifier]
     with run_folder.forked_rng(cfg.seed):
-        prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
+        prompts = [rg.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
         groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
     hits = 0
     for group, ex in zip(groups, task.eval):

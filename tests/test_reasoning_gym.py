@@ -12,10 +12,12 @@ from pathlib import Path
 import memory_plan
 import pytest
 import reasoning_gym
+import torch
 from reasoning_gym.utils import extract_answer
 
 import async_pipeline as ap
 import replay_grpo as rg
+import warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8"
@@ -214,3 +216,78 @@ def test_the_memory_plan_bounds_a_reasoning_gym_presets_prompts_from_generated_o
     assert [train, held_out] == bound and max(bound) < 1024  # the other GPU presets' --max-prompt-tokens
     memory_plan.plan(["--preset", "gsm-symbolic-qwen2.5-0.5b", "--max-prompt-tokens", "500"], memory_plan.H200_GIB)
     assert "longest prompt 500 tokens in training, 500 in evaluation" in capsys.readouterr().out
+
+
+TINY_SPACE = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # 2 x 10 x 10 sums at most
+# a real chat template (jinja, through transformers' apply_chat_template) on the byte tokenizer, which has none
+TURNS_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+TURNS_TEMPLATE += "{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def test_shots_are_worked_problems_of_the_generator_shown_as_earlier_turns():
+    cfg = rg.Args(task="reasoning-gym", rg_dataset="chain_sum", rg_config=json.dumps(TINY_SPACE), eval_size=40)
+    cfg = dataclasses.replace(cfg, rg_shots=3)
+    task = rg.make_task(cfg)
+    held_out = {ex.prompt for ex in task.eval}
+    drawn = entries("chain_sum", TINY_SPACE, seed=rg.RG_SHOT_SEED, size=30)  # the first distinct questions, in order
+    expected = [(q + rg.RG_INSTRUCTION, f"<answer>{e['answer']}</answer>") for q, e in drawn.items()]
+    expected = [shot for shot in expected if shot[0] not in held_out][:3]
+    assert list(task.shots) == expected and len({q for q, _ in task.shots}) == 3
+    tok = warm_start.byte_tokenizer()
+    tok.chat_template = TURNS_TEMPLATE
+    question = task.eval[0].prompt
+    text = tok.decode(rg.render_prompt(tok, question, task.shots))
+    turns = "".join(f"<user>{q}\n<assistant>{a}\n" for q, a in expected)
+    assert text == turns + f"<user>{question}\n<assistant>"
+    assert tok.decode(rg.render_prompt(tok, question)) == f"<user>{question}\n<assistant>"  # no shots: as before
+    assert rg.make_task(dataclasses.replace(cfg, rg_shots=0)).shots == ()
+
+
+def test_a_run_with_shots_generates_every_prompt_after_them(tmp_path, monkeypatch):
+    argv = [*SMALL.split(), "--rg-dataset", "chain_sum", "--rg-config", '{"size": 50}', "--rg-shots", "2"]
+    tok = warm_start.byte_tokenizer()
+    prompts, generate = [], rg.HFGenerator.generate
+
+    def seen(self, prompt_ids, *args, **kwargs):  # the real generator, its prompts kept
+        prompts.extend(tok.decode(ids) for ids in prompt_ids)
+        return generate(self, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(rg.HFGenerator, "generate", seen)
+    rg.main([*argv, "--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "r"])
+    shots = rg.make_task(rg.parse_args(argv)).shots
+    before = "".join(q + a for q, a in shots)  # the tiny model's chat template: the turns' texts in a row
+    assert len(shots) == 2 and len(prompts) >= 2  # a step's 2 prompts, and the held-out ones the context holds
+    bad = [p for p in prompts if not (p.startswith(before) and p.endswith(rg.RG_INSTRUCTION) and len(p) > len(before))]
+    assert not bad, (before, bad[:2])
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--rg-shots", "-1"], "--rg-shots -1: the number of worked problems shown, 0 or more"),
+        (["--rg-dataset", "chain_sum", "--rg-config", json.dumps(TINY_SPACE), "--rg-shots", "250"], "--rg-shots 250: "),
+    ],
+)
+def test_impossible_shots_are_one_line(tmp_path, capsys, flags, needle):
+    assert needle in user_error(capsys, [*SMALL.split(), "--out-dir", str(tmp_path), *flags])
+
+
+def test_shots_without_the_task_are_refused_but_zero_is_accepted(tmp_path, capsys):
+    err = user_error(capsys, [*SMALL.split()[:-2], "--out-dir", str(tmp_path), "--rg-shots", "1"])
+    assert "--rg-shots 1: only --task reasoning-gym reads it" in err
+    assert rg.parse_args([*SMALL.split()[:-2], "--rg-shots", "0"]).rg_shots == 0
+
+
+def test_the_warm_start_cache_key_follows_the_reasoning_gym_problems_and_prompts():
+    """A warm start is reused only for the same problems, shown the same way."""
+    base = rg.Args(task="reasoning-gym", rg_dataset="chain_sum")
+    cpu = torch.device("cpu")
+    keys = {
+        warm_start.warm_start_key(dataclasses.replace(base, **change), cpu)
+        for change in ({}, {"rg_dataset": "basic_arithmetic"}, {"rg_config": '{"size": 9}'}, {"rg_shots": 2})
+    }
+    assert len(keys) == 4
+    arith = rg.Args(task="arith")  # a task that reads none of them: its key does not move with them
+    assert warm_start.warm_start_key(arith, cpu) == warm_start.warm_start_key(
+        dataclasses.replace(arith, rg_dataset="chain_sum", rg_shots=2), cpu
+    )

@@ -236,7 +236,8 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     # the memory plan of that run (what it printed before its first step) against its steps' own measured peaks
     cfg = rg.parse_args(argv)
     model, tok = real_build(0, **shape)
-    longest = max(len(rg.render_prompt(tok, ex.prompt)) for ex in rg.make_task(cfg).eval)
+    task = rg.make_task(cfg)
+    longest = max(len(rg.render_prompt(tok, ex.prompt, task.shots)) for ex in task.eval)
     plan = rg.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
     rows = plan["rows"]  # the generator's share is apart, and the reserve is what the allocator does not count
     planned = (plan["train"] - rows["generator (resident)"] - rows[rg.RESERVE_ROW]) / 2**30

@@ -45,20 +45,21 @@ PRESET_MODELS = {  # the presets' models as their hub config.json describes them
 }  # fmt: skip
 # Qwen2.5-Instruct's chat template around one user message, its default system prompt included: the longest of the
 # PRESET_MODELS' templates (Qwen3's has no system prompt); each marker <|im_start|> and <|im_end|> is one token
-QWEN_CHAT = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-QWEN_CHAT += "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+QWEN_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+QWEN_TURN = "<|im_start|>{}\n{}<|im_end|>\n"
 CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
 
 
 def generated_prompt_bound(cfg) -> tuple[int, int]:
     """The longest (training, evaluation) prompt of a reasoning-gym task in tokens, bounded from every prompt the
-    run would generate (replay_grpo.make_task, through QWEN_CHAT): the PRESET_MODELS' tokenizers are byte-level
+    run would generate (replay_grpo.make_task, in Qwen2.5's chat template): the PRESET_MODELS' tokenizers are byte-level
     BPEs (no model is downloaded here), which spend at most one token per byte of text, a marker one token. A run
     measures its prompts with the model's own tokenizer (replay_grpo.fit_to_context) and plans with those."""
     task = rg.make_task(cfg)
+    shots = "".join(QWEN_TURN.format(r, c) for q, a in task.shots for r, c in (("user", q), ("assistant", a)))
 
-    def tokens(prompt: str) -> int:
-        text = QWEN_CHAT.format(prompt)
+    def tokens(prompt: str) -> int:  # --rg-shots' turns, then the prompt
+        text = QWEN_SYSTEM + shots + QWEN_TURN.format("user", prompt) + "<|im_start|>assistant\n"
         markers = sum(text.count(m) for m in CHAT_MARKERS)
         for m in CHAT_MARKERS:
             text = text.replace(m, "")
