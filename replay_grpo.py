@@ -103,6 +103,7 @@ class Args:
     rg_dataset: str = "gsm_symbolic"  # reasoning-gym: the generator, a name in reasoning_gym.factory.DATASETS
     rg_config: str = "{}"  # reasoning-gym: the generator's options as JSON, e.g. '{"size": 1000}' (training problems)
     rg_shots: int = 0  # reasoning-gym: worked problems of the generator (question, tagged gold) as earlier chat turns
+    rg_credit: Literal["partial", "full"] = "partial"  # reasoning-gym: the scorer's partial credit, or 1 / 0 (full)
     eval_size: int = 200  # held-out prompts for greedy accuracy and pass@1 (pass@k uses the first 50)
     max_new_tokens: int = 8  # maximum completion length; longer completions are cut and flagged truncated
     max_prompt_tokens: int | None = None  # longer prompts are skipped, counted and logged; the memory plan assumes this
@@ -1011,7 +1012,8 @@ def rg_example(cfg: Args, options: dict, entry: dict) -> Example:
     import pickle
 
     entry_text = base64.b64encode(pickle.dumps(entry)).decode()
-    gold = json.dumps(dict(answer=entry["answer"], dataset=cfg.rg_dataset, options=options, entry=entry_text))
+    gold = dict(answer=entry["answer"], dataset=cfg.rg_dataset, options=options, entry=entry_text)
+    gold = json.dumps(gold | ({"credit": "full"} if cfg.rg_credit == "full" else {}))  # a scorer process reads it
     return Example(entry["question"] + RG_INSTRUCTION, gold, f"<answer>{entry['answer']}</answer>")
 
 
@@ -1153,7 +1155,8 @@ def rg_scorer(dataset: str, options: str):
 
 def rg_match(completion: str, gold: str) -> float:
     """reasoning-gym: the data set's own score_answer (in [0, 1]) of the completion's last <answer>...</answer>
-    (None, which scores 0, when it has none), as reasoning-gym's extract_answer finds it."""
+    (None, which scores 0, when it has none), as reasoning-gym's extract_answer finds it; with --rg-credit full,
+    1 for a full score and 0 below (partial credit, e.g. '15' for 5, is a policy's target otherwise)."""
     import base64
     import pickle
 
@@ -1161,7 +1164,8 @@ def rg_match(completion: str, gold: str) -> float:
 
     gold = json.loads(gold)
     score_answer = rg_scorer(gold["dataset"], json.dumps(gold["options"], sort_keys=True))
-    return score_answer(extract_answer(completion), pickle.loads(base64.b64decode(gold["entry"])))
+    score = score_answer(extract_answer(completion), pickle.loads(base64.b64decode(gold["entry"])))
+    return float(score >= 1) if gold.get("credit") == "full" else score
 
 
 VERIFIERS = {"numeric": numeric_match, "math": math_match, "reasoning-gym": rg_match}
@@ -2170,7 +2174,11 @@ OWNED_FLAGS = (
     ("--correction m2po", lambda cfg: cfg.correction == "m2po", ("m2po_tau",)),
     ("--correction decoupled", lambda cfg: cfg.correction == "decoupled", ("decoupled_cap", "prox_lag")),
     ("--task arith", lambda cfg: cfg.task == "arith", ("arith_terms", "arith_max_operand", "arith_demo_error")),
-    ("--task reasoning-gym", lambda cfg: cfg.task == "reasoning-gym", ("rg_dataset", "rg_config", "rg_shots")),
+    (
+        "--task reasoning-gym",
+        lambda cfg: cfg.task == "reasoning-gym",
+        ("rg_dataset", "rg_config", "rg_shots", "rg_credit"),
+    ),
     (
         "a warm start (--sft-warmup-steps > 0)",
         lambda cfg: cfg.sft_warmup_steps > 0,

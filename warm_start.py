@@ -119,7 +119,9 @@ def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
     than a GPU's bf16 one)."""
     fields = {k: getattr(cfg, k) for k in WARM_START_FLAGS}
     if cfg.task == "reasoning-gym":  # its problems and prompts (other tasks' keys stay as they were)
-        fields.update(rg_dataset=cfg.rg_dataset, rg_config=cfg.rg_config, rg_shots=cfg.rg_shots)
+        fields.update(
+            rg_dataset=cfg.rg_dataset, rg_config=cfg.rg_config, rg_shots=cfg.rg_shots, rg_credit=cfg.rg_credit
+        )
     fields["compute_dtype"] = str(kernels.compute_dtype(device))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -285,9 +285,15 @@ def test_the_warm_start_cache_key_follows_the_reasoning_gym_problems_and_prompts
     cpu = torch.device("cpu")
     keys = {
         warm_start.warm_start_key(dataclasses.replace(base, **change), cpu)
-        for change in ({}, {"rg_dataset": "basic_arithmetic"}, {"rg_config": '{"size": 9}'}, {"rg_shots": 2})
+        for change in (
+            {},
+            {"rg_dataset": "basic_arithmetic"},
+            {"rg_config": '{"size": 9}'},
+            {"rg_shots": 2},
+            {"rg_credit": "full"},
+        )
     }
-    assert len(keys) == 4
+    assert len(keys) == 5
     arith = rg.Args(task="arith")  # a task that reads none of them: its key does not move with them
     assert warm_start.warm_start_key(arith, cpu) == warm_start.warm_start_key(
         dataclasses.replace(arith, rg_dataset="chain_sum", rg_shots=2), cpu
@@ -316,3 +322,28 @@ def test_the_cpu_smollm2_preset_holds_out_half_the_sums_and_shows_one():
     assert len(held_out) == 50 and not held_out & {ex.prompt for ex in task.train}
     assert len(task.shots) == 1 and task.shots[0][0] not in held_out
     assert task.repeats + len(task.train) == 2000
+
+
+def test_full_credit_scores_one_for_the_scorers_full_score_and_zero_below_in_this_process_and_a_scorer_process():
+    """--rg-credit full: the data set's scorer, thresholded; partial credit ('15' for 5) becomes 0."""
+    options = {**TINY_SPACE, "size": 30}
+    cfg = rg.Args(task="reasoning-gym", rg_dataset="basic_arithmetic", rg_config=json.dumps(options), eval_size=10)
+    own = reasoning_gym.create_dataset("basic_arithmetic", **TINY_SPACE).score_answer
+    problems = entries("basic_arithmetic", TINY_SPACE, seed=0, size=30)
+    partial, full = (rg.make_task(dataclasses.replace(cfg, rg_credit=c)) for c in ("partial", "full"))
+    scorer, seen = ap.Scorer(), []
+    try:
+        for ex_p, ex_f in zip(partial.train, full.train):
+            entry = problems[ex_p.prompt.removesuffix(rg.RG_INSTRUCTION)]
+            texts = completions(entry["answer"], perturbed(entry["answer"])) + [f"<answer>1{entry['answer']}</answer>"]
+            for text in texts:
+                score = own(extract_answer(text), entry)
+                assert rg.score(rg.rg_match, text, ex_p.answer) == (score, None)
+                assert rg.score(rg.rg_match, text, ex_f.answer) == (float(score >= 1), None)
+                seen.append(score)
+            assert [r for r, _ in scorer(rg.rg_match, texts, ex_f.answer)] == [
+                float(own(extract_answer(t), entry) >= 1) for t in texts
+            ]
+    finally:
+        scorer.close()
+    assert any(0 < s < 1 for s in seen) and 1.0 in seen  # partial credit was there to remove

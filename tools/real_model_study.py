@@ -12,6 +12,7 @@ and writes records.json.xz (what the report needs of each run), table.md, summar
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,33 +20,47 @@ from pathlib import Path
 from studylib import report, runner
 
 TARGET_GAIN, MAX_MINUTES = 15.0, 60.0  # the preset's rule: each seed gains this many points within this wall time
-SAMPLES = 4  # greedy answers kept per run, at step 0 and at the end
+SAMPLES = 6  # greedy answers shown for one run of each arm, at step 0 and at the end
+
+
+def held_out_answers(cfg: dict, weights: str) -> list[dict]:
+    """Greedy answers of every held-out question (HF generate, fp32) by the weights at `weights` (--model, or a
+    run's checkpoint folder), and their scores: the run records the mean only, and partial credit hides in it."""
+    import torch
+
+    import replay_grpo as rg
+
+    args = rg.Args(**{f.name: cfg[f.name] for f in dataclasses.fields(rg.Args) if f.name in cfg})
+    task = rg.make_task(args)
+    model, tok = rg.load_pretrained(weights, torch.float32)
+    prompts = [rg.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
+    with torch.no_grad():
+        groups = rg.HFGenerator(model, tok).generate(prompts, 1, args.max_new_tokens, 0.0, logprobs=False)
+    texts = [tok.decode(g[0].completion_ids, skip_special_tokens=True) for g in groups]
+    verifier = rg.VERIFIERS[task.verifier]
+    return [
+        {"question": ex.prompt.splitlines()[0], "gold": json.loads(ex.answer)["answer"], "completion": text}
+        | {"score": rg.score(verifier, text, ex.answer)[0]}
+        for ex, text in zip(task.eval, texts)
+    ]
 
 
 def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
-    """What the report needs of one run: its evaluations with the generated tokens, rollouts and seconds so far,
-    its step count, and a few greedy answers at its first and last evaluation."""
+    """What the report needs of one run: its evaluations with the tokens, rollouts and seconds (generating and
+    training) so far, its settings, and the greedy answers of every held-out question at step 0 and at the end."""
     records = runner.read_metrics(run_dir / "metrics.jsonl")
     cfg = runner.read_json(run_dir / "config.json")
     evals, tokens, rollouts, busy = [], 0, 0, 0.0
     for r in records:
-        tokens += r.get("generated_tokens", 0)
-        rollouts += r.get("generated_rollouts", 0)
+        tokens, rollouts = r.get("total_generated_tokens", tokens), r.get("generated_rollouts", rollouts)  # totals
         busy += r.get("gen_seconds", 0.0) + r.get("train_seconds", 0.0)
         if "eval/greedy_acc" in r:
             row = {k.removeprefix("eval/"): r[k] for k in ("eval/greedy_acc", "eval/pass@1", "eval/acc_t1")}
             evals.append({"step": r["step"], "tokens": tokens, "rollouts": rollouts, "seconds": busy, **row})
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    greedy = [s for s in samples if s["source"] == "eval (greedy)"]
-    ends = (evals[0]["step"], evals[-1]["step"])
-    kept = [
-        {k: s[k] for k in ("step", "prompt", "completion", "reward")} | {"answer": json.loads(s["gold"])["answer"]}
-        for end in ends
-        for s in [s for s in greedy if s["step"] == end][:SAMPLES]
-    ]
     keys = ("prompts_per_step", "group_size", "batch_size", "buffer_size", "total_steps", "lr", "rg_config")
     config = {k: cfg[k] for k in keys}
-    return {"arm": arm, "seed": seed, "wall_seconds": seconds, "config": config, "evals": evals, "samples": kept}
+    answers = {"first": held_out_answers(cfg, cfg["model"]), "last": held_out_answers(cfg, str(run_dir / "checkpoint"))}
+    return {"arm": arm, "seed": seed, "wall_seconds": seconds, "config": config, "evals": evals, "answers": answers}
 
 
 def collect(runs: Path) -> dict:
@@ -66,8 +81,15 @@ def problem(run: dict) -> str | None:
     keys = ("step", "tokens", "rollouts", "seconds", "greedy_acc")
     if not all(isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool) for e in evals for k in keys):
         return f"an evaluation without a number for one of {', '.join(keys)}"
-    if not isinstance(run.get("wall_seconds"), (int, float)) or not isinstance(run.get("samples"), list):
-        return "no wall time or samples"
+    answers = run.get("answers")
+    if not isinstance(answers, dict) or not all(
+        isinstance(answers.get(k), list) and answers[k] for k in ("first", "last")
+    ):
+        return "no held-out answers at step 0 and at the end"
+    if not all(isinstance(a, dict) and isinstance(a.get("score"), (int, float)) for k in answers for a in answers[k]):
+        return "a held-out answer without a score"
+    if not isinstance(run.get("wall_seconds"), (int, float)):
+        return "no wall time"
     return None
 
 
@@ -76,6 +98,17 @@ def by_arm(records: dict) -> dict[str, list[dict]]:
     for r in records["runs"]:
         arms.setdefault(r["arm"], []).append(r)
     return arms
+
+
+def shares(answers: list[dict]) -> dict:
+    """The mean score, the share fully right and the share given partial credit (an answer holding the gold and
+    more, which the data set's default scorer credits len(gold) / len(answer))."""
+    n = len(answers)
+    return {
+        "mean": sum(a["score"] for a in answers) / n,
+        "right": sum(a["score"] >= 1 for a in answers) / n,
+        "partial": sum(0 < a["score"] < 1 for a in answers) / n,
+    }
 
 
 def analyse(records: dict) -> dict:
@@ -90,6 +123,7 @@ def analyse(records: dict) -> dict:
                 dict(seed=r["seed"], start=first["greedy_acc"], end=last["greedy_acc"], gain=gain, minutes=minutes)
                 | dict(steps=last["step"], rollouts=last["rollouts"], tokens=last["tokens"])
                 | dict(holds=gain >= TARGET_GAIN and minutes <= MAX_MINUTES)
+                | {f"hf_{k}": shares(r["answers"][k]) for k in ("first", "last")}
             )
     return {"rule": {"gain_points": TARGET_GAIN, "minutes": MAX_MINUTES}, "runs": rows}
 
@@ -100,35 +134,31 @@ def table_md(summary: dict, records: dict) -> str:
         lines += [
             f"### {arm}",
             "",
-            "| seed | held-out greedy accuracy, step 0 -> end | gain | wall time | steps | rollouts | tokens |",
-            "|---|---|---|---|---|---|---|",
+            "| seed | greedy accuracy (mean score), step 0 -> end | gain | fully right | partly credited "
+            "| wall time | steps | rollouts | tokens |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
+            a, b = r["hf_first"], r["hf_last"]
             lines.append(
-                f"| {r['seed']} | {r['start']:.3f} -> {r['end']:.3f} | {r['gain']:+.1f} | {r['minutes']:.1f} min "
-                f"| {r['steps']} | {r['rollouts']} | {r['tokens']} |"
+                f"| {r['seed']} | {r['start']:.3f} -> {r['end']:.3f} | {r['gain']:+.1f} "
+                f"| {a['right']:.2f} -> {b['right']:.2f} | {a['partial']:.2f} -> {b['partial']:.2f} "
+                f"| {r['minutes']:.1f} min | {r['steps']} | {r['rollouts']} | {r['tokens']} |"
             )
         held = sum(r["holds"] for r in rows)
-        lines += [
-            "",
-            f"{held} of {len(rows)} seeds gain at least +{TARGET_GAIN:.0f} points within {MAX_MINUTES:.0f} minutes.",
-            "",
-        ]
+        rule = f"{held} of {len(rows)} seeds gain at least +{TARGET_GAIN:.0f} points within {MAX_MINUTES:.0f} minutes."
+        lines += ["", rule, ""]
     lines += ["### Greedy answers of held-out questions, at step 0 and at the end", ""]
     for arm, runs in by_arm(records).items():
-        for r in runs[:1]:
-            lines += [
-                f"{arm}, seed {r['seed']}:",
-                "",
-                "| step | question | answer | gold | score |",
-                "|---|---|---|---|---|",
-            ]
-            for s in r["samples"]:
-                question = s["prompt"].splitlines()[0]
-                lines.append(
-                    f"| {s['step']} | {question} | `{s['completion']!r}` | {s['answer']} | {s['reward']:.2f} |"
-                )
-            lines.append("")
+        r = runs[0]
+        lines += [f"{arm}, seed {r['seed']}:", "", "| question | gold | step 0 | score | end | score |"]
+        lines.append("|---|---|---|---|---|---|")
+        for a, b in list(zip(r["answers"]["first"], r["answers"]["last"]))[:SAMPLES]:
+            lines.append(
+                f"| {a['question']} | {a['gold']} | `{a['completion']!r}` | {a['score']:.2f} "
+                f"| `{b['completion']!r}` | {b['score']:.2f} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
