@@ -45,6 +45,7 @@ FROM_RECORDS = {
     "docs/study/compute/replication": ["compute_study", "--h2", "None", "--seeds", *map(str, range(300, 340))],
     "docs/study/corrections": ["corrections_study"],
     "docs/study/pareto/rerun": ["pareto"],
+    "docs/study/real_model": ["real_model_study"],
     "docs/study/rerun": ["replay_study"],
     "docs/study/variants/rerun": ["replay_study", "--reference", "N224-R32-grpo"],
 }

@@ -24,6 +24,7 @@ from typing import Literal
 import compute_study
 import corrections_study
 import pareto
+import real_model_study
 import replay_study
 import tyro
 from replay_study import BUCKET_PANELS, is_on_policy, pick_variants
@@ -241,6 +242,7 @@ def render(summary_path: Path, table_path: Path) -> None:
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
     by_key = {"comparisons": corrections_study, "aa": compute_study, "interval_90": pareto}  # a key of its own
+    by_key["real_model"] = real_model_study
     study = next((module for key, module in by_key.items() if key in summary), replay_study)
     try:
         table_path.write_text(study.table_md(summary))
