@@ -277,6 +277,9 @@ def test_shots_without_the_task_are_refused_but_zero_is_accepted(tmp_path, capsy
     err = user_error(capsys, [*SMALL.split()[:-2], "--out-dir", str(tmp_path), "--rg-shots", "1"])
     assert "--rg-shots 1: only --task reasoning-gym reads it" in err
     assert rg.parse_args([*SMALL.split()[:-2], "--rg-shots", "0"]).rg_shots == 0
+    err = user_error(capsys, [*SMALL.split()[:-2], "--out-dir", str(tmp_path), "--rg-credit", "full"])
+    assert "--rg-credit full: only --task reasoning-gym reads it" in err
+    assert rg.parse_args([*SMALL.split()[:-2], "--rg-credit", "partial"]).rg_credit == "partial"
 
 
 def test_the_warm_start_cache_key_follows_the_reasoning_gym_problems_and_prompts():
