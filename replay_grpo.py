@@ -1031,10 +1031,10 @@ def make_rg_task(cfg: Args) -> Task:
     shots = {}  # distinct questions, none held out: a shot never shows a held-out answer
     if cfg.rg_shots:
         pool = open_rg_dataset(cfg, {**options, "seed": RG_SHOT_SEED, "size": RG_EVAL_DRAWS * cfg.rg_shots})
-        for e in pool:
-            if e["question"] not in held_out and len(shots) < cfg.rg_shots:
-                ex = rg_example(cfg, options, e)
-                shots.setdefault(ex.prompt, ex.solution)
+        for ex in (rg_example(cfg, options, e) for e in pool if e["question"] not in held_out):
+            if len(shots) == cfg.rg_shots:
+                break
+            shots.setdefault(ex.prompt, ex.solution)
         if len(shots) < cfg.rg_shots:
             raise UserError(
                 f"--rg-shots {cfg.rg_shots}: {len(pool)} problems of {cfg.rg_dataset} hold only {len(shots)} distinct "

@@ -548,6 +548,21 @@ def seed_everything(seed: int) -> None:
 
 
 @contextlib.contextmanager
+def environ(values: dict[str, str]):
+    """Run a block with these environment variables set, then restore what was there (unset where nothing was)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def forked_rng(seed: int):
     """Run a block on its own random streams seeded with `seed`, then restore every stream: the CPU's and every
     CUDA device's torch generators (HF sampling, vLLM's CPU runner), numpy's (vLLM's GPU runner seeds each

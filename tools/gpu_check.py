@@ -54,6 +54,7 @@ from bench_kernels import measure, targets_met, time_target
 
 import kernels
 import replay_grpo as rg
+import run_folder
 import warm_start
 
 ROWS = []  # (check, measured, target, verdict)
@@ -252,15 +253,8 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
 @contextlib.contextmanager
 def compute_dtype_forced(name: str):
     """Run a block with the compute dtype `name` (the hook replay_grpo reads), then restore it."""
-    saved = os.environ.get(kernels.COMPUTE_DTYPE_ENV)
-    os.environ[kernels.COMPUTE_DTYPE_ENV] = name
-    try:
+    with run_folder.environ({kernels.COMPUTE_DTYPE_ENV: name}):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(kernels.COMPUTE_DTYPE_ENV)
-        else:
-            os.environ[kernels.COMPUTE_DTYPE_ENV] = saved
 
 
 def simulated_bf16():

@@ -14,7 +14,6 @@ offline, bounded from the task's own prompts (generated_prompt_bound); the compu
 """
 
 import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
+import run_folder
 
 PROMPT_TOKENS = 512  # the longest prompt assumed where --max-prompt-tokens is not set
 ASYNC = (5, 3, 8)  # the paper's headline (W, T) on one node of 8 GPUs
@@ -100,23 +100,9 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
     model, cpu = meta_model(cfg.model), torch.device("cpu")
     # the device's size and a bf16 GPU's dtype for this plan only: a caller in the same process (a test, then a
     # real fp32 run on the CPU) must not inherit them
-    with planned_device(device_gib):
+    dtype = os.environ.get(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's, unless the user set one
+    with run_folder.environ({rg.DEVICE_GIB_ENV: str(device_gib), kernels.COMPUTE_DTYPE_ENV: dtype}):
         return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
-
-
-@contextlib.contextmanager
-def planned_device(device_gib: float):
-    saved = {k: os.environ.get(k) for k in (rg.DEVICE_GIB_ENV, kernels.COMPUTE_DTYPE_ENV)}
-    os.environ[rg.DEVICE_GIB_ENV] = str(device_gib)
-    os.environ.setdefault(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> int:

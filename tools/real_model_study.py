@@ -16,6 +16,7 @@ credited come from them.
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -25,13 +26,17 @@ TARGET_GAIN, MAX_MINUTES = 15.0, 60.0  # the preset's rule: each seed gains this
 SAMPLES = 6  # greedy answers shown for each run, at step 0 and at the end
 
 
-def held_out_answers(cfg: dict, weights: str) -> list[dict]:
-    """Greedy answers of every held-out question (HF generate, fp32) by the weights at `weights` (--model, or a
-    run's checkpoint folder), and their scores: the run records the mean only, and partial credit hides in it."""
+@functools.cache  # every seed of a setting starts from the same weights and questions: answered once
+def held_out_answers(config: str, weights: str) -> list[dict]:
+    """Greedy answers of every held-out question (HF generate, fp32) of a run's settings (`config`: its config.json
+    as JSON, less the seed and the folder: the held-out questions and shots do not depend on them) by the weights at
+    `weights` (--model, or a run's checkpoint folder), and their scores: a run records the mean only, and partial
+    credit hides in it."""
     import torch
 
     import replay_grpo as rg
 
+    cfg = json.loads(config)
     args = rg.Args(**{f.name: cfg[f.name] for f in dataclasses.fields(rg.Args) if f.name in cfg})
     task = rg.make_task(args)
     model, tok = rg.load_pretrained(weights, torch.float32)
@@ -61,7 +66,9 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
             evals.append({"step": r["step"], "tokens": tokens, "rollouts": rollouts, "seconds": busy, **row})
     keys = ("prompts_per_step", "group_size", "batch_size", "buffer_size", "total_steps", "lr", "rg_config")
     config = {k: cfg[k] for k in keys}
-    answers = {"first": held_out_answers(cfg, cfg["model"]), "last": held_out_answers(cfg, str(run_dir / "checkpoint"))}
+    setting = json.dumps({k: v for k, v in cfg.items() if k not in ("seed", "out_dir", "run_name")}, sort_keys=True)
+    last = str(run_dir / "checkpoint")
+    answers = {"first": held_out_answers(setting, cfg["model"]), "last": held_out_answers(setting, last)}
     return {"arm": arm, "seed": seed, "wall_seconds": seconds, "config": config, "evals": evals, "answers": answers}
 
 
