@@ -70,3 +70,39 @@ def test_a_committed_report_is_computed_again_from_its_committed_records_byte_fo
         if name == runner.RECORDS:
             new, old = runner.decompress(tmp_path / name, new), runner.decompress(ROOT / folder / name, old)
         assert new == old, name
+
+
+def test_the_real_model_report_compares_the_arms_at_the_on_policy_budget_and_calls_one_better_only_three_to_none(
+    tmp_path,
+):
+    """real_model_study's comparison: each run read at the fewest tokens an on-policy seed ended on (linear between
+    evaluations; a replay run that ended before it, at its end), then at the end; an arm is better only when each of
+    its seeds beats each of the other's."""
+    import real_model_study
+
+    def run(arm, seed, tokens, accs):
+        evals = [
+            dict(step=i, tokens=t, rollouts=i, seconds=i, greedy_acc=a) for i, (t, a) in enumerate(zip(tokens, accs))
+        ]
+        answer = dict(question="1 + 1 =", gold="2", completion="<answer>2</answer>", score=1.0)
+        return dict(
+            arm=arm, seed=seed, wall_seconds=60.0, config={}, evals=evals, answers=dict(first=[answer], last=[answer])
+        )
+
+    on = [run("on-policy", 1, (0, 3000, 6000), (0.3, 0.4, 0.5)), run("on-policy", 2, (0, 3000, 5800), (0.3, 0.5, 0.6))]
+    on.append(run("on-policy", 3, (0, 3000, 6100), (0.3, 0.35, 0.45)))
+    replay = [run("replay", 1, (0, 2900, 5900), (0.3, 0.6, 0.7)), run("replay", 2, (0, 2900, 5700), (0.3, 0.65, 0.8))]
+    for last, better in ((0.66, "replay"), (0.55, "undecided")):
+        records = {"runs": on + replay + [run("replay", 3, (0, 3000, 6000), (0.3, 0.62, last))]}
+        runner.write_records(tmp_path / runner.RECORDS, records, "--to")
+        c = real_model_study.main(["--records", str(tmp_path / runner.RECORDS), "--report-dir", str(tmp_path / "r")])
+        c = c["comparison"]
+        assert c["tokens"] == 5800 and c["replay_short_of_budget"] == [2]
+        assert c["at_tokens"]["on-policy"] == pytest.approx([0.4 + 0.1 * 28 / 30, 0.6, 0.35 + 0.1 * 28 / 31])
+        assert c["at_tokens"]["replay"] == pytest.approx([0.6 + 0.1 * 29 / 30, 0.8, 0.62 + (last - 0.62) * 28 / 30])
+        assert c["at_end"] == {"on-policy": [0.5, 0.6, 0.45], "replay": [0.7, 0.8, last]}
+        assert c["better_at_tokens"] == c["better_at_end"] == better
+        assert "| at 5800 generated tokens | 0.493, 0.600, 0.440 |" in (tmp_path / "r" / "table.md").read_text()
+    records["runs"][-1]["evals"][-1]["greedy_acc"] = 0.66  # the arms swapped: the first is then better
+    arms = real_model_study.by_arm(records)
+    assert real_model_study.compare(arms["replay"], arms["on-policy"])["better_at_end"] == "on-policy"

@@ -36,7 +36,7 @@ def held_out_answers(config: str, weights: str) -> list[dict]:
 
     import replay_grpo as rg
 
-    cfg = json.loads(config)
+    cfg = json.loads(config) | {"rg_credit": "partial"}  # the data set's own score, whichever the run was rewarded by
     args = rg.Args(**{f.name: cfg[f.name] for f in dataclasses.fields(rg.Args) if f.name in cfg})
     task = rg.make_task(args)
     model, tok = rg.load_pretrained(weights, torch.float32)
@@ -65,7 +65,9 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
             row = {k.removeprefix("eval/"): r[k] for k in ("eval/greedy_acc", "eval/pass@1", "eval/acc_t1")}
             evals.append({"step": r["step"], "tokens": tokens, "rollouts": rollouts, "seconds": busy, **row})
     keys = ("prompts_per_step", "group_size", "batch_size", "buffer_size", "total_steps", "lr", "rg_config")
-    config = {k: cfg[k] for k in keys}
+    config = {k: cfg[k] for k in keys} | (
+        {"rg_credit": cfg["rg_credit"]} if cfg.get("rg_credit", "partial") != "partial" else {}
+    )
     setting = json.dumps({k: v for k, v in cfg.items() if k not in ("seed", "out_dir", "run_name")}, sort_keys=True)
     last = str(run_dir / "checkpoint")
     answers = {"first": held_out_answers(setting, cfg["model"]), "last": held_out_answers(setting, last)}
@@ -138,7 +140,38 @@ def analyse(records: dict) -> dict:
         {"arm": r["arm"], "seed": r["seed"], "pairs": list(zip(r["answers"]["first"], r["answers"]["last"]))[:SAMPLES]}
         for r in records["runs"]
     ]
-    return {"real_model": {"gain_points": TARGET_GAIN, "minutes": MAX_MINUTES}, "runs": rows, "samples": samples}
+    out = {"real_model": {"gain_points": TARGET_GAIN, "minutes": MAX_MINUTES}, "runs": rows, "samples": samples}
+    arms = by_arm(records)
+    return out | (
+        {"comparison": compare(arms["on-policy"], arms["replay"])} if {"on-policy", "replay"} <= set(arms) else {}
+    )
+
+
+def accuracy_at(evals: list[dict], tokens: float) -> float:
+    """Greedy accuracy at `tokens` generated, linear between the evaluations around it (a run that ended before
+    `tokens` is read at its end)."""
+    for a, b in zip(evals, evals[1:]):
+        if a["tokens"] <= tokens <= b["tokens"]:
+            w = (tokens - a["tokens"]) / (b["tokens"] - a["tokens"]) if b["tokens"] > a["tokens"] else 1.0
+            return a["greedy_acc"] + w * (b["greedy_acc"] - a["greedy_acc"])
+    return evals[-1]["greedy_acc"]
+
+
+def verdict(on: list[float], replay: list[float]) -> str:
+    """An arm is better only when every one of its seeds beats every one of the other's (3 against 3: p = 1/20)."""
+    return "replay" if min(replay) > max(on) else "on-policy" if min(on) > max(replay) else "undecided"
+
+
+def compare(on: list[dict], replay: list[dict]) -> dict:
+    """The rule's comparison: accuracy at the on-policy arm's generation budget (the fewest tokens an on-policy
+    seed had generated at its last evaluation, which every on-policy seed reached) and at the end."""
+    budget = min(r["evals"][-1]["tokens"] for r in on)
+    at = {arm: [accuracy_at(r["evals"], budget) for r in runs] for arm, runs in (("on-policy", on), ("replay", replay))}
+    end = {arm: [r["evals"][-1]["greedy_acc"] for r in runs] for arm, runs in (("on-policy", on), ("replay", replay))}
+    short = [r["seed"] for r in replay if r["evals"][-1]["tokens"] < budget]  # read at their end
+    return dict(tokens=budget, at_tokens=at, at_end=end, replay_short_of_budget=short) | dict(
+        better_at_tokens=verdict(*at.values()), better_at_end=verdict(*end.values())
+    )
 
 
 def table_md(summary: dict) -> str:
@@ -161,6 +194,19 @@ def table_md(summary: dict) -> str:
         held = sum(r["holds"] for r in rows)
         rule = f"{held} of {len(rows)} seeds gain at least +{TARGET_GAIN:.0f} points within {MAX_MINUTES:.0f} minutes."
         lines += ["", rule, ""]
+    if c := summary.get("comparison"):
+        lines += [
+            f"### On-policy against replay (seeds {', '.join(str(r['seed']) for r in summary['runs']['replay'])})",
+            "",
+        ]
+        lines += ["| held-out greedy accuracy | on-policy, per seed | replay, per seed | better (all 3 beat all 3) |"]
+        lines.append("|---|---|---|---|")
+        for name, key in ((f"at {c['tokens']} generated tokens", "at_tokens"), ("at the end", "at_end")):
+            on, rp = (", ".join(f"{a:.3f}" for a in c[key][arm]) for arm in ("on-policy", "replay"))
+            lines.append(f"| {name} | {on} | {rp} | {c['better_' + key]} |")
+        if c["replay_short_of_budget"]:
+            lines.append(f"\nReplay seeds {c['replay_short_of_budget']} ended short of that budget: read at their end.")
+        lines.append("")
     lines += ["### Greedy answers of held-out questions, at step 0 and at the end", ""]
     for shown in summary["samples"]:
         lines += [f"{shown['arm']}, seed {shown['seed']}:", "", "| question | gold | step 0 | score | end | score |"]
