@@ -2,16 +2,19 @@
 accuracy at step 0 and at the end, wall time, steps, rollouts and tokens generated, greedy answers before and after;
 the figure of accuracy against generated tokens and against the seconds spent generating and training.
 
-    python tools/seed_table.py --preset cpu-smollm2 --seeds 1 2 3 --out-dir runs/real/on-policy   # twice, at once
-    python tools/real_model_study.py --runs runs/real --report-dir docs/study/real_model
-    python tools/real_model_study.py --records docs/study/real_model/records.json.xz --report-dir /tmp/again
+    python tools/seed_table.py --preset cpu-smollm2 --seeds 4 5 6 --out-dir runs/real-full/on-policy   # twice, at once
+    python tools/seed_table.py --preset cpu-smollm2 --seeds 4 5 6 --out-dir runs/real-full/replay \
+        --extra --prompts-per-step 1 --buffer-size 64 --total-steps 80 --eval-every 10
+    python tools/real_model_study.py --runs runs/real-full --report-dir docs/study/real_model/full
+    python tools/real_model_study.py --records docs/study/real_model/full/records.json.xz --report-dir /tmp/again
 
 --runs reads every ARM/SEED/run folder under it (seed_table.py's layout, its wall times in ARM/seed_table.json)
 and writes records.json.xz (what the report needs of each run), table.md, summary.json and accuracy.png;
 --records computes the same files again from those records alone. A run records its greedy accuracy as a mean
 score only, so --runs also answers every held-out question greedily (HF generate, fp32) with the base model and
 with the run's final checkpoint, and keeps the answers and their scores: the shares fully right and partly
-credited come from them.
+credited (the data set's own score, whatever credit the run trained on) come from them. With an on-policy and a
+replay arm, the report compares them as the study's rule says (compare).
 """
 
 import argparse
