@@ -202,7 +202,9 @@ def table_md(summary: dict) -> str:
             f"### On-policy against replay (seeds {', '.join(str(r['seed']) for r in summary['runs']['replay'])})",
             "",
         ]
-        lines += ["| held-out greedy accuracy | on-policy, per seed | replay, per seed | better (all 3 beat all 3) |"]
+        lines += [
+            "| held-out greedy accuracy | on-policy, per seed | replay, per seed | better (each of its seeds beats each of the other's) |"
+        ]
         lines.append("|---|---|---|---|")
         for name, key in ((f"at {c['tokens']} generated tokens", "at_tokens"), ("at the end", "at_end")):
             on, rp = (", ".join(f"{a:.3f}" for a in c[key][arm]) for arm in ("on-policy", "replay"))
