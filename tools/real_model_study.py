@@ -202,10 +202,8 @@ def table_md(summary: dict) -> str:
             f"### On-policy against replay (seeds {', '.join(str(r['seed']) for r in summary['runs']['replay'])})",
             "",
         ]
-        lines += [
-            "| held-out greedy accuracy | on-policy, per seed | replay, per seed | better (each of its seeds beats each of the other's) |"
-        ]
-        lines.append("|---|---|---|---|")
+        header = "| held-out greedy accuracy | on-policy, per seed | replay, per seed "
+        lines += [header + "| better (each of its seeds beats each of the other's) |", "|---|---|---|---|"]
         for name, key in ((f"at {c['tokens']} generated tokens", "at_tokens"), ("at the end", "at_end")):
             on, rp = (", ".join(f"{a:.3f}" for a in c[key][arm]) for arm in ("on-policy", "replay"))
             lines.append(f"| {name} | {on} | {rp} | {c['better_' + key]} |")
