@@ -250,11 +250,9 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
     )
 
 
-@contextlib.contextmanager
 def compute_dtype_forced(name: str):
     """Run a block with the compute dtype `name` (the hook replay_grpo reads), then restore it."""
-    with run_folder.environ({kernels.COMPUTE_DTYPE_ENV: name}):
-        yield
+    return run_folder.environ({kernels.COMPUTE_DTYPE_ENV: name})
 
 
 def simulated_bf16():

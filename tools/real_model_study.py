@@ -68,9 +68,7 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
             row = {k.removeprefix("eval/"): r[k] for k in ("eval/greedy_acc", "eval/pass@1", "eval/acc_t1")}
             evals.append({"step": r["step"], "tokens": tokens, "rollouts": rollouts, "seconds": busy, **row})
     keys = ("prompts_per_step", "group_size", "batch_size", "buffer_size", "total_steps", "lr", "rg_config")
-    config = {k: cfg[k] for k in keys} | (
-        {"rg_credit": cfg["rg_credit"]} if cfg.get("rg_credit", "partial") != "partial" else {}
-    )
+    config = {k: cfg[k] for k in keys} | {"rg_credit": cfg.get("rg_credit", "partial")}  # older runs: partial
     setting = json.dumps({k: v for k, v in cfg.items() if k not in ("seed", "out_dir", "run_name")}, sort_keys=True)
     last = str(run_dir / "checkpoint")
     answers = {"first": held_out_answers(setting, cfg["model"]), "last": held_out_answers(setting, last)}
@@ -168,9 +166,9 @@ def verdict(on: list[float], replay: list[float]) -> str:
 def compare(on: list[dict], replay: list[dict]) -> dict:
     """The rule's comparison: accuracy at the on-policy arm's generation budget (the fewest tokens an on-policy
     seed had generated at its last evaluation, which every on-policy seed reached) and at the end."""
-    budget = min(r["evals"][-1]["tokens"] for r in on)
-    at = {arm: [accuracy_at(r["evals"], budget) for r in runs] for arm, runs in (("on-policy", on), ("replay", replay))}
-    end = {arm: [r["evals"][-1]["greedy_acc"] for r in runs] for arm, runs in (("on-policy", on), ("replay", replay))}
+    budget, arms = min(r["evals"][-1]["tokens"] for r in on), {"on-policy": on, "replay": replay}
+    at = {arm: [accuracy_at(r["evals"], budget) for r in runs] for arm, runs in arms.items()}
+    end = {arm: [r["evals"][-1]["greedy_acc"] for r in runs] for arm, runs in arms.items()}
     short = [r["seed"] for r in replay if r["evals"][-1]["tokens"] < budget]  # read at their end
     return dict(tokens=budget, at_tokens=at, at_end=end, replay_short_of_budget=short) | dict(
         better_at_tokens=verdict(*at.values()), better_at_end=verdict(*end.values())
