@@ -1633,8 +1633,9 @@ def server_command(cfg: AsyncArgs, folder, max_model_len: int, port, cpu: bool, 
     cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
     cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
     cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
-    if cpu:
-        cmd += ["--enforce-eager"]
+    if cpu:  # whole prefills: the CPU runner fails on a seeded request cut in two ("CPU Generator does not use offset")
+        cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
+        cmd += ["--max-num-batched-tokens", str(max(max_model_len, 2048))]  # vLLM's CPU default; a whole prompt
     else:
         cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
     return cmd

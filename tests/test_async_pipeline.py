@@ -627,6 +627,18 @@ def test_a_server_error_is_one_line_naming_the_server(vllm_servers):
         ap.Server("http://127.0.0.2:1").post("/health", timeout=5)
 
 
+def test_more_prompt_tokens_in_flight_than_a_step_prefills_come_back_from_a_cpu_server(vllm_servers, tmp_path):
+    """Ten prompts of 300 tokens, more than one step of vLLM's CPU server prefills (2,048): each is prefilled whole,
+    as a seeded request cut in two stops the CPU runner ('CPU Generator does not use offset', a 500 for every one)."""
+    model, tok = warm_start.build_tiny_model(0)
+    prompts = [rg.render_prompt(tok, f"{i}+{i}=" * 100)[:300] for i in range(10)]
+    assert sum(map(len, prompts)) == 3000
+    server = vllm_servers["tied"]
+    ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1").publish(model.state_dict(), 1, wait=True)
+    groups = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0)).generate(prompts, 2, 4, 1.0)
+    assert [len(g) for g in groups] == [2] * 10 and all(1 <= len(s.completion_ids) <= 4 for g in groups for s in g)
+
+
 def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
     """A folder that holds no model: the launched server exits; the line names it and shows its log's last lines."""
     import types
