@@ -1634,8 +1634,7 @@ def server_command(cfg: AsyncArgs, folder, max_model_len: int, port, cpu: bool, 
     cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
     cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
     if cpu:  # whole prefills: the CPU runner fails on a seeded request cut in two ("CPU Generator does not use offset")
-        cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
-        cmd += ["--max-num-batched-tokens", str(max(max_model_len, 2048))]  # vLLM's CPU default; a whole prompt
+        cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]  # vLLM then fits a step's tokens to max_model_len
     else:
         cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
     return cmd

@@ -2,11 +2,11 @@
 accuracy at step 0 and at the end, wall time, steps, rollouts and tokens generated, greedy answers before and after;
 the figure of accuracy against generated tokens and against the seconds spent generating and training.
 
-    python tools/seed_table.py --preset cpu-smollm2 --seeds 4 5 6 --out-dir runs/real-full/on-policy   # twice, at once
-    python tools/seed_table.py --preset cpu-smollm2 --seeds 4 5 6 --out-dir runs/real-full/replay \
-        --extra --prompts-per-step 1 --buffer-size 64 --total-steps 80 --eval-every 10
-    python tools/real_model_study.py --runs runs/real-full --report-dir docs/study/real_model/full
-    python tools/real_model_study.py --records docs/study/real_model/full/records.json.xz --report-dir /tmp/again
+    python tools/seed_table.py --preset cpu-smollm2 --seeds 7 8 9 --out-dir runs/real-lr1e5/on-policy   # twice, at once
+    python tools/seed_table.py --preset cpu-smollm2 --seeds 7 8 9 --out-dir runs/real-lr1e5/replay \
+        --extra --prompts-per-step 1 --buffer-size 64 --total-steps 160 --eval-every 40
+    python tools/real_model_study.py --runs runs/real-lr1e5 --report-dir docs/study/real_model/lr1e5
+    python tools/real_model_study.py --records docs/study/real_model/lr1e5/records.json.xz --report-dir /tmp/again
 
 --runs reads every ARM/SEED/run folder under it (seed_table.py's layout, its wall times in ARM/seed_table.json)
 and writes records.json.xz (what the report needs of each run), table.md, summary.json and accuracy.png;
