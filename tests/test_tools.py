@@ -74,12 +74,12 @@ def test_a_committed_report_is_computed_again_from_its_committed_records_byte_fo
         assert new == old, name
 
 
-def test_the_real_model_report_compares_the_arms_at_the_on_policy_budget_and_calls_one_better_only_three_to_none(
+def test_the_real_model_report_compares_the_arms_at_the_budget_every_run_reached_and_one_is_better_only_three_to_none(
     tmp_path,
 ):
-    """real_model_study's comparison: each run read at the fewest tokens an on-policy seed ended on (linear between
-    evaluations; a replay run that ended before it, at its end), then at the end; an arm is better only when each of
-    its seeds beats each of the other's."""
+    """real_model_study's comparison: each run read at the fewest tokens any run ended on (linear between
+    evaluations), then at the end when the arms ended on the same rollouts (within 5%); an arm is better only when
+    each of its seeds beats each of the other's."""
     import real_model_study
 
     def run(arm, seed, tokens, accs):
@@ -99,12 +99,21 @@ def test_the_real_model_report_compares_the_arms_at_the_on_policy_budget_and_cal
         runner.write_records(tmp_path / runner.RECORDS, records, "--to")
         c = real_model_study.main(["--records", str(tmp_path / runner.RECORDS), "--report-dir", str(tmp_path / "r")])
         c = c["comparison"]
-        assert c["tokens"] == 5800 and c["replay_short_of_budget"] == [2]
-        assert c["at_tokens"]["on-policy"] == pytest.approx([0.4 + 0.1 * 28 / 30, 0.6, 0.35 + 0.1 * 28 / 31])
-        assert c["at_tokens"]["replay"] == pytest.approx([0.6 + 0.1 * 29 / 30, 0.8, 0.62 + (last - 0.62) * 28 / 30])
+        assert c["tokens"] == 5700  # replay seed 2's end
+        assert c["at_tokens"]["on-policy"] == pytest.approx(
+            [0.4 + 0.1 * 27 / 30, 0.5 + 0.1 * 27 / 28, 0.35 + 0.1 * 27 / 31]
+        )
+        assert c["at_tokens"]["replay"] == pytest.approx([0.6 + 0.1 * 28 / 30, 0.8, 0.62 + (last - 0.62) * 27 / 30])
         assert c["at_end"] == {"on-policy": [0.5, 0.6, 0.45], "replay": [0.7, 0.8, last]}
         assert c["better_at_tokens"] == c["better_at_end"] == better
-        assert "| at 5800 generated tokens | 0.493, 0.600, 0.440 |" in (tmp_path / "r" / "table.md").read_text()
+        assert "| at 5700 generated tokens | 0.490, 0.596, 0.437 |" in (tmp_path / "r" / "table.md").read_text()
+    arms = real_model_study.by_arm(records)
+    for rollouts, compared in ((1280, False), (640, True)):  # replay ends on 664 (its first batch filled)
+        for arm, n in (("on-policy", rollouts), ("replay", 664)):
+            for r in arms[arm]:
+                r["evals"][-1]["rollouts"] = n
+        c = real_model_study.compare(arms["on-policy"], arms["replay"])
+        assert ("at_end" in c) == compared and c["tokens"] == 5700 and c["better_at_tokens"] == "undecided"
     records["runs"][-1]["evals"][-1]["greedy_acc"] = 0.66  # the arms swapped: the first is then better
     arms = real_model_study.by_arm(records)
     assert real_model_study.compare(arms["replay"], arms["on-policy"])["better_at_end"] == "on-policy"

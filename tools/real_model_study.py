@@ -27,6 +27,7 @@ from studylib import report, runner
 
 TARGET_GAIN, MAX_MINUTES = 15.0, 60.0  # the preset's rule: each seed gains this many points within this wall time
 SAMPLES = 6  # greedy answers shown for each run, at step 0 and at the end
+SAME_END = 1.05  # the arms' ends are compared when their rollouts generated differ by at most 5%
 
 
 @functools.cache  # every seed of a setting starts from the same weights and questions: answered once
@@ -164,15 +165,18 @@ def verdict(on: list[float], replay: list[float]) -> str:
 
 
 def compare(on: list[dict], replay: list[dict]) -> dict:
-    """The rule's comparison: accuracy at the on-policy arm's generation budget (the fewest tokens an on-policy
-    seed had generated at its last evaluation, which every on-policy seed reached) and at the end."""
-    budget, arms = min(r["evals"][-1]["tokens"] for r in on), {"on-policy": on, "replay": replay}
+    """The rule's comparison: accuracy at the generation budget every run reached (the fewest tokens generated at any
+    run's last evaluation, either arm), and at the end where the arms ended on the same generation (within SAME_END
+    of rollouts: replay's first batch takes a few more rollouts to fill)."""
+    arms = {"on-policy": on, "replay": replay}
+    budget = min(r["evals"][-1]["tokens"] for r in on + replay)
     at = {arm: [accuracy_at(r["evals"], budget) for r in runs] for arm, runs in arms.items()}
-    end = {arm: [r["evals"][-1]["greedy_acc"] for r in runs] for arm, runs in arms.items()}
-    short = [r["seed"] for r in replay if r["evals"][-1]["tokens"] < budget]  # read at their end
-    return dict(tokens=budget, at_tokens=at, at_end=end, replay_short_of_budget=short) | dict(
-        better_at_tokens=verdict(*at.values()), better_at_end=verdict(*end.values())
-    )
+    out = dict(tokens=budget, at_tokens=at, better_at_tokens=verdict(*at.values()))
+    ends = [r["evals"][-1]["rollouts"] for r in on + replay]
+    if max(ends) <= SAME_END * min(ends):
+        end = {arm: [r["evals"][-1]["greedy_acc"] for r in runs] for arm, runs in arms.items()}
+        out |= dict(at_end=end, better_at_end=verdict(*end.values()))
+    return out
 
 
 def table_md(summary: dict) -> str:
@@ -203,10 +207,11 @@ def table_md(summary: dict) -> str:
         header = "| held-out greedy accuracy | on-policy, per seed | replay, per seed "
         lines += [header + "| better (each of its seeds beats each of the other's) |", "|---|---|---|---|"]
         for name, key in ((f"at {c['tokens']} generated tokens", "at_tokens"), ("at the end", "at_end")):
-            on, rp = (", ".join(f"{a:.3f}" for a in c[key][arm]) for arm in ("on-policy", "replay"))
-            lines.append(f"| {name} | {on} | {rp} | {c['better_' + key]} |")
-        if c["replay_short_of_budget"]:
-            lines.append(f"\nReplay seeds {c['replay_short_of_budget']} ended short of that budget: read at their end.")
+            if key in c:
+                on, rp = (", ".join(f"{a:.3f}" for a in c[key][arm]) for arm in ("on-policy", "replay"))
+                lines.append(f"| {name} | {on} | {rp} | {c['better_' + key]} |")
+        if "at_end" not in c:
+            lines.append("\nThe arms ended on different generation budgets: their ends are not compared.")
         lines.append("")
     lines += ["### Greedy answers of held-out questions, at step 0 and at the end", ""]
     for shown in summary["samples"]:
