@@ -1681,21 +1681,27 @@ def make_generator(cfg: Args, model, tok, model_dir: str):
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
         return HFGenerator(model, tok)
+    export = None  # the exported folder is read while the engine is built, then only weights move (load_weights)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
-        model_dir = export_plain_folder(model, tok, tempfile.mkdtemp(prefix="replay_grpo_policy_"))
+        export = tempfile.TemporaryDirectory(prefix="replay_grpo_policy_")
+        model_dir = export_plain_folder(model, tok, export.name)
     dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")  # bf16 on GPUs
     # level 2, when a weight load follows every wake-up, drops the weights too; where the platform has no sleep mode
     # (CPU) the engine runs without, and still counts as one
-    generator = VLLMGenerator(
-        model=model,
-        tok=tok,
-        model_dir=model_dir,
-        dtype=dtype,
-        seed=cfg.seed,
-        max_model_len=context_length(model),
-        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        sleep_level=2 if cfg.publish_every == 1 else 1,
-    )
+    try:
+        generator = VLLMGenerator(
+            model=model,
+            tok=tok,
+            model_dir=model_dir,
+            dtype=dtype,
+            seed=cfg.seed,
+            max_model_len=context_length(model),
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            sleep_level=2 if cfg.publish_every == 1 else 1,
+        )
+    finally:  # 0.5 GB a run for SmolLM2: left in the temp folder, they filled a CI machine's disk
+        if export is not None:
+            export.cleanup()
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
     return generator
 

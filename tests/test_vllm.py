@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -278,7 +279,10 @@ def metrics(run_dir):
 
 
 @needs_vllm
-def test_cpu_preset_trains_with_the_vllm_generator(tmp_path):
+def test_cpu_preset_trains_with_the_vllm_generator(tmp_path, monkeypatch):
+    temp = tmp_path / "temp"  # where the model built in code is exported for the engine to read
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     out = rg.main(
         [
             *(
@@ -301,6 +305,7 @@ def test_cpu_preset_trains_with_the_vllm_generator(tmp_path):
     for r in recs:
         assert r["logprob_mismatch_abs"] < 1e-3  # on the rollouts of the current weights (staleness 0)
         assert r["grad_norm"] > 0 and r["loss"] == r["loss"]
+    assert not list(temp.glob("replay_grpo_policy_*"))  # the export is deleted once the engine has read it
 
 
 @needs_vllm
