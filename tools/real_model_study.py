@@ -4,7 +4,7 @@ the figure of accuracy against generated tokens and against the seconds spent ge
 
     python tools/seed_table.py --preset cpu-smollm2 --seeds 7 8 9 --out-dir runs/real-lr1e5/on-policy   # twice, at once
     python tools/seed_table.py --preset cpu-smollm2 --seeds 7 8 9 --out-dir runs/real-lr1e5/replay \
-        --extra --prompts-per-step 1 --buffer-size 64 --total-steps 160 --eval-every 40
+        --extra --prompts-per-step 1 --buffer-size 64 --total-steps 80 --eval-every 20
     python tools/real_model_study.py --runs runs/real-lr1e5 --report-dir docs/study/real_model/lr1e5
     python tools/real_model_study.py --records docs/study/real_model/lr1e5/records.json.xz --report-dir /tmp/again
 
