@@ -1699,7 +1699,7 @@ def make_generator(cfg: Args, model, tok, model_dir: str):
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             sleep_level=2 if cfg.publish_every == 1 else 1,
         )
-    finally:  # 0.5 GB a run for SmolLM2: left in the temp folder, they filled a CI machine's disk
+    finally:  # 0.5 GB a run for SmolLM2, which would otherwise stay in the temp folder
         if export is not None:
             export.cleanup()
     generator.load_weights(model.state_dict(), 0)  # the trainer's weights, whatever the folder holds
