@@ -548,14 +548,14 @@ class LogprobPolicy(torch.nn.Module):
     kernels.token_logprobs the full head weight, and FSDP reduce-scatters its gradient (to the tied
     embedding too). Reading the head outside this forward would hand the kernel a shard of it."""
 
-    computes_logprobs = True  # rg.completion_logprobs calls forward with packed ids
+    computes_logprobs = True  # rg.completion_logprobs calls forward with its rg.Packed ids
 
     def __init__(self, policy):
         super().__init__()
         self.policy = policy
 
-    def forward(self, ids, mask, targets, temperature, entropy):
-        out = rg.packed_logprobs(self.policy, ids, mask, targets, temperature, entropy=entropy)
+    def forward(self, packed, temperature, entropy):
+        out = rg.packed_logprobs(self.policy, packed, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
 

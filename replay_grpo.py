@@ -132,6 +132,7 @@ class Args:
     generator: Literal["auto", "vllm", "hf"] = "auto"  # vllm: an engine synced on publish; hf: transformers
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU (weights, KV cache); the trainer: the rest
     micro_batch_size: int = 64  # rollouts per forward/backward; gradients are accumulated over the batch
+    share_prompts: bool = True  # forward each distinct prompt of a micro-batch once, its completions attending to it
     grad_clip: float = 1.0  # clip the gradient norm to this (0: off)
     activation_checkpointing: bool = False  # keep each decoder layer's input only, recompute the rest in backward
 
@@ -523,6 +524,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it. `lagged`:
     decoupled --prox-lag > 0's LaggedPolicy."""
     device = next(model.parameters()).device
+    batch = prompt_order(batch, cfg.micro_batch_size) if cfg.share_prompts else batch  # a prompt's in one micro-batch
     lengths = [len(r.completion_ids) for r in batch]
     norm_tokens = tokens_per_rank(sum(lengths), device) if cfg.loss_agg == "token-mean" else sum(lengths)
     optimizer.zero_grad(set_to_none=True)
@@ -531,7 +533,9 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     for start in range(0, len(batch), cfg.micro_batch_size):
         mb, mb_len = batch[start : start + cfg.micro_batch_size], lengths[start : start + cfg.micro_batch_size]
         pairs = [(r.prompt_ids, r.completion_ids) for r in mb]
-        logp, ent = completion_logprobs(model, pairs, pad_id, cfg.temperature, entropy=True)
+        logp, ent = completion_logprobs(
+            model, pairs, pad_id, cfg.temperature, entropy=True, share_prompts=cfg.share_prompts
+        )
         repeats = torch.tensor(mb_len, device=device)  # one value per rollout -> one per completion token
         behaviour = torch.cat([r.behaviour_logprobs for r in mb]).to(device)
         advantage = per_token([r.advantage for r in mb], repeats)
@@ -1318,38 +1322,113 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
     return model, tok, cfg.model, None
 
 
-def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device):
-    """Right-padded prompt+completion ids, mask, and targets: each completion token at the position predicting
-    it, -100 elsewhere (no prompt logits are ever built)."""
-    length = max(len(p) + len(c) for p, c in seqs)
-    pads = [length - len(p) - len(c) for p, c in seqs]  # rows built as lists: one tensor each, not one per row
-    ids = torch.tensor([p + c + [pad_id] * n for (p, c), n in zip(seqs, pads)])
-    mask = torch.tensor([[1] * (length - n) + [0] * n for n in pads])
-    targets = torch.tensor([[-100] * (len(p) - 1) + c + [-100] * (n + 1) for (p, c), n in zip(seqs, pads)])
-    return ids.to(device), mask.to(device), targets.to(device)
+class Packed(NamedTuple):
+    """A micro-batch's token ids for one forward. Unshared: ids / mask / targets are the rows prompt + completion,
+    right-padded. Shared (each distinct prompt once): prefix_ids / prefix_mask hold the distinct prompts less their
+    last token, right-padded, `rows` maps each completion to its prompt's row, and ids / mask / targets / positions
+    are the completions, each after its prompt's last token (which predicts the first completion token)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    targets: torch.Tensor  # the token each position predicts, -100 where none is trained
+    prefix_ids: torch.Tensor | None = None
+    prefix_mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
-def completion_logprobs(model, seqs, pad_id, temperature, entropy=False):
+def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows right-padded with `pad` to the longest, and their mask (built as lists: one tensor, not one a row)."""
+    length = max(map(len, rows))
+    ids = torch.tensor([row + [pad] * (length - len(row)) for row in rows])
+    return ids, torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
+
+
+def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device, share_prompts: bool = True) -> Packed:
+    """The forward's ids for (prompt, completion) pairs: each completion token at the position predicting it,
+    -100 elsewhere (no prompt logits are ever built). With share_prompts, a prompt that several completions of the
+    micro-batch share is forwarded once (when none is shared, or a prompt is a single token: the rows, unshared)."""
+    prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))  # distinct, in first-seen order
+    if not share_prompts or len(prompts) == len(seqs) or min(map(len, prompts)) < 2:
+        ids, mask = right_padded([list(p) + list(c) for p, c in seqs], pad_id)
+        targets = right_padded([[-100] * (len(p) - 1) + list(c) + [-100] for p, c in seqs], -100)[0]
+        return Packed(ids.to(device), mask.to(device), targets.to(device))
+    row = {p: i for i, p in enumerate(prompts)}
+    prefix_ids, prefix_mask = right_padded([list(p[:-1]) for p in prompts], pad_id)
+    ids, mask = right_padded([[p[-1], *c] for p, c in seqs], pad_id)
+    targets = right_padded([list(c) for _, c in seqs], -100)[0]
+    targets = torch.cat([targets, torch.full((len(seqs), ids.shape[1] - targets.shape[1]), -100)], dim=1)
+    start = torch.tensor([len(p) - 1 for p, _ in seqs])  # the position of each prompt's last token
+    return Packed(
+        ids=ids.to(device),
+        mask=mask.to(device),
+        targets=targets.to(device),
+        prefix_ids=prefix_ids.to(device),
+        prefix_mask=prefix_mask.to(device),
+        rows=torch.tensor([row[tuple(p)] for p, _ in seqs], device=device),
+        positions=(start[:, None] + torch.arange(ids.shape[1])).to(device),
+    )
+
+
+def completion_logprobs(model, seqs, pad_id, temperature, entropy=False, share_prompts=True):
     """fp32 log-probs (and entropy) of every completion token, flattened in rollout order, through
-    kernels.token_logprobs on the final hidden states and the LM head: never [tokens x vocab] logits.
-    `model` is a causal LM, or a module computing them in its own forward (async_pipeline's FSDP2 root)."""
-    ids, mask, targets = pack(seqs, pad_id, next(model.parameters()).device)
+    kernels.token_logprobs on the final hidden states and the LM head: never [tokens x vocab] logits. With
+    share_prompts, each distinct prompt of `seqs` is forwarded once (see pack). `model` is a causal LM, or a module
+    computing them in its own forward (async_pipeline's FSDP2 root). Activation checkpointing keeps no KV cache
+    (transformers drops it under checkpointing), so a checkpointed model in training gets the rows unshared."""
+    checkpointed = model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    packed = pack(seqs, pad_id, next(model.parameters()).device, share_prompts and not checkpointed)
     if getattr(model, "computes_logprobs", False):
-        return model(ids, mask, targets, temperature, entropy)
-    return packed_logprobs(model, ids, mask, targets, temperature, entropy=entropy)
+        return model(packed, temperature, entropy)
+    return packed_logprobs(model, packed, temperature, entropy=entropy)
 
 
-def packed_logprobs(model, ids, mask, targets, temperature, entropy=False):
-    """completion_logprobs on packed ids / mask / targets (see pack)."""
-    device = ids.device
+def packed_logprobs(model, packed: Packed, temperature, entropy=False):
+    """completion_logprobs on a Packed micro-batch. Shared: the prompts' forward fills a KV cache, which is expanded
+    to one row per completion (autograd sums the completions' gradients into the one prompt forward), and the
+    completions attend to it at their own positions."""
+    device, base = packed.ids.device, model.base_model
     with kernels.autocast(device):
-        hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    sel = targets != -100  # the completion tokens' positions
+        if packed.prefix_ids is None:
+            hidden = base(input_ids=packed.ids, attention_mask=packed.mask, use_cache=False).last_hidden_state
+        else:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=base.config)
+            base(input_ids=packed.prefix_ids, attention_mask=packed.prefix_mask, past_key_values=cache, use_cache=True)
+            cache.batch_select_indices(packed.rows)  # an indexing: its backward adds up each prompt's rows
+            hidden = base(
+                input_ids=packed.ids,
+                attention_mask=torch.cat([packed.prefix_mask[packed.rows], packed.mask], dim=1),
+                position_ids=packed.positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+    sel = packed.targets != -100  # the completion tokens' positions
     head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
     dtype = kernels.compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # a generator's copy: as is
     return kernels.token_logprobs(
-        hidden[sel].to(dtype), head.to(dtype), targets[sel], temperature=temperature, return_entropy=entropy
+        hidden[sel].to(dtype), head.to(dtype), packed.targets[sel], temperature=temperature, return_entropy=entropy
     )
+
+
+def prompt_order(batch: list, micro_batch_size: int) -> list:
+    """The batch reordered so that rollouts of one prompt share a micro-batch where they can: each micro-batch is
+    filled with whole groups (same prompt ids; the largest first, then in the order drawn) while one fits, then with
+    part of the largest left. Deterministic: the same draw gives the same order."""
+    groups: dict[tuple, list] = {}
+    for r in batch:
+        groups.setdefault(tuple(r.prompt_ids), []).append(r)
+    pending = sorted(groups.values(), key=len, reverse=True)  # stable: equal sizes keep the order drawn
+    out: list = []
+    while pending:
+        room = micro_batch_size - len(out) % micro_batch_size
+        group = pending.pop(next((i for i, g in enumerate(pending) if len(g) <= room), 0))
+        out += group[:room]
+        if len(group) > room:
+            pending.append(group[room:])
+            pending.sort(key=len, reverse=True)
+    return out
 
 
 class LaggedPolicy:
@@ -1378,7 +1457,7 @@ class LaggedPolicy:
                 self.model.load_state_dict(weights)
                 self.loaded = version
             pairs = [(r.prompt_ids, r.completion_ids) for r, old in zip(mb, older.tolist()) if old]
-            lp = completion_logprobs(self.model, pairs, pad_id, cfg.temperature)
+            lp = completion_logprobs(self.model, pairs, pad_id, cfg.temperature, share_prompts=cfg.share_prompts)
             proximal[older.repeat_interleave(repeats)] = lp.to(behaviour.dtype)
         return proximal
 
@@ -1431,15 +1510,17 @@ def stop_token_ids(model, tok) -> list[int]:
 
 class HFGenerator:
     """transformers `generate` on its own copy of the policy; behaviour log-probs by one forward of that copy at
-    the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores."""
+    the sampling temperature (what was sampled from: top-p 1, no top-k), never keeping [T x V] scores; each group's
+    prompt forwarded once with share_prompts (--share-prompts)."""
 
-    def __init__(self, model, tok, policy_version: int = 0):
+    def __init__(self, model, tok, policy_version: int = 0, share_prompts: bool = True):
         from transformers import GenerationConfig
 
         device = next(model.parameters()).device
         self.model = kernels.cast_copy(model, kernels.compute_dtype(device))  # bf16 on GPUs, cast directly
         self.policy_version = policy_version  # the optimizer steps in `model`'s weights
         self.pad_id = tok.pad_token_id
+        self.share_prompts = share_prompts
         self.eos_ids = stop_token_ids(model, tok)
         # A clean config: a hub model's own sampling defaults (top_k=20, repetition_penalty, ...)
         # would otherwise change the sampled distribution behind the behaviour log-probs' back.
@@ -1488,7 +1569,9 @@ class HFGenerator:
             samples.append(Sample(completion_ids=row[:cut] if cut else row, logprobs=None, truncated=cut is None))
         if logprobs:
             pairs = [(prompts[i // n], s.completion_ids) for i, s in enumerate(samples)]
-            lp = completion_logprobs(self.model, pairs, self.pad_id, temperature or 1.0)
+            lp = completion_logprobs(
+                self.model, pairs, self.pad_id, temperature or 1.0, share_prompts=self.share_prompts
+            )
             for s, chunk in zip(samples, lp.split([len(s.completion_ids) for s in samples])):
                 s.logprobs = chunk.float().cpu()
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -1673,14 +1756,14 @@ def make_generator(cfg: Args, model, tok, model_dir: str):
     """The --generator backend on the model's device. vLLM loads a plain Hugging Face folder (a model built in code or
     read from GGUF is exported first); the engine shares the trainer's GPU, so it sleeps during optimizer steps."""
     if cfg.generator == "hf":
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, share_prompts=cfg.share_prompts)
     try:
         import_vllm()  # vLLM itself is imported only here, when used
     except VLLMUnavailable as e:
         if cfg.generator == "vllm":
             raise UserError(str(e)) from None
         print(f"generator: HF generate (--generator auto; vLLM is not used: {e})")
-        return HFGenerator(model, tok)
+        return HFGenerator(model, tok, share_prompts=cfg.share_prompts)
     export = None  # the exported folder is read while the engine is built, then only weights move (load_weights)
     if not (Path(model_dir) / "config.json").exists() and (model_dir == "tiny" or model_dir.endswith(".gguf")):
         export = tempfile.TemporaryDirectory(prefix="replay_grpo_policy_")

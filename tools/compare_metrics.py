@@ -7,6 +7,7 @@ from them. Exit code 0 when every record matches.
     python tools/compare_metrics.py REV                 # the two default commands below
     python tools/compare_metrics.py REV --keep /tmp/cmp # keep both run folders
     python tools/compare_metrics.py REV --added KEY     # KEY is new in the working tree's records
+    python tools/compare_metrics.py REV --flags=--no-share-prompts  # the working tree's runs with a new flag off
 """
 
 import argparse
@@ -67,12 +68,12 @@ def check_keep(keep: str) -> Path:
     return path
 
 
-def run_all(code_dir: Path, out_dir: Path) -> list[list[dict]]:
+def run_all(code_dir: Path, out_dir: Path, flags: list[str] = ()) -> list[list[dict]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     records = []
     for i, args in enumerate(COMMANDS):
         trainer = str(code_dir / "replay_grpo.py")
-        cmd = [sys.executable, trainer, *args, "--out-dir", str(out_dir / f"c{i}"), "--run-name", "run"]
+        cmd = [sys.executable, trainer, *args, *flags, "--out-dir", str(out_dir / f"c{i}"), "--run-name", "run"]
         print("$", " ".join(cmd[1:]), flush=True)
         done = subprocess.run(cmd, cwd=code_dir, env=env, stdout=subprocess.DEVNULL)
         if done.returncode:  # its own error line is above, on stderr
@@ -114,6 +115,11 @@ def main() -> int:
         help="record keys that only the working tree logs (new on "
         "purpose): their values are not compared, every other key must match",
     )
+    ap.add_argument(
+        "--flags",
+        default="",
+        help="flags added to the working tree's commands only (e.g. a new flag set so that it changes nothing)",
+    )
     args = ap.parse_args()
     commit = check_revision(args.rev)
     work = check_keep(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="compare_metrics_"))
@@ -124,7 +130,7 @@ def main() -> int:
     if added.returncode:
         fail(f"{args.rev}: git could not check it out in {before_code}: {' '.join(added.stderr.split())[:300]}")
     try:
-        before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after")
+        before, after = run_all(before_code, work / "before"), run_all(ROOT, work / "after", args.flags.split())
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(before_code)], cwd=ROOT, capture_output=True)
     differences = compare(before, after, added=set(args.added))
