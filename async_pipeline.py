@@ -553,6 +553,7 @@ class LogprobPolicy(torch.nn.Module):
     def __init__(self, policy):
         super().__init__()
         self.policy = policy
+        self.config = policy.config  # completion_logprobs reads its attention implementation
 
     def forward(self, packed, temperature, entropy):
         out = rg.packed_logprobs(self.policy, packed, temperature, entropy=entropy)

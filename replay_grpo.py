@@ -1323,111 +1323,99 @@ def load_policy(cfg: Args, device: torch.device, task: Task):
 
 
 class Packed(NamedTuple):
-    """A micro-batch's token ids for one forward. Unshared: ids / mask / targets are the rows prompt + completion,
-    right-padded. Shared (each distinct prompt once): prefix_ids / prefix_mask hold the distinct prompts less their
-    last token, right-padded, `rows` maps each completion to its prompt's row, and ids / mask / targets / positions
-    are the completions, each after its prompt's last token (which predicts the first completion token)."""
+    """A micro-batch's ids for one forward, and where its completion tokens are predicted. Unshared: a row per rollout
+    (prompt + completion, right-padded), `mask` its padding. Shared: a row per distinct prompt, its prompt less the last
+    token then one segment per completion (the prompt's last token, which predicts the first completion token, and the
+    completion), `mask` [rows, 1, L, L] the keys each position attends to: a segment sees its row's prompt and itself,
+    at `positions` that go on from the prompt's, so each completion is computed as in its own unshared row."""
 
     ids: torch.Tensor
     mask: torch.Tensor
-    targets: torch.Tensor  # the token each position predicts, -100 where none is trained
-    prefix_ids: torch.Tensor | None = None
-    prefix_mask: torch.Tensor | None = None
-    rows: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-
-
-def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows right-padded with `pad` to the longest, and their mask (built as lists: one tensor, not one a row)."""
-    length = max(map(len, rows))
-    ids = torch.tensor([row + [pad] * (length - len(row)) for row in rows])
-    return ids, torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
+    index: torch.Tensor  # each completion token's flat position (row x L + column), in rollout order
+    targets: torch.Tensor  # the completion tokens, in rollout order
+    positions: torch.Tensor | None = None  # shared: each position's position id
 
 
 def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device, share_prompts: bool = True) -> Packed:
-    """The forward's ids for (prompt, completion) pairs: each completion token at the position predicting it,
-    -100 elsewhere (no prompt logits are ever built). With share_prompts, a prompt that several completions of the
-    micro-batch share is forwarded once (when none is shared, or a prompt is a single token: the rows, unshared)."""
+    """The forward's ids for (prompt, completion) pairs; no prompt logits are ever built. With share_prompts, a prompt
+    that several completions of `seqs` share is forwarded once (when none is shared, or a prompt is a single token:
+    the rows, unshared)."""
     prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))  # distinct, in first-seen order
-    if not share_prompts or len(prompts) == len(seqs) or min(map(len, prompts)) < 2:
-        ids, mask = right_padded([list(p) + list(c) for p, c in seqs], pad_id)
-        targets = right_padded([[-100] * (len(p) - 1) + list(c) + [-100] for p, c in seqs], -100)[0]
-        return Packed(ids.to(device), mask.to(device), targets.to(device))
-    row = {p: i for i, p in enumerate(prompts)}
-    prefix_ids, prefix_mask = right_padded([list(p[:-1]) for p in prompts], pad_id)
-    ids, mask = right_padded([[p[-1], *c] for p, c in seqs], pad_id)
-    targets = right_padded([list(c) for _, c in seqs], -100)[0]
-    targets = torch.cat([targets, torch.full((len(seqs), ids.shape[1] - targets.shape[1]), -100)], dim=1)
-    start = torch.tensor([len(p) - 1 for p, _ in seqs])  # the position of each prompt's last token
-    return Packed(
-        ids=ids.to(device),
-        mask=mask.to(device),
-        targets=targets.to(device),
-        prefix_ids=prefix_ids.to(device),
-        prefix_mask=prefix_mask.to(device),
-        rows=torch.tensor([row[tuple(p)] for p, _ in seqs], device=device),
-        positions=(start[:, None] + torch.arange(ids.shape[1])).to(device),
-    )
+    shared = share_prompts and len(prompts) < len(seqs) and min(map(len, prompts)) > 1
+    if not shared:
+        rows = [list(p) + list(c) for p, c in seqs]
+        spans = [(i, len(p) - 1, len(c)) for i, (p, c) in enumerate(seqs)]  # (row, first predicting column, tokens)
+    else:
+        row_of = {p: i for i, p in enumerate(prompts)}
+        rows, spans, segments = [list(p[:-1]) for p in prompts], [], []
+        for p, c in seqs:
+            r = row_of[tuple(p)]
+            spans.append((r, len(rows[r]), len(c)))
+            segments.append((r, len(rows[r]), len(c) + 1, len(p) - 1))  # (row, start, length, its first position)
+            rows[r] += [p[-1], *c]
+    length = max(map(len, rows))
+    ids = torch.tensor(
+        [row + [pad_id] * (length - len(row)) for row in rows]
+    )  # lists first: one tensor, not a row each
+    index = torch.tensor([r * length + start + j for r, start, n in spans for j in range(n)], dtype=torch.long)
+    targets = torch.tensor([t for _, c in seqs for t in c], dtype=torch.long)
+    if not shared:
+        mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
+        return Packed(ids.to(device), mask.to(device), index.to(device), targets.to(device))
+    mask = torch.eye(length, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself: no row without a key
+    positions = torch.arange(length).repeat(len(rows), 1)
+    for r, p in enumerate(prompts):
+        mask[r, : len(p) - 1, : len(p) - 1] = torch.ones(len(p) - 1, len(p) - 1, dtype=torch.bool).tril()
+    for r, start, n, first in segments:
+        mask[r, start : start + n, :first] = True  # the prompt's keys
+        mask[r, start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        positions[r, start : start + n] = torch.arange(first, first + n)
+    return Packed(ids.to(device), mask[:, None].to(device), index.to(device), targets.to(device), positions.to(device))
 
 
 def completion_logprobs(model, seqs, pad_id, temperature, entropy=False, share_prompts=True):
     """fp32 log-probs (and entropy) of every completion token, flattened in rollout order, through
     kernels.token_logprobs on the final hidden states and the LM head: never [tokens x vocab] logits. With
-    share_prompts, each distinct prompt of `seqs` is forwarded once (see pack). `model` is a causal LM, or a module
-    computing them in its own forward (async_pipeline's FSDP2 root). Activation checkpointing keeps no KV cache
-    (transformers drops it under checkpointing), so a checkpointed model in training gets the rows unshared."""
-    checkpointed = model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    packed = pack(seqs, pad_id, next(model.parameters()).device, share_prompts and not checkpointed)
+    share_prompts, each distinct prompt of `seqs` is forwarded once (see pack; attention implementations other than
+    sdpa and eager take no such mask and get the rows unshared). `model` is a causal LM, or a module computing them
+    in its own forward (async_pipeline's FSDP2 root)."""
+    share_prompts = share_prompts and model.config._attn_implementation in ("sdpa", "eager")
+    packed = pack(seqs, pad_id, next(model.parameters()).device, share_prompts)
     if getattr(model, "computes_logprobs", False):
         return model(packed, temperature, entropy)
     return packed_logprobs(model, packed, temperature, entropy=entropy)
 
 
 def packed_logprobs(model, packed: Packed, temperature, entropy=False):
-    """completion_logprobs on a Packed micro-batch. Shared: the prompts' forward fills a KV cache, which is expanded
-    to one row per completion (autograd sums the completions' gradients into the one prompt forward), and the
-    completions attend to it at their own positions."""
+    """completion_logprobs on a Packed micro-batch: one forward of the rows, the completion tokens' hidden states
+    gathered in rollout order."""
     device, base = packed.ids.device, model.base_model
+    mask = packed.mask
+    if mask.dim() == 4 and base.config._attn_implementation == "eager":  # eager adds its mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
     with kernels.autocast(device):
-        if packed.prefix_ids is None:
-            hidden = base(input_ids=packed.ids, attention_mask=packed.mask, use_cache=False).last_hidden_state
-        else:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=base.config)
-            base(input_ids=packed.prefix_ids, attention_mask=packed.prefix_mask, past_key_values=cache, use_cache=True)
-            cache.batch_select_indices(packed.rows)  # an indexing: its backward adds up each prompt's rows
-            hidden = base(
-                input_ids=packed.ids,
-                attention_mask=torch.cat([packed.prefix_mask[packed.rows], packed.mask], dim=1),
-                position_ids=packed.positions,
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state
-    sel = packed.targets != -100  # the completion tokens' positions
+        hidden = base(input_ids=packed.ids, attention_mask=mask, position_ids=packed.positions, use_cache=False)
+    hidden = hidden.last_hidden_state.flatten(0, 1)[packed.index]
     head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
     dtype = kernels.compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # a generator's copy: as is
     return kernels.token_logprobs(
-        hidden[sel].to(dtype), head.to(dtype), packed.targets[sel], temperature=temperature, return_entropy=entropy
+        hidden.to(dtype), head.to(dtype), packed.targets, temperature=temperature, return_entropy=entropy
     )
 
 
 def prompt_order(batch: list, micro_batch_size: int) -> list:
     """The batch reordered so that rollouts of one prompt share a micro-batch where they can: each micro-batch is
-    filled with whole groups (same prompt ids; the largest first, then in the order drawn) while one fits, then with
-    part of the largest left. Deterministic: the same draw gives the same order."""
+    filled with whole groups (same prompt ids; the largest that fits first, equal sizes in the order drawn), then with
+    the start of the largest left, whose rest opens the next micro-batch. The same draw gives the same order."""
     groups: dict[tuple, list] = {}
     for r in batch:
         groups.setdefault(tuple(r.prompt_ids), []).append(r)
     pending = sorted(groups.values(), key=len, reverse=True)  # stable: equal sizes keep the order drawn
-    out: list = []
-    while pending:
+    out, rest = [], []
+    while pending or rest:
         room = micro_batch_size - len(out) % micro_batch_size
-        group = pending.pop(next((i for i, g in enumerate(pending) if len(g) <= room), 0))
-        out += group[:room]
-        if len(group) > room:
-            pending.append(group[room:])
-            pending.sort(key=len, reverse=True)
+        group = rest or pending.pop(next((i for i, g in enumerate(pending) if len(g) <= room), 0))
+        out, rest = out + group[:room], group[room:]
     return out
 
 
