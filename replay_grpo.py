@@ -2372,7 +2372,10 @@ def parse_args(argv: list[str], flags: type = Args, description: str = __doc__) 
 #   copies       the compute-dtype weights the forward and backward use: autocast's casts of every weight (sync);
 #                FSDP2's all-gathered root (embeddings, head, final norm) and two decoder layers, and fp32 gradients
 #                of the root and two layers before their reduce-scatter (async)
-#   activations  tokens of the longest micro-batch (micro-batch x (longest training prompt + max new tokens)) x
+#   activations  tokens of the longest micro-batch (micro-batch x (longest training prompt + max new tokens); with
+#                --share-prompts on-policy, where every group is whole in the batch, its prompts once: micro-batch / G
+#                prompts (1 where G is a multiple of it, else ceil(micro-batch / G) + 1) less a token, and
+#                micro-batch x (max new tokens + 1)) x
 #                (layers x act_layer + act_outside); with activation checkpointing, layers x 4h (each layer's fp32
 #                input) + one layer's act_layer for its recompute. Per token, c the compute dtype's bytes:
 #                act_layer   = 16h + 8 (two RMSNorms in fp32) + 5hc (the inputs of q, k, v, gate and up, each
@@ -2381,6 +2384,8 @@ def parse_args(argv: list[str], flags: type = Args, description: str = __doc__) 
 #                act_outside = 14h (the embedding's output, the final norm, the head's input, its gradient)
 #                (h hidden, i intermediate, q heads x head_dim, k key-value heads x head_dim)
 #   workspace    the triton log-prob backward's dz buffer and fp32 dH (backward_workspace_bytes) for the tokens above
+#   mask         shared prompts: their attention mask, a byte per (row, query, key), a row as long as a prompt and
+#                min(micro-batch, G) completions (on GPUs sdpa's memory-efficient kernel keeps no scores: not measured)
 #   generator    sync: a colocated vLLM engine's share of the device, or the HF copy (c a parameter); async: the
 #                --vllm-gpu-memory-utilization share of each launched server on this rank's GPU (server_gpus)
 #   publisher    async rank 0 with --weight-transfer nccl: the full model gathered in c for a publish, and vLLM's
@@ -2402,6 +2407,7 @@ NCCL_COMMUNICATOR_BYTES = 2**28
 # DEFAULT_PACKED_NUM_BUFFERS (2), the nccl route's broadcast buffers; written out, as vLLM is optional
 PACKED_BROADCAST_BYTES = 2 * 2**30
 FRESH_GRADIENT_ROW = "fresh gradient (largest parameter)"
+SHARED_MASK_ROW = "shared prompts' attention mask"
 PUBLISHER_ROW, RESERVE_ROW = "publisher (nccl: gathered copy, buffers)", "reserve (CUDA context, NCCL, fragmentation)"
 
 
@@ -2462,7 +2468,14 @@ def plan_memory(
     layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
     layer_P = max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)
     mine = P if trainers == 1 else shard_elements(params, trainers)
-    tokens = cfg.micro_batch_size * (train_prompt + cfg.max_new_tokens)
+    tokens, m, G = cfg.micro_batch_size * (train_prompt + cfg.max_new_tokens), cfg.micro_batch_size, cfg.group_size
+    on_policy = cfg.buffer_size == cfg.batch_size == cfg.rollouts_per_step and cfg.sampling == "uniform"
+    prompts = m // G if m % G == 0 else 1 if G % m == 0 else -(-m // G) + 1  # whole groups: prompt_order's fill
+    prompts = min(prompts, m) if cfg.share_prompts and on_policy else m  # forwarded once each
+    mask = 0
+    if prompts < m:
+        tokens = prompts * (train_prompt - 1) + m * (cfg.max_new_tokens + 1)
+        mask = prompts * (train_prompt - 1 + min(m, G) * (cfg.max_new_tokens + 1)) ** 2
     config = model.config
     kv = config.num_key_value_heads * (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -2476,6 +2489,8 @@ def plan_memory(
         rows["compute copies"] = c * (root + 2 * layer_P) + 4 * (root + 2 * layer_P)
     rows[f"activations ({tokens} tokens)"] = activation_bytes(config, tokens, c, cfg.activation_checkpointing)
     rows["log-prob workspace"] = kernels.backward_workspace_bytes(tokens, config.hidden_size, config.vocab_size, c)
+    if mask:
+        rows[SHARED_MASK_ROW] = mask
     vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
     if sync:
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P

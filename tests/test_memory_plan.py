@@ -3,6 +3,7 @@
 
 import ast
 import copy
+import dataclasses
 import importlib.util
 import os
 import random
@@ -109,6 +110,27 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_from_fewer_s
     assert abs(loss - loss_ac) <= 1e-6 and max((grads[n] - g).abs().max().item() for n, g in grads_ac.items()) <= 1e-6
     est = [rg.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
     assert saved_ac < 0.7 * saved and est[1] < 0.7 * est[0], (saved, saved_ac, est)
+
+
+def test_shared_prompts_are_planned_once_a_group_within_25_percent_of_what_autograd_saves():
+    """On-policy (groups whole in the batch), micro-batches of 8 rollouts, G = 4: two 100-token prompts forwarded
+    once each, with their 8 completions of 10 tokens; the plan's activations and mask against the tensors autograd
+    keeps, and against the unshared plan (--no-share-prompts): the prompts' activations are counted once."""
+    model, _ = warm_start.build_tiny_model(0)
+    flags = ["--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8"]
+    cfg = rg.parse_args(flags + ["--micro-batch-size", "8", "--max-new-tokens", "10"])
+    rollouts = batch(n=8, prompt=100, completion=10)
+    for i, r in enumerate(rollouts):
+        r.prompt_ids = rollouts[i % 2].prompt_ids
+    measured = saved_bytes(model.train(), rollouts)
+    rows = rg.plan_memory(model, cfg, 100, device_total=2**40, compute_bytes=4)["rows"]
+    tokens = 2 * 99 + 8 * 11
+    estimate = rows[f"activations ({tokens} tokens)"] + rows[rg.SHARED_MASK_ROW]
+    assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
+    unshared = rg.plan_memory(model, dataclasses.replace(cfg, share_prompts=False), 100, 2**40, 4)["rows"]
+    assert unshared[f"activations ({8 * 110} tokens)"] > 2 * estimate and rg.SHARED_MASK_ROW not in unshared
+    replay = rg.plan_memory(model, dataclasses.replace(cfg, buffer_size=32), 100, 2**40, 4)["rows"]
+    assert f"activations ({8 * 110} tokens)" in replay  # a replay batch may hold a rollout of each of 8 groups
 
 
 @pytest.mark.parametrize("preset", ["gsm8k-qwen2.5-0.5b", "math-qwen3-0.6b", "math-qwen2.5-1.5b"])
