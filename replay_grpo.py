@@ -1342,34 +1342,33 @@ def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device, share_pro
     the rows, unshared)."""
     prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))  # distinct, in first-seen order
     shared = share_prompts and len(prompts) < len(seqs) and min(map(len, prompts)) > 1
+    spans = []  # (row, the column predicting a completion's first token, its tokens)
     if not shared:
         rows = [list(p) + list(c) for p, c in seqs]
-        spans = [(i, len(p) - 1, len(c)) for i, (p, c) in enumerate(seqs)]  # (row, first predicting column, tokens)
-    else:
+        spans = [(i, len(p) - 1, len(c)) for i, (p, c) in enumerate(seqs)]
+    else:  # segments: 0 the prompt, i the i-th completion, -1 padding; positions go on from the prompt's
         row_of = {p: i for i, p in enumerate(prompts)}
-        rows, spans, segments = [list(p[:-1]) for p in prompts], [], []
-        for p, c in seqs:
+        rows = [list(p[:-1]) for p in prompts]
+        segment, positions = [[0] * len(row) for row in rows], [list(range(len(row))) for row in rows]
+        for i, (p, c) in enumerate(seqs, start=1):
             r = row_of[tuple(p)]
             spans.append((r, len(rows[r]), len(c)))
-            segments.append((r, len(rows[r]), len(c) + 1, len(p) - 1))  # (row, start, length, its first position)
             rows[r] += [p[-1], *c]
+            segment[r] += [i] * (len(c) + 1)
+            positions[r] += range(len(p) - 1, len(p) + len(c))
     length = max(map(len, rows))
-    ids = torch.tensor(
-        [row + [pad_id] * (length - len(row)) for row in rows]
-    )  # lists first: one tensor, not a row each
+    pads = [length - len(row) for row in rows]
+    ids = torch.tensor([row + [pad_id] * n for row, n in zip(rows, pads)])  # lists first: one tensor, not a row each
     index = torch.tensor([r * length + start + j for r, start, n in spans for j in range(n)], dtype=torch.long)
     targets = torch.tensor([t for _, c in seqs for t in c], dtype=torch.long)
     if not shared:
-        mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in rows])
+        mask = torch.tensor([[1] * len(row) + [0] * n for row, n in zip(rows, pads)])
         return Packed(ids.to(device), mask.to(device), index.to(device), targets.to(device))
-    mask = torch.eye(length, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself: no row without a key
-    positions = torch.arange(length).repeat(len(rows), 1)
-    for r, p in enumerate(prompts):
-        mask[r, : len(p) - 1, : len(p) - 1] = torch.ones(len(p) - 1, len(p) - 1, dtype=torch.bool).tril()
-    for r, start, n, first in segments:
-        mask[r, start : start + n, :first] = True  # the prompt's keys
-        mask[r, start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions[r, start : start + n] = torch.arange(first, first + n)
+    segment = torch.tensor([row + [-1] * n for row, n in zip(segment, pads)])
+    positions = torch.tensor([row + list(range(len(row), length)) for row in positions])
+    # a position sees the keys before it in its own segment and in the prompt (padding: its own padding, never none)
+    mask = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0) & (segment[:, :, None] >= 0)
+    mask &= torch.ones(length, length, dtype=torch.bool).tril()
     return Packed(ids.to(device), mask[:, None].to(device), index.to(device), targets.to(device), positions.to(device))
 
 

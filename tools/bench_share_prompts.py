@@ -67,7 +67,18 @@ def make_batch(cfg: rg.Args, tok, task: rg.Task, seed: int) -> list[rg.Rollout]:
                 ids = tok(rng.choice(texts), add_special_tokens=False)["input_ids"][: cfg.max_new_tokens - 1]
                 ids.append(tok.eos_token_id)
                 behaviour = torch.tensor([-rng.uniform(0.1, 3.0) for _ in ids])
-                rollouts.append(rg.Rollout(prompt, ids, behaviour, 0.0, rng.gauss(0, 1), 0.5, 0, group_id))
+                rollouts.append(
+                    rg.Rollout(
+                        prompt_ids=prompt,
+                        completion_ids=ids,
+                        behaviour_logprobs=behaviour,
+                        reward=0.0,
+                        advantage=rng.gauss(0, 1),
+                        group_mean=0.5,
+                        policy_version=0,
+                        group_id=group_id,
+                    )
+                )
             buffer.push(rollouts)
             group_id += 1
     return buffer.sample(cfg.batch_size, 0)[0]

@@ -25,6 +25,9 @@ checks and runs the others in fp32 (a CPU without bf16 instructions multiplies b
              151936, bf16 compute) takes AsymRE replay steps with the Triton log-probs: step time,
              peak memory, sampler/trainer mismatch, gradient norm > 0, weights moved, no NaN
   memory plan  that run's train steps' measured peak (generator apart) within the plan's estimate
+  shared-prompts  a micro-batch of G = 16 rollouts of one 512-token prompt (64-token completions) through a Qwen2
+             of Qwen2.5-0.5B's width (4 layers, bf16 compute): the prompt forwarded once against every rollout's,
+             log-prob and gradient agreement, forward + backward seconds and peak memory of each
   async      async_pipeline.py --sampling queue, T = 1, W = 1 vLLM server on the one GPU (each publish
              awaited): a clean start, increasing policy versions, a clean exit with no process left
   vllm-*     (vLLM) the training configuration (tied Qwen2, bf16 engine, sleep level 2): after a
@@ -465,8 +468,50 @@ def check_vllm(out: Path, smoke: bool) -> None:
     )
 
 
+def check_shared_prompts(dev: str, smoke: bool) -> None:
+    """--share-prompts against --no-share-prompts on one micro-batch of a group: agreement, time and peak memory."""
+    width = dict(hidden_size=128, layers=2) if smoke else dict(hidden_size=896, layers=4, vocab_size=151936)
+    prompt_len, completion_len, G = (48, 8, 4) if smoke else (512, 64, 16)
+    model, tok = warm_start.build_tiny_model(0, **width)
+    model = model.to(dev).train()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 256, (prompt_len,), generator=g).tolist()
+    seqs = [(prompt, torch.randint(3, 256, (completion_len,), generator=g).tolist()) for _ in range(G)]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    out = {}
+    for share in (False, True, False, True):  # each twice, interleaved: the second of each is timed
+        model.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t = time.perf_counter()
+        logp = rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=share)
+        logp.mean().backward()
+        sync()
+        seconds = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        out[share] = (logp.detach().float(), grads, seconds, peak)
+    (lp_a, g_a, s_a, m_a), (lp_b, g_b, s_b, m_b) = out[False], out[True]
+    lp_diff = (lp_a - lp_b).abs().mean().item()
+    cosine = torch.nn.functional.cosine_similarity(g_a, g_b, dim=0).item()
+    row(
+        "shared-prompts: agreement",
+        f"mean |d logp| {lp_diff:.1e}, gradient cosine {cosine:.6f} ({rg.kernels.compute_dtype(torch.device(dev))})",
+        f"< {rg.MISMATCH_WARN}, > 0.999",
+        lp_diff < rg.MISMATCH_WARN and cosine > 0.999,
+    )
+    row(
+        "shared-prompts: forward + backward",
+        f"{s_a * 1e3:.1f} -> {s_b * 1e3:.1f} ms ({s_a / s_b:.2f}x), peak {m_a:.2f} -> {m_b:.2f} GiB",
+        "faster, less memory",
+        None if smoke or dev != "cuda" else (True if s_b < s_a and m_b < m_a else MISSED),
+    )
+
+
 CHECKS = {  # name -> (check, whether it runs in a child process: it builds a vLLM engine in its own)
     "kernels": (check_kernels, False),
+    "shared-prompts": (check_shared_prompts, False),
     "precision": (check_precision, False),
     "trainer": (check_trainer, False),
     "async": (check_async, False),
@@ -492,7 +537,7 @@ def run_check(name: str, dev: str, tmp: str, smoke: bool) -> None:
         if name == "trainer":
             check(sub, smoke, dev)
         else:
-            check(dev if name in ("kernels", "precision") else sub, smoke)
+            check(dev if name in ("kernels", "precision", "shared-prompts") else sub, smoke)
     except (Exception, SystemExit) as e:  # a failed check is a row, the others still run
         traceback.print_exc()
         first_line = str(e).splitlines()[0][:100] if str(e) else ""
