@@ -257,13 +257,15 @@ def _fwd_tile_torch(z, yl, inv_t, m, s, x, t, zy):
     return (mn, a * s + b * st, a * x + b * xt, a * t_old + b * (tt + (mt - mn) * st), torch.where(hit, zt, zy))
 
 
-def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
+def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, zy, g, e, out_dtype):
     """dz tile = (g·(onehot - p) - e·p·(z - Σp·z)) / T in fp32, rounded once. Logits are
     taken relative to the row max m (so a common offset cancels exactly) and the target
-    column uses q = 1 - p_y from the forward (no cancellation when p_y -> 1)."""
-    zc = z * inv_t - m[:, None]
-    p = (zc - ls[:, None]).exp()
+    column uses the forward's own terms: q = 1 - p_y (no cancellation when p_y -> 1) and
+    zy - m (0 exactly where the target is the max), not a recomputed logit whose last bit may
+    differ and whose difference with Σp·z, small when p_y -> 1, would magnify it."""
     tgt = torch.arange(z.shape[1], device=z.device) == yl[:, None]
+    zc = torch.where(tgt, (zy - m)[:, None], z * inv_t - m[:, None])
+    p = (zc - ls[:, None]).exp()
     dz = torch.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
     return (dz * inv_t).to(out_dtype)
 
@@ -288,18 +290,20 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
     ):
         # z tile [BLOCK_N, BLOCK_V] = H[rows] W[cols]ᵀ, fp32 accumulation (ieee: fp32 inputs stay exact, no TF32).
-        # UPCAST (the interpreter only, whose tl.dot multiplies bf16's raw bits): the exact fp32 values instead
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        # UPCAST (the interpreter only, whose tl.dot multiplies bf16's raw bits and whose numpy matmul rounds a row
+        # differently by its position in the tile): operands and accumulator in fp64, where every product of bf16 or
+        # fp32 values is exact, then rounded once to fp32, so a row's logits do not depend on the tile it lands in.
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float64 if UPCAST else tl.float32)
         for k0 in range(0, D, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
             kmask = ks < D
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+                a = a.to(tl.float64)
+                b = b.to(tl.float64)
             acc = tl.dot(a, b, acc, input_precision="ieee")
-        return acc
+        return acc.to(tl.float32)
 
     @triton.jit
     def _fwd_kernel(
@@ -379,6 +383,7 @@ if HAS_TRITON:
         ls_ptr,
         tbar_ptr,
         q_ptr,
+        zy_ptr,
         g_ptr,
         e_ptr,
         dz_ptr,
@@ -429,13 +434,15 @@ if HAS_TRITON:
         ls = tl.load(ls_ptr + rows, mask=rmask, other=0.0)
         tbar = tl.load(tbar_ptr + rows, mask=rmask, other=0.0)
         q = tl.load(q_ptr + rows, mask=rmask, other=0.0)
+        zy = tl.load(zy_ptr + rows, mask=rmask, other=0.0)
         g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
         e = tl.load(e_ptr + rows, mask=rmask, other=0.0)
         yl = tl.load(yl_ptr + rows, mask=rmask, other=-1)
-        # relative to the row max (a common offset cancels); the target column from q = 1 - p_y (no cancellation)
-        zc = z * INV_T - m[:, None]
-        p = tl.exp(zc - ls[:, None])
+        # relative to the row max (a common offset cancels); the target column from the forward's own q = 1 - p_y
+        # (no cancellation) and zy - m (a recomputed logit may differ in its last bit from the forward's)
         tgt = cols[None, :] == yl[:, None]
+        zc = tl.where(tgt, (zy - m)[:, None], z * INV_T - m[:, None])
+        p = tl.exp(zc - ls[:, None])
         dz = tl.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
         tl.store(
             dz_ptr + rows[:, None] * stride_dz + cols[None, :],
@@ -545,8 +552,8 @@ def bwd_dz_triton(h, wv, yl, stats, g, e, inv_t, dz, V, config=None):
     """dz [N x Vs] (compute dtype) of one vocab split (wv = its rows of W; yl = targets minus its first column)."""
     N, d = h.shape
     VS = wv.shape[0]
-    m, ls, tbar, q = stats
-    args = dict(h_ptr=h, w_ptr=wv, yl_ptr=yl, m_ptr=m, ls_ptr=ls, tbar_ptr=tbar, q_ptr=q, g_ptr=g, e_ptr=e)
+    m, ls, tbar, q, zy = stats
+    args = dict(h_ptr=h, w_ptr=wv, yl_ptr=yl, m_ptr=m, ls_ptr=ls, tbar_ptr=tbar, q_ptr=q, zy_ptr=zy, g_ptr=g, e_ptr=e)
     args.update(dz_ptr=dz, N=N, VS=VS, D=d, V=V, stride_h=h.stride(0), stride_w=wv.stride(0), stride_dz=dz.stride(0))
     args.update(INV_T=inv_t, GROUP_N=GROUP_N, UPCAST=_interpret())
     if config is None:
@@ -591,8 +598,9 @@ def _backward_eager(h, w, y, inv_t, stats, g, e, need_h, need_w, C, Vc):
         for c0 in range(0, N, C):
             sl = slice(c0, c0 + C)
             z = _mm_f32(h[sl], wv.t())
-            m, ls, tbar, q = (a[sl] for a in stats)
-            dz = _bwd_tile_torch(z, y[sl] - v0, inv_t, m, ls, tbar=tbar, q=q, g=g[sl], e=e[sl], out_dtype=h.dtype)
+            m, ls, tbar, q, zy = (a[sl] for a in stats)
+            kw = dict(tbar=tbar, q=q, zy=zy, g=g[sl], e=e[sl], out_dtype=h.dtype)
+            dz = _bwd_tile_torch(z, y[sl] - v0, inv_t, m, ls, **kw)
             del z
             if need_h:
                 _addmm_f32(dh_acc[sl], dz, wv)
@@ -631,14 +639,14 @@ class _TokenLogprobs(torch.autograd.Function):
         # log p_y = log1p(-q) is accurate for confident tokens; z_y - lse elsewhere
         logp = torch.where(q < 0.5, torch.log1p(-q), zy - m - ls)
         ent = ls - tbar
-        ctx.save_for_backward(h, w, y, m, ls, tbar, q)
+        ctx.save_for_backward(h, w, y, m, ls, tbar, q, zy)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, e):
-        h, w, y, m, ls, tbar, q = ctx.saved_tensors
+        h, w, y, m, ls, tbar, q, zy = ctx.saved_tensors
         inv_t, backend, C, Vc = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g is None and e is None) or not (need_h or need_w):
@@ -652,7 +660,7 @@ class _TokenLogprobs(torch.autograd.Function):
         live = (g != 0) | (e != 0)
         n_live = int(live.sum())
         keep = None if n_live == N else live.nonzero()[:, 0]
-        stats = (m, ls, tbar, q)
+        stats = (m, ls, tbar, q, zy)
         hk, yk = h, y
         if keep is not None:
             hk, yk, g, e = h[keep], y[keep], g[keep], e[keep]

@@ -463,7 +463,7 @@ def test_triton_compiles_for_sm90(dtype):
     consts = dict(INV_T=1 / 0.7, UPCAST=False, **tiles)
     sizes = dict(N="i32", V="i32", D="i32", stride_h="i32", stride_w="i32")
     fwd = dict(h_ptr=t, w_ptr=t, y_ptr="*i64", part_ptr=f32, **sizes, NUM_SPLITS="i32")
-    bwd = dict(h_ptr=t, w_ptr=t, yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32, g_ptr=f32)
+    bwd = dict(h_ptr=t, w_ptr=t, yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32, zy_ptr=f32, g_ptr=f32)
     bwd.update(e_ptr=f32, dz_ptr=t, N="i32", VS="i32", D="i32", V="i32", stride_h="i32", stride_w="i32")
     bwd.update(stride_dz="i32")
     for fn, sig, extra in ((kernels._fwd_kernel, fwd, {}), (kernels._bwd_kernel, bwd, {"GROUP_N": 8})):

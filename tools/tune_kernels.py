@@ -126,7 +126,7 @@ def sweep(N, V, d, dev, configs, reps, sync, clock, stop_at) -> dict:
     inv_t = 1.0
     stats_full = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t, config=configs[0]))
     m, s, x, t, zy = stats_full
-    stats = (m, s.log(), t / s, x / s)
+    stats = (m, s.log(), t / s, x / s, zy)
     g = torch.randn(N, device=dev)
     e = torch.randn(N, device=dev)
     Vs = kernels.vocab_split(N, d, V, h.element_size())
