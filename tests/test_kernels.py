@@ -585,6 +585,42 @@ def test_tune_kernels_dry_run_within_its_deadline(tmp_path):
     assert entry["fwd"] == width["sweep"]["best"]["fwd"]["config"] and "measured" in entry
 
 
+@pytest.mark.skipif(INNER, reason="outer process only")
+@pytest.mark.parametrize(
+    "case, flag",
+    [
+        ("widths abc", "--widths"),
+        ("widths 0", "--widths"),
+        ("widths -8", "--widths"),
+        ("deadline nan", "--deadline"),
+        ("out an existing file", "--out"),
+        ("tuned-file a folder", "--tuned-file"),
+    ],
+)
+def test_tune_kernels_refuses_bad_input_before_any_work(tmp_path, case, flag):
+    # each bad input or destination is named in one line (exit 2) before anything is measured, and nothing that
+    # exists is touched: a destination found wrong only after the run would lose every measured result
+    existing = tmp_path / "results.txt"
+    existing.write_text("kept\n")
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    given = {
+        "widths abc": ["--widths", "abc"],
+        "widths 0": ["--widths", "0"],
+        "widths -8": ["--widths", "-8"],
+        "deadline nan": ["--deadline", "nan"],
+        "out an existing file": ["--out", str(existing)],
+        "tuned-file a folder": ["--write-tuned", "--tuned-file", str(folder)],
+    }[case]
+    out = ["--out", str(tmp_path / "out")] if flag != "--out" else []
+    r = _tool(["tools/tune_kernels.py", "--dry-run", "--deadline", "30", *out, *given], timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout == ""  # refused before the versions line: nothing measured
+    assert existing.read_text() == "kept\n" and list(folder.iterdir()) == []
+    assert not (tmp_path / "out" / "tune.json").exists()
+
+
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
 def test_bench_kernels_dry_run():
     # the benchmark at a tiny shape on a CPU: a row per path with its FLOPs, bytes, time and ratios
