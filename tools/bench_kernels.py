@@ -49,9 +49,29 @@ def targets_met(backend, d, ms, naive_ms, extra_gib, logp_err, grad_err, floor_e
     return out
 
 
+SMS = 132  # streaming multiprocessors of an H100 SXM and an H200: the forward's programs in flight, one each
+L2_BYTES = 50 * 2**20  # an H100's / H200's L2
+FWD_BLOCK_N = 128  # the token tile the forward's cost is counted at (the autotuned tiles' usual BLOCK_N)
+
+
+def fwd_operand_bytes(N, d, V, c, split_major=True) -> int:
+    """HBM bytes the forward GEMM reads of H and W. Split-major launch order (kernels._fwd_kernel): the SMS programs
+    in flight are all splits of SMS // splits token tiles; each H tile is read once (its splits share it in L2) and W
+    once per such group of token tiles. Token tile fastest (the order before): the programs in flight hold up to SMS
+    H tiles; where those exceed the L2, H is read again at every vocab block (V / 256 blocks of 256 columns)."""
+    tiles, splits = math.ceil(N / FWD_BLOCK_N), kernels.fwd_splits(N, V)
+    if split_major:
+        group = max(1, SMS // splits)
+        return N * d * c + math.ceil(tiles / group) * V * d * c
+    if min(tiles, SMS) * FWD_BLOCK_N * d * c <= L2_BYTES:
+        return N * d * c + V * d * c
+    return math.ceil(V / 256) * N * d * c + V * d * c
+
+
 def plan_cost(path, N, d, V, itemsize=2, vocab_split=None) -> dict:
     """FLOPs and HBM bytes of a forward + backward of `path`, counted from its plan: every kernel reads its operands
-    once and writes its outputs once (a tiled GEMM's re-reads are assumed to hit L2), c = itemsize.
+    once and writes its outputs once (a tiled GEMM's re-reads are assumed to hit L2, except the triton forward's W,
+    read once per group of token tiles in flight: fwd_operand_bytes), c = itemsize.
       naive:  z = H Wᵀ (c), z.float(), / T, log_softmax, gather; backward: the gather's scatter (fp32 zeros), the
               log_softmax backward, the cast back to c, dH and dW GEMMs: 6NdV FLOPs, 5c + 40 bytes per logit
       triton: forward GEMM with the row state in its epilogue (partials only); per vocab split of Vs columns: the dz
@@ -68,7 +88,7 @@ def plan_cost(path, N, d, V, itemsize=2, vocab_split=None) -> dict:
         Vs = vocab_split or kernels.vocab_split(N, d, V, c)
         splits = math.ceil(V / Vs)
         flops = 8 * N * d * V
-        fwd = io + 5 * 4 * N * kernels.fwd_splits(N, V)
+        fwd = fwd_operand_bytes(N, d, V, c) + 5 * 4 * N * kernels.fwd_splits(N, V)
         bwd = splits * N * d * c + V * d * c + N * V * c  # dz GEMMs: H per split, W once, dz written
         bwd += N * V * c + splits * N * d * c + V * d * c  # dW GEMMs: dz and H read, dW written once
         bwd += N * V * c + V * d * c + splits * 2 * 4 * N * d  # dH GEMMs: dz, W, the fp32 accumulator in and out
