@@ -25,8 +25,8 @@ for confident tokens: a common logit offset cancels exactly and 1 - p_y is never
     are recomputed (8NdV FLOPs in all against the 6NdV of keeping them).
   * tiles (BLOCK_N, BLOCK_V, BLOCK_D, warps, stages) are chosen by triton.autotune keyed on (d, V), from the
     entries of kernels_tuned.json for the GPU's name when it has them (one config for a tuned (d, V): the same
-    tiles, hence the same bits, in every process), else from DEFAULT_CONFIGS. N is not in the key (no re-tune for
-    a new batch length). No atomics: the same inputs give the same bits.
+    tiles, hence the same bits, in every process), else from the kernel's DEFAULT_CONFIGS. N is not in the key (no
+    re-tune for a new batch length). No atomics: the same inputs give the same bits.
 "eager" (the reference and the CPU default): the same math tile by tile in torch ops on [token chunk x vocab
 chunk] logits from cuBLAS with fp32 output; the backward accumulates dW and dH in fp32 and writes each once.
 "auto" picks triton on CUDA when Triton imports, else eager.
@@ -51,16 +51,26 @@ except Exception:  # pragma: no cover - depends on the environment
 
 BACKENDS = ("auto", "triton", "eager")
 TUNED_FILE = Path(__file__).resolve().parent / "kernels_tuned.json"  # tuned tiles by GPU name (tools/tune_kernels.py)
-# Tiles the autotuner tries on a GPU with no tuned entry: Hopper-sized bf16 GEMM tiles (128-256 wide, 64-deep
-# k-steps, 3-4 stages fit in 228 KiB of shared memory), the widest rows first.
-DEFAULT_CONFIGS = (
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=5),
-)
+# Tiles the autotuner tries on a GPU with no tuned entry, per kernel: bf16 tiles that ptxas compiles for sm_90
+# (H100 / H200) without spilling registers, under Triton 3.6 (the GPU machines') and 3.9 (the lock's), checked ahead of
+# time by tools/spill_check.py and tests/test_kernels.py. The forward's epilogue holds the logits tile, its exponentials
+# and five row-state vectors beside the GEMM's accumulator: at 128 x 256 x 64 it spilled 1.5 KiB a thread, and most
+# 4-warp or 3+-stage 128-row tiles spilled 20-250 bytes.
+DEFAULT_CONFIGS = {
+    "fwd": (
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=2),
+        dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=3),
+    ),
+    "bwd": (
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=64, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=5),
+        dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
+    ),
+}
 # Under TRITON_INTERPRET=1 each program runs in numpy: small tiles, so tests see many vocab blocks and ragged tails
 INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
 FWD_SPLIT_COLS = 4096  # the forward's vocab splits hold at least this many columns (tests lower it)
@@ -488,7 +498,7 @@ def candidate_configs(kind, name, d, V) -> list[dict]:
     entry = load_tuned().get("gpus", {}).get(name, {})
     if f"{d}x{V}" in entry:
         return [entry[f"{d}x{V}"][kind]]
-    found = [shape[kind] for shape in entry.values()] + [dict(c) for c in DEFAULT_CONFIGS]
+    found = [shape[kind] for shape in entry.values()] + [dict(c) for c in DEFAULT_CONFIGS[kind]]
     return [c for i, c in enumerate(found) if c not in found[:i]]
 
 

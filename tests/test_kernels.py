@@ -454,35 +454,42 @@ def test_triton_compiles_for_sm90(dtype):
     # no GPU here: compile the kernels ahead of time for an H100/H200 (sm_90) with the first default tiles, to catch
     # what the interpreter cannot (typing, lowering, shared memory); check no fp64 math, 64-bit row offsets,
     # tensor-core GEMMs and round-to-nearest bf16 dz
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    t, f32 = "*" + dtype, "*fp32"
-    tiles = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("BLOCK")}
-    options = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("num")}
-    consts = dict(INV_T=1 / 0.7, UPCAST=False, **tiles)
-    sizes = dict(N="i32", V="i32", D="i32", stride_h="i32", stride_w="i32")
-    fwd = dict(h_ptr=t, w_ptr=t, y_ptr="*i64", part_ptr=f32, **sizes, NUM_SPLITS="i32")
-    bwd = dict(h_ptr=t, w_ptr=t, yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32, zy_ptr=f32, g_ptr=f32)
-    bwd.update(e_ptr=f32, dz_ptr=t, N="i32", VS="i32", D="i32", V="i32", stride_h="i32", stride_w="i32")
-    bwd.update(stride_dz="i32")
-    for fn, sig, extra in ((kernels._fwd_kernel, fwd, {}), (kernels._bwd_kernel, bwd, {"GROUP_N": 8})):
-        # what the JIT knows at run time of torch's tensors and of d = 896 or 3584: 16-aligned pointers, strides and
-        # d divisible by 16 (without it the loads cannot be pipelined)
-        div = [n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n == "D"]
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-        sig = dict(sig, **{k: "constexpr" for k in {**consts, **extra}})
-        src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra}, attrs=attrs)
-        compiled = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        ptx = compiled.asm["ptx"]
-        assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
-        assert ".f64" not in ptx  # temperature stayed fp32
+    spill_check = _spill_check()
+    for kind in ("fwd", "bwd"):
+        row = spill_check.compile_sm90(kind, kernels.DEFAULT_CONFIGS[kind][0], dtype)
+        ptx = row["ptx"]
+        assert row["shared"] <= 227 * 1024  # an H100's shared memory per block
+        assert ".f64" not in ptx  # temperature stayed fp32; the interpreter's fp64 logits are compiled out
         assert "mul.lo.s64" in ptx or "mad.wide" in ptx  # 64-bit row * stride offsets
         if dtype == "bf16":
             assert "wgmma" in ptx or "mma.sync" in ptx  # the GEMM runs on tensor cores
             assert "cp.async" in ptx  # the k-loop's loads are pipelined (num_stages > 1)
-        if dtype == "bf16" and fn is kernels._bwd_kernel:
+        if dtype == "bf16" and kind == "bwd":
             assert "cvt.rn.bf16" in ptx  # dz rounded to nearest, once
+
+
+def _spill_check():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import spill_check
+
+    return spill_check
+
+
+@pytest.mark.skipif(INNER, reason="outer process only")
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_autotune_space_compiles_without_spills_for_sm90(kind, capsys):
+    # every tile the autotuner may pick on an H100/H200 (the space of a GPU without a tuned entry, and each tuned
+    # entry committed for a GPU), compiled ahead of time for sm_90 with the ptxas the installed Triton's JIT uses:
+    # a spill (ptxas -v) or local memory in the PTX puts HBM traffic inside the GEMM's loop or its epilogue
+    spill_check = _spill_check()
+    if spill_check.ptxas_path() is None:
+        pytest.skip("no ptxas for sm_90 here (Triton missing, or without its bundled ptxas)")
+    rows = [spill_check.compile_sm90(kind, c) for c in spill_check.space(kind)]
+    with capsys.disabled():
+        print("", *map(spill_check.line, rows), sep="\n")  # registers, spills and shared memory of each tile
+    bad = [spill_check.line(r) for r in rows if spill_check.spills(r)]
+    assert not bad, "\n".join(bad)
+    assert all(r["shared"] <= 227 * 1024 for r in rows)  # an H100's shared memory per block
 
 
 @pytest.mark.skipif(INNER, reason="outer process only")
@@ -545,9 +552,9 @@ def test_tuned_file_seeds_the_autotuner(tmp_path, monkeypatch):
     assert kernels.candidate_configs("fwd", "NVIDIA H200", 896, 151936) == [fwd]
     assert kernels.candidate_configs("bwd", "NVIDIA H200", 896, 151936) == [bwd]
     others = kernels.candidate_configs("bwd", "NVIDIA H200", 3584, 151936)
-    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS) if c != bwd]
+    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS["bwd"]) if c != bwd]
     assert kernels.candidate_configs("fwd", "NVIDIA H100 80GB HBM3", 896, 151936) == list(
-        map(dict, kernels.DEFAULT_CONFIGS)
+        map(dict, kernels.DEFAULT_CONFIGS["fwd"])
     )
     assert kernels.candidate_configs("fwd", "interpreter", 896, 151936) == [kernels.INTERPRET_CONFIG]
 

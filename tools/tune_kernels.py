@@ -36,16 +36,10 @@ from bench_kernels import PEAKS, estimate_ms, measure, plan_cost, time_target  #
 
 import kernels  # noqa: E402
 
-# The sweep: the autotuner's defaults, then narrower and deeper variants (fewer registers for the epilogue's row
-# state, more k-steps in flight)
-SWEEP_CONFIGS = list(kernels.DEFAULT_CONFIGS) + [
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=32, num_warps=8, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_D=32, num_warps=8, num_stages=4),
-    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
-    dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=3),
-]
-DRY_CONFIGS = [dict(kernels.INTERPRET_CONFIG), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_D=16, num_warps=4, num_stages=1)]
+# The sweep, per kernel: the autotuner's defaults, every one compiled for sm_90 without spills (tools/spill_check.py)
+SWEEP_CONFIGS = {kind: [dict(c) for c in configs] for kind, configs in kernels.DEFAULT_CONFIGS.items()}
+_DRY = [dict(kernels.INTERPRET_CONFIG), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_D=16, num_warps=4, num_stages=1)]
+DRY_CONFIGS = {"fwd": _DRY, "bwd": _DRY}
 
 
 class Clock:
@@ -123,11 +117,12 @@ def floor_gemms(N, V, d, Vs, dev, reps, sync) -> dict:
 
 
 def sweep(N, V, d, dev, configs, reps, sync, clock, stop_at) -> dict:
-    """Each config on the forward kernel and on one split's dz kernel, in order, until the clock reaches stop_at
-    seconds left; a config that fails to compile or launch (shared memory, registers) is recorded and skipped."""
+    """Each kernel's configs (the forward kernel's and one split's dz kernel's), in turn, until the clock reaches
+    stop_at seconds left; a config that fails to compile or launch (shared memory, registers) is recorded and
+    skipped."""
     h, w, y = inputs(N, V, d, dev)
     inv_t = 1.0
-    stats_full = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t, config=configs[0]))
+    stats_full = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t, config=configs["fwd"][0]))
     m, s, x, t, zy = stats_full
     stats = (m, s.log(), t / s, x / s, zy)
     g = torch.randn(N, device=dev)
@@ -137,8 +132,11 @@ def sweep(N, V, d, dev, configs, reps, sync, clock, stop_at) -> dict:
     ws = w[:Vs]
     rows = {"fwd": [], "bwd": []}
     cost = {"fwd": 0.0, "bwd": 0.0}  # the longest a config of each kernel took, compile included
-    for c in configs:
+    for i in range(max(map(len, configs.values()))):  # the kernels' i-th tiles side by side
         for kind in ("fwd", "bwd"):
+            if i >= len(configs[kind]):
+                continue
+            c = configs[kind][i]
             if clock.left() < stop_at + cost[kind]:
                 rows[kind].append({"config": c, "skipped": "deadline"})
                 continue
