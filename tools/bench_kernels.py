@@ -320,7 +320,13 @@ def int64_check(N, V, dev, write=print) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="a tiny shape (N=64, V=517, d=40), 2 repetitions")
+    ap.add_argument("--tuned-file", help="tuned tiles to use instead of the committed kernels_tuned.json")
     args = ap.parse_args()
+    if args.tuned_file:
+        if not Path(args.tuned_file).is_file():
+            print(f"bench_kernels.py: --tuned-file {args.tuned_file}: not a file", file=sys.stderr)
+            sys.exit(2)
+        kernels.TUNED_FILE = Path(args.tuned_file)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     versions = f"torch {torch.__version__}, triton {kernels.triton.__version__ if kernels.HAS_TRITON else 'missing'}"

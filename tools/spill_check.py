@@ -161,6 +161,11 @@ def main():
     ap.add_argument("--limit", type=int, default=0, help="the first LIMIT tiles of each kernel only (a rehearsal)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the operands' type (bf16)")
     args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print(
+            "spill_check.py: TRITON_INTERPRET=1 is set: the kernels would be interpreted, not compiled", file=sys.stderr
+        )
+        sys.exit(2)
     path = ptxas_path()
     if path is None:
         print("spill_check.py: no ptxas for sm_90 (Triton missing, or without its bundled ptxas)", file=sys.stderr)
