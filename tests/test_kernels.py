@@ -639,4 +639,11 @@ def test_bench_kernels_dry_run():
     assert set(rows) == {"triton", "naive"}, r.stdout
     assert "GEMM floor" in r.stdout and "x floor" in r.stdout and "GFLOP" in r.stdout
     assert float(rows["naive"][3]) == 1.0  # x naive of naive itself
+    # the other fused heads beside ours on the same inputs, or "not run" and why: torch 2.13 has
+    # F.linear_cross_entropy; liger-kernel is optional
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()[:1] in (["liger"], ["torch_lce"])}
+    assert set(lines) == {"liger", "torch_lce"}, r.stdout
+    assert "not run: " in lines["liger"] or float(lines["liger"].split()[10]) < 1e-2
+    lce = lines["torch_lce"].split()
+    assert float(lce[3]) > 0 and float(lce[11]) < 1e-2  # x naive, grad err
     assert float(rows["triton"][10]) <= 1e-5  # logp err
