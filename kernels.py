@@ -50,7 +50,8 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "eager")
-TUNED_FILE = Path(__file__).resolve().parent / "kernels_tuned.json"  # tuned tiles by GPU name (tools/tune_kernels.py)
+# tuned tiles by GPU name (tools/tune_kernels.py); REPLAY_GRPO_TUNED_FILE names another (tools/device_check.py's)
+TUNED_FILE = Path(os.environ.get("REPLAY_GRPO_TUNED_FILE") or Path(__file__).resolve().parent / "kernels_tuned.json")
 # Tiles the autotuner tries on a GPU with no tuned entry, per kernel: bf16 tiles that ptxas compiles for sm_90
 # (H100 / H200) without spilling registers, under Triton 3.6 (the GPU machines') and 3.9 (the lock's), checked ahead of
 # time by tools/spill_check.py and tests/test_kernels.py. The forward's epilogue holds the logits tile, its exponentials

@@ -39,7 +39,7 @@ def test_mu_tool_table_at_toy_sizes(tmp_path):
     result = json.loads((tmp_path / "mu.json").read_text())
     rows = result["rows"]
     assert [(x["model"], x["new_tokens"]) for x in rows] == [
-        (m, n) for m in ("qwen2.5-0.5b", "smollm2-135m") for n in (3, 12)
+        (m, n) for n in (3, 12) for m in ("qwen2.5-0.5b", "smollm2-135m")
     ]
     for x in rows:
         assert x["gen_s"] > 0 and x["train_s"] > 0 and x["mu"] == pytest.approx(x["gen_s"] / x["train_s"])

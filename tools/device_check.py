@@ -14,7 +14,8 @@ rewritten after each part, so whatever ran is kept. Parts and files (the dry run
             runs beside the GPU parts)
   tune      OUT/tune/tune.json, OUT/tune/tune.md (versions, clocks, the GEMM floor, the tile sweep, the end-to-end
             table) and OUT/kernels_tuned.json (the committed file plus this GPU's tiles): tools/tune_kernels.py
-  bench     OUT/bench.txt: tools/bench_kernels.py with those tiles (naive, triton and the other baselines)
+  bench     OUT/bench.txt: tools/bench_kernels.py with those tiles (naive, triton and the other baselines); the
+            parts after tune run with REPLAY_GRPO_TUNED_FILE=OUT/kernels_tuned.json
   mu        OUT/mu/mu.json, OUT/mu/mu.md: tools/mu_tool.py (generation against training, the planner's choice)
   gpu_check OUT/gpu_check.txt: tools/gpu_check.py's table and verdict
 Then commit OUT/kernels_tuned.json as kernels_tuned.json and the tables with the card's name.
@@ -130,11 +131,12 @@ def main():
     py = [sys.executable]
     tuned = out / "kernels_tuned.json"
     shutil.copyfile(ROOT / "kernels_tuned.json", tuned)  # this GPU's entries are added to the committed file's
+    env["REPLAY_GRPO_TUNED_FILE"] = str(tuned.resolve())  # the later parts run with the tiles the tune part found
     parts = {
         "spill": [*py, TOOLS / "spill_check.py", *(["--limit", "1"] if dry else [])],
         "tune": [*py, TOOLS / "tune_kernels.py", "--deadline", f"{SHARES['tune'] * budget - 15:.0f}"]
         + ["--out", out / "tune", "--write-tuned", "--tuned-file", tuned, *(["--dry-run"] if dry else [])],
-        "bench": [*py, TOOLS / "bench_kernels.py", "--tuned-file", tuned, *(["--dry-run"] if dry else [])],
+        "bench": [*py, TOOLS / "bench_kernels.py", *(["--dry-run"] if dry else [])],
         "mu": [*py, TOOLS / "mu_tool.py", "--out", out / "mu", "--deadline", f"{SHARES['mu'] * budget - 20:.0f}"]
         + (["--tiny", "--lengths", "4,16", "--batch", "2", "--prompt-len", "8"] if dry else []),
         "gpu_check": [*py, "-c", TYRO_STUB, TOOLS / "gpu_check.py"]
@@ -169,7 +171,8 @@ def main():
         record("cuda", status="no CUDA device: the GPU parts measure nothing here (use --dry-run to rehearse)")
     if info.get("tyro") is None:
         summary["note"] = "tyro missing: gpu_check.py's trainer check (replay_grpo.py's command line) fails for it"
-    compile_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}  # spill_check compiles, even in a dry run
+    # spill_check compiles (even in a dry run), the committed tiles: the tune part writes its file meanwhile
+    compile_env = {k: v for k, v in env.items() if k not in ("TRITON_INTERPRET", "REPLAY_GRPO_TUNED_FILE")}
     spill = start(parts.pop("spill"), out / logs["spill"], compile_env)  # on the CPU, beside the GPU parts
     spill_t0 = time.monotonic()
     for name, cmd in parts.items():

@@ -119,6 +119,22 @@ def plan_for(mu) -> dict:
     return {k: s[k] for k in ("B/R", "N/R", "R", "N", "B", "prompts_per_step", "on_policy")}
 
 
+def write(out, result, what) -> None:
+    """mu.json and mu.md as they stand."""
+    (out / "mu.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# mu on {what}", "", "| model | new tokens | gen s | train s | mu | plan |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "mu" not in r:
+            lines.append(f"| {r['model']} | {r['new_tokens']} | skipped: {r['skipped']} | | | |")
+            continue
+        p = r["plan"]
+        plan = "on-policy" if p["on_policy"] else f"B {p['B']}, N {p['N']}, R {p['R']}"
+        lines.append(
+            f"| {r['model']} | {r['new_tokens']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['mu']:.2f} | {plan} |"
+        )
+    (out / "mu.md").write_text("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen2.5-0.5b,smollm2-135m", help="comma-separated: " + ", ".join(SHAPES))
@@ -160,19 +176,33 @@ def main():
     print(
         f"{'model':14} {'new tokens':>10} {'gen s':>8} {'train s':>8} {'mu':>7}  plan (alpha 0.1, rho 0.1, B 60, G 16)"
     )
-    rows = []
+    out = Path(args.out) if args.out else None
+    if out:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--out {out}: cannot create it ({e.strerror or e})")
+    result = {"device": what, "torch": torch.__version__, "tiny": args.tiny, "plan_inputs": PLAN, "rows": []}
+    built, last = {}, {}  # each model built once; its last row's (length, seconds) to foresee the next
     for name in models:
-        model = build(name, args.tiny, device)
-        model.train()
+        built[name] = build(name, args.tiny, device)
+        built[name].train()
         warm = rg.Args(micro_batch_size=2)
-        measure(model, 2, min(args.batch, 2), prompt_len=8, device=device, cfg=warm)  # warm-up: kernels, allocator
-        for n in lengths:
+        measure(
+            built[name], 2, min(args.batch, 2), prompt_len=8, device=device, cfg=warm
+        )  # warm-up: kernels, allocator
+    for n in lengths:  # the short lengths of every model first: a deadline cuts the longest
+        for name in models:
             row = {"model": name, "new_tokens": n, "batch": args.batch, "prompt_len": args.prompt_len}
-            if time.monotonic() - start > args.deadline:
-                row["skipped"] = "deadline"
-                print(f"{name:14} {n:10d}   skipped: deadline", flush=True)
+            left = args.deadline - (time.monotonic() - start)
+            foreseen = last[name][1] * n / last[name][0] if name in last else 0.0
+            if left < foreseen:
+                row["skipped"] = f"deadline ({left:.0f} s left, about {foreseen:.0f} s needed)"
+                print(f"{name:14} {n:10d}   skipped: {row['skipped']}", flush=True)
             else:
-                gen_s, train_s = measure(model, n, args.batch, prompt_len=args.prompt_len, device=device, cfg=cfg)
+                t0 = time.monotonic()
+                gen_s, train_s = measure(built[name], n, args.batch, prompt_len=args.prompt_len, device=device, cfg=cfg)
+                last[name] = (n, time.monotonic() - t0)
                 mu = gen_s / train_s
                 row.update(gen_s=gen_s, train_s=train_s, mu=mu, plan=plan_for(mu))
                 p = row["plan"]
@@ -180,31 +210,10 @@ def main():
                     "on-policy" if p["on_policy"] else f"replay B/R {p['B'] / p['R']:.2f}"
                 ) + f": --batch-size {p['B']} --buffer-size {p['N']} --prompts-per-step {p['prompts_per_step']}"
                 print(f"{name:14} {n:10d} {gen_s:8.3f} {train_s:8.3f} {mu:7.2f}  {choice}", flush=True)
-            rows.append(row)
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    result = {"device": what, "torch": torch.__version__, "tiny": args.tiny, "plan_inputs": PLAN, "rows": rows}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "mu.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines = [
-            f"# mu on {what}",
-            "",
-            "| model | new tokens | gen s | train s | mu | plan |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            if "mu" not in r:
-                lines.append(f"| {r['model']} | {r['new_tokens']} | {r['skipped']} | | | |")
-                continue
-            p = r["plan"]
-            plan = "on-policy" if p["on_policy"] else f"B {p['B']}, N {p['N']}, R {p['R']}"
-            lines.append(
-                f"| {r['model']} | {r['new_tokens']} | {r['gen_s']:.3f} | {r['train_s']:.3f} | {r['mu']:.2f} | {plan} |"
-            )
-        (out / "mu.md").write_text("\n".join(lines) + "\n")
+            result["rows"].append(row)
+            if out:  # after each row: a later failure or a kill loses nothing measured
+                write(out, result, what)
+    rows = result["rows"]
     return 0 if all(math.isfinite(r.get("mu", 0)) for r in rows) else 1
 
 

@@ -147,8 +147,9 @@ def space(kind) -> list[dict]:
     """The autotune space of kernel `kind` on a GPU without a tuned entry (kernels.DEFAULT_CONFIGS), then the tuned
     tiles committed for any GPU (kernels_tuned.json) and the tuning sweep's (tools/tune_kernels.py)."""
     configs = kernels.candidate_configs(kind, "a GPU without a tuned entry", 896, 151936)
-    for entries in kernels.load_tuned().get("gpus", {}).values():
-        configs += [e[kind] for e in entries.values() if e[kind] not in configs]
+    for gpu, entries in kernels.load_tuned().get("gpus", {}).items():
+        if gpu != "interpreter":  # the interpreter's entries (dry runs) never run on a GPU
+            configs += [e[kind] for e in entries.values() if e[kind] not in configs]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from tune_kernels import SWEEP_CONFIGS
 
