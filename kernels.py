@@ -55,8 +55,8 @@ TUNED_FILE = Path(os.environ.get("REPLAY_GRPO_TUNED_FILE") or Path(__file__).res
 # Tiles the autotuner tries on a GPU with no tuned entry, per kernel: bf16 tiles that ptxas compiles for sm_90
 # (H100 / H200) without spilling registers, under Triton 3.6 (the GPU machines') and 3.9 (the lock's), checked ahead of
 # time by tools/spill_check.py and tests/test_kernels.py. The forward's epilogue holds the logits tile, its exponentials
-# and five row-state vectors beside the GEMM's accumulator: at 128 x 256 x 64 it spilled 836 / 1,836 bytes a thread
-# (Triton 3.6 / 3.9), and every other former default forward tile 20 to 740 bytes under one of them or both.
+# and five row-state vectors beside the GEMM's accumulator: at 128 x 256 x 64 it spilled 836 / 1,812 bytes a thread
+# (Triton 3.6 / 3.9), and every other former default forward tile 24 to 740 bytes under one of them or both.
 DEFAULT_CONFIGS = {
     "fwd": (
         dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
