@@ -14,7 +14,8 @@ t = Σ exp(z-m)(z-m) and z[y]. Then lse = m + log s, entropy = log s - t/s, q = 
 for confident tokens: a common logit offset cancels exactly and 1 - p_y is never formed by cancellation.
 
 "triton" (CUDA; also runs under TRITON_INTERPRET=1 on CPU tensors), split-N with fused epilogues:
-  * forward: one Triton GEMM over (token tiles x vocab splits). Each program walks its split's vocab blocks, keeps
+  * forward: one Triton GEMM over (token tiles x vocab splits), launched split-fastest (the splits of a token tile
+    run side by side and share its H tile in L2). Each program walks its split's vocab blocks, keeps
     the row state in registers (the GEMM's epilogue) and writes one partial state per (row, split); the partials
     are merged in a fixed order on the host. No logits tile ever reaches HBM. The grad and no-grad forwards are
     this one kernel, so they are bitwise equal.
@@ -24,8 +25,8 @@ for confident tokens: a common logit offset cancels exactly and 1 - p_y is never
     are recomputed (8NdV FLOPs in all against the 6NdV of keeping them).
   * tiles (BLOCK_N, BLOCK_V, BLOCK_D, warps, stages) are chosen by triton.autotune keyed on (d, V), from the
     entries of kernels_tuned.json for the GPU's name when it has them (one config for a tuned (d, V): the same
-    tiles, hence the same bits, in every process), else from DEFAULT_CONFIGS. N is not in the key (no re-tune for
-    a new batch length). No atomics: the same inputs give the same bits.
+    tiles, hence the same bits, in every process), else from the kernel's DEFAULT_CONFIGS. N is not in the key (no
+    re-tune for a new batch length). No atomics: the same inputs give the same bits.
 "eager" (the reference and the CPU default): the same math tile by tile in torch ops on [token chunk x vocab
 chunk] logits from cuBLAS with fp32 output; the backward accumulates dW and dH in fp32 and writes each once.
 "auto" picks triton on CUDA when Triton imports, else eager.
@@ -49,17 +50,28 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "eager")
-TUNED_FILE = Path(__file__).resolve().parent / "kernels_tuned.json"  # tuned tiles by GPU name (tools/tune_kernels.py)
-# Tiles the autotuner tries on a GPU with no tuned entry: Hopper-sized bf16 GEMM tiles (128-256 wide, 64-deep
-# k-steps, 3-4 stages fit in 228 KiB of shared memory), the widest rows first.
-DEFAULT_CONFIGS = (
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=5),
-)
+# tuned tiles by GPU name (tools/tune_kernels.py); REPLAY_GRPO_TUNED_FILE names another (tools/device_check.py's)
+TUNED_FILE = Path(os.environ.get("REPLAY_GRPO_TUNED_FILE") or Path(__file__).resolve().parent / "kernels_tuned.json")
+# Tiles the autotuner tries on a GPU with no tuned entry, per kernel: bf16 tiles that ptxas compiles for sm_90
+# (H100 / H200) without spilling registers, under Triton 3.6 (the GPU machines') and 3.9 (the lock's), checked ahead of
+# time by tools/spill_check.py and tests/test_kernels.py. The forward's epilogue holds the logits tile, its exponentials
+# and five row-state vectors beside the GEMM's accumulator: at 128 x 256 x 64 it spilled 836 / 1,812 bytes a thread
+# (Triton 3.6 / 3.9), and every other former default forward tile 24 to 740 bytes under one of them or both.
+DEFAULT_CONFIGS = {
+    "fwd": (
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=2),
+        dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=3),
+    ),
+    "bwd": (
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=64, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=4),
+        dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=5),
+        dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
+    ),
+}
 # Under TRITON_INTERPRET=1 each program runs in numpy: small tiles, so tests see many vocab blocks and ragged tails
 INTERPRET_CONFIG = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
 FWD_SPLIT_COLS = 4096  # the forward's vocab splits hold at least this many columns (tests lower it)
@@ -257,13 +269,15 @@ def _fwd_tile_torch(z, yl, inv_t, m, s, x, t, zy):
     return (mn, a * s + b * st, a * x + b * xt, a * t_old + b * (tt + (mt - mn) * st), torch.where(hit, zt, zy))
 
 
-def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, g, e, out_dtype):
+def _bwd_tile_torch(z, yl, inv_t, m, ls, tbar, q, zy, g, e, out_dtype):
     """dz tile = (g·(onehot - p) - e·p·(z - Σp·z)) / T in fp32, rounded once. Logits are
     taken relative to the row max m (so a common offset cancels exactly) and the target
-    column uses q = 1 - p_y from the forward (no cancellation when p_y -> 1)."""
-    zc = z * inv_t - m[:, None]
-    p = (zc - ls[:, None]).exp()
+    column uses the forward's own terms: q = 1 - p_y (no cancellation when p_y -> 1) and
+    zy - m (0 exactly where the target is the max), not a recomputed logit whose last bit may
+    differ and whose difference with Σp·z, small when p_y -> 1, would magnify it."""
     tgt = torch.arange(z.shape[1], device=z.device) == yl[:, None]
+    zc = torch.where(tgt, (zy - m)[:, None], z * inv_t - m[:, None])
+    p = (zc - ls[:, None]).exp()
     dz = torch.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
     return (dz * inv_t).to(out_dtype)
 
@@ -288,18 +302,20 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
     ):
         # z tile [BLOCK_N, BLOCK_V] = H[rows] W[cols]ᵀ, fp32 accumulation (ieee: fp32 inputs stay exact, no TF32).
-        # UPCAST (the interpreter only, whose tl.dot multiplies bf16's raw bits): the exact fp32 values instead
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        # UPCAST (the interpreter only, whose tl.dot multiplies bf16's raw bits and whose numpy matmul rounds a row
+        # differently by its position in the tile): operands and accumulator in fp64, where every product of bf16 or
+        # fp32 values is exact, then rounded once to fp32, so a row's logits do not depend on the tile it lands in.
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float64 if UPCAST else tl.float32)
         for k0 in range(0, D, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
             kmask = ks < D
             a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+                a = a.to(tl.float64)
+                b = b.to(tl.float64)
             acc = tl.dot(a, b, acc, input_precision="ieee")
-        return acc
+        return acc.to(tl.float32)
 
     @triton.jit
     def _fwd_kernel(
@@ -320,9 +336,13 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
     ):
         # Program (token tile, vocab split): the row state over the split's vocab blocks, in registers; one partial
-        # (m, s, x, t, zy) per (split, row) written to part [5, NUM_SPLITS, N].
-        split = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: row * stride > 2**31
+        # (m, s, x, t, zy) per (split, row) written to part [5, NUM_SPLITS, N]. Vocab-split-major launch order: the
+        # programs in flight together are all splits of a few token tiles, so each H tile is read from HBM once and
+        # shared in L2 by its splits, and W once per such group (token tile fastest re-read all of H at every vocab
+        # block where H exceeds the L2: about 71 GB at N = 16384, d = 3584 against 9 GB).
+        pid = tl.program_id(0)
+        split = (pid % NUM_SPLITS).to(tl.int64)
+        rows = (pid // NUM_SPLITS).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: row * stride > 2**31
         rmask = rows < N
         y = tl.load(y_ptr + rows, mask=rmask, other=-1)
         n_blocks = tl.cdiv(V, BLOCK_V)
@@ -379,6 +399,7 @@ if HAS_TRITON:
         ls_ptr,
         tbar_ptr,
         q_ptr,
+        zy_ptr,
         g_ptr,
         e_ptr,
         dz_ptr,
@@ -429,13 +450,15 @@ if HAS_TRITON:
         ls = tl.load(ls_ptr + rows, mask=rmask, other=0.0)
         tbar = tl.load(tbar_ptr + rows, mask=rmask, other=0.0)
         q = tl.load(q_ptr + rows, mask=rmask, other=0.0)
+        zy = tl.load(zy_ptr + rows, mask=rmask, other=0.0)
         g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
         e = tl.load(e_ptr + rows, mask=rmask, other=0.0)
         yl = tl.load(yl_ptr + rows, mask=rmask, other=-1)
-        # relative to the row max (a common offset cancels); the target column from q = 1 - p_y (no cancellation)
-        zc = z * INV_T - m[:, None]
-        p = tl.exp(zc - ls[:, None])
+        # relative to the row max (a common offset cancels); the target column from the forward's own q = 1 - p_y
+        # (no cancellation) and zy - m (a recomputed logit may differ in its last bit from the forward's)
         tgt = cols[None, :] == yl[:, None]
+        zc = tl.where(tgt, (zy - m)[:, None], z * INV_T - m[:, None])
+        p = tl.exp(zc - ls[:, None])
         dz = tl.where(tgt, (g * q)[:, None], -p * g[:, None]) - p * e[:, None] * (zc - tbar[:, None])
         tl.store(
             dz_ptr + rows[:, None] * stride_dz + cols[None, :],
@@ -476,7 +499,7 @@ def candidate_configs(kind, name, d, V) -> list[dict]:
     entry = load_tuned().get("gpus", {}).get(name, {})
     if f"{d}x{V}" in entry:
         return [entry[f"{d}x{V}"][kind]]
-    found = [shape[kind] for shape in entry.values()] + [dict(c) for c in DEFAULT_CONFIGS]
+    found = [shape[kind] for shape in entry.values()] + [dict(c) for c in DEFAULT_CONFIGS[kind]]
     return [c for i, c in enumerate(found) if c not in found[:i]]
 
 
@@ -526,9 +549,9 @@ def fwd_triton(h, w, y, inv_t, config=None):
     args = dict(h_ptr=h, w_ptr=w, y_ptr=y, part_ptr=part, N=N, V=V, D=d, stride_h=h.stride(0))
     args.update(stride_w=w.stride(0), NUM_SPLITS=splits, INV_T=inv_t, UPCAST=_interpret())
     if config is None:
-        _tuned_kernel("fwd", h.device, d, V)[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](**args)
+        _tuned_kernel("fwd", h.device, d, V)[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * splits,)](**args)
     else:
-        _fwd_kernel[(triton.cdiv(N, config["BLOCK_N"]), splits)](**args, **config)
+        _fwd_kernel[(triton.cdiv(N, config["BLOCK_N"]) * splits,)](**args, **config)
     return part
 
 
@@ -545,8 +568,8 @@ def bwd_dz_triton(h, wv, yl, stats, g, e, inv_t, dz, V, config=None):
     """dz [N x Vs] (compute dtype) of one vocab split (wv = its rows of W; yl = targets minus its first column)."""
     N, d = h.shape
     VS = wv.shape[0]
-    m, ls, tbar, q = stats
-    args = dict(h_ptr=h, w_ptr=wv, yl_ptr=yl, m_ptr=m, ls_ptr=ls, tbar_ptr=tbar, q_ptr=q, g_ptr=g, e_ptr=e)
+    m, ls, tbar, q, zy = stats
+    args = dict(h_ptr=h, w_ptr=wv, yl_ptr=yl, m_ptr=m, ls_ptr=ls, tbar_ptr=tbar, q_ptr=q, zy_ptr=zy, g_ptr=g, e_ptr=e)
     args.update(dz_ptr=dz, N=N, VS=VS, D=d, V=V, stride_h=h.stride(0), stride_w=wv.stride(0), stride_dz=dz.stride(0))
     args.update(INV_T=inv_t, GROUP_N=GROUP_N, UPCAST=_interpret())
     if config is None:
@@ -591,8 +614,9 @@ def _backward_eager(h, w, y, inv_t, stats, g, e, need_h, need_w, C, Vc):
         for c0 in range(0, N, C):
             sl = slice(c0, c0 + C)
             z = _mm_f32(h[sl], wv.t())
-            m, ls, tbar, q = (a[sl] for a in stats)
-            dz = _bwd_tile_torch(z, y[sl] - v0, inv_t, m, ls, tbar=tbar, q=q, g=g[sl], e=e[sl], out_dtype=h.dtype)
+            m, ls, tbar, q, zy = (a[sl] for a in stats)
+            kw = dict(tbar=tbar, q=q, zy=zy, g=g[sl], e=e[sl], out_dtype=h.dtype)
+            dz = _bwd_tile_torch(z, y[sl] - v0, inv_t, m, ls, **kw)
             del z
             if need_h:
                 _addmm_f32(dh_acc[sl], dz, wv)
@@ -631,14 +655,14 @@ class _TokenLogprobs(torch.autograd.Function):
         # log p_y = log1p(-q) is accurate for confident tokens; z_y - lse elsewhere
         logp = torch.where(q < 0.5, torch.log1p(-q), zy - m - ls)
         ent = ls - tbar
-        ctx.save_for_backward(h, w, y, m, ls, tbar, q)
+        ctx.save_for_backward(h, w, y, m, ls, tbar, q, zy)
         ctx.cfg = cfg
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, e):
-        h, w, y, m, ls, tbar, q = ctx.saved_tensors
+        h, w, y, m, ls, tbar, q, zy = ctx.saved_tensors
         inv_t, backend, C, Vc = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g is None and e is None) or not (need_h or need_w):
@@ -652,7 +676,7 @@ class _TokenLogprobs(torch.autograd.Function):
         live = (g != 0) | (e != 0)
         n_live = int(live.sum())
         keep = None if n_live == N else live.nonzero()[:, 0]
-        stats = (m, ls, tbar, q)
+        stats = (m, ls, tbar, q, zy)
         hk, yk = h, y
         if keep is not None:
             hk, yk, g, e = h[keep], y[keep], g[keep], e[keep]

@@ -315,6 +315,31 @@ def test_deterministic(backend):
     assert torch.equal(lp_ng, outs[0][0])
 
 
+@pytest.mark.skipif(not INNER, reason="the Triton kernels' property (torch's CPU GEMMs round by place)")
+def test_a_logit_does_not_depend_on_its_place_in_the_tile():
+    # the backward's vocab splits start anywhere (not at a tile's edge) and its token tiles hold other rows than the
+    # forward's (zero-gradient rows dropped): a recomputed logit must come out the same bits wherever it sits in a
+    # tile (the interpreter's fp32 numpy matmul rounds by place on some CPUs), or it differs from the forward's. dz of
+    # each column, fp32, is compared from splits starting at 0 and at columns that are no tile's edge, and of rows
+    # alone or in a batch of their own.
+    h, w, y = make(37, 40, 517, dtype=torch.float32, seed=21, ignore=0.0)
+    inv_t = 1 / 0.7
+    m, s, x, t, zy = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t))
+    stats = (m, s.log(), t / s, x / s, zy)
+    g, e = upstream(37, zero_frac=0.0)
+
+    def dz(rows, first):
+        sub = tuple(a[rows] for a in stats)
+        out = torch.empty(len(range(37)[rows]), 517 - first)
+        return kernels.bwd_dz_triton(h[rows], w[first:], y[rows] - first, sub, g[rows], e[rows], inv_t, out, V=517)
+
+    whole = dz(slice(None), 0)
+    for first in (7, 13, 300):
+        assert torch.equal(dz(slice(None), first), whole[:, first:]), first
+    for lo, hi in ((5, 6), (14, 18), (33, 37)):
+        assert torch.equal(dz(slice(lo, hi), 0), whole[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("backend", MAIN)
 def test_chunk_size_invariance(backend):
     h, w, y = make(N_BIG, 40, 517, seed=9)
@@ -454,35 +479,42 @@ def test_triton_compiles_for_sm90(dtype):
     # no GPU here: compile the kernels ahead of time for an H100/H200 (sm_90) with the first default tiles, to catch
     # what the interpreter cannot (typing, lowering, shared memory); check no fp64 math, 64-bit row offsets,
     # tensor-core GEMMs and round-to-nearest bf16 dz
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    t, f32 = "*" + dtype, "*fp32"
-    tiles = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("BLOCK")}
-    options = {k: v for k, v in kernels.DEFAULT_CONFIGS[0].items() if k.startswith("num")}
-    consts = dict(INV_T=1 / 0.7, UPCAST=False, **tiles)
-    sizes = dict(N="i32", V="i32", D="i32", stride_h="i32", stride_w="i32")
-    fwd = dict(h_ptr=t, w_ptr=t, y_ptr="*i64", part_ptr=f32, **sizes, NUM_SPLITS="i32")
-    bwd = dict(h_ptr=t, w_ptr=t, yl_ptr="*i64", m_ptr=f32, ls_ptr=f32, tbar_ptr=f32, q_ptr=f32, g_ptr=f32)
-    bwd.update(e_ptr=f32, dz_ptr=t, N="i32", VS="i32", D="i32", V="i32", stride_h="i32", stride_w="i32")
-    bwd.update(stride_dz="i32")
-    for fn, sig, extra in ((kernels._fwd_kernel, fwd, {}), (kernels._bwd_kernel, bwd, {"GROUP_N": 8})):
-        # what the JIT knows at run time of torch's tensors and of d = 896 or 3584: 16-aligned pointers, strides and
-        # d divisible by 16 (without it the loads cannot be pipelined)
-        div = [n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n == "D"]
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-        sig = dict(sig, **{k: "constexpr" for k in {**consts, **extra}})
-        src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra}, attrs=attrs)
-        compiled = kernels.triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        ptx = compiled.asm["ptx"]
-        assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
-        assert ".f64" not in ptx  # temperature stayed fp32
+    spill_check = _spill_check()
+    for kind in ("fwd", "bwd"):
+        row = spill_check.compile_sm90(kind, kernels.DEFAULT_CONFIGS[kind][0], dtype)
+        ptx = row["ptx"]
+        assert row["shared"] <= 227 * 1024  # an H100's shared memory per block
+        assert ".f64" not in ptx  # temperature stayed fp32; the interpreter's fp64 logits are compiled out
         assert "mul.lo.s64" in ptx or "mad.wide" in ptx  # 64-bit row * stride offsets
         if dtype == "bf16":
             assert "wgmma" in ptx or "mma.sync" in ptx  # the GEMM runs on tensor cores
             assert "cp.async" in ptx  # the k-loop's loads are pipelined (num_stages > 1)
-        if dtype == "bf16" and fn is kernels._bwd_kernel:
+        if dtype == "bf16" and kind == "bwd":
             assert "cvt.rn.bf16" in ptx  # dz rounded to nearest, once
+
+
+def _spill_check():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import spill_check
+
+    return spill_check
+
+
+@pytest.mark.skipif(INNER, reason="outer process only")
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_autotune_space_compiles_without_spills_for_sm90(kind, capsys):
+    # every tile the autotuner may pick on an H100/H200 (the space of a GPU without a tuned entry, and each tuned
+    # entry committed for a GPU), compiled ahead of time for sm_90 with the ptxas the installed Triton's JIT uses:
+    # a spill (ptxas -v) or local memory in the PTX puts HBM traffic inside the GEMM's loop or its epilogue
+    spill_check = _spill_check()
+    if spill_check.ptxas_path() is None:
+        pytest.skip("no ptxas for sm_90 here (Triton missing, or without its bundled ptxas)")
+    rows = [spill_check.compile_sm90(kind, c) for c in spill_check.space(kind)]
+    with capsys.disabled():
+        print("", *map(spill_check.line, rows), sep="\n")  # registers, spills and shared memory of each tile
+    bad = [spill_check.line(r) for r in rows if spill_check.spills(r)]
+    assert not bad, "\n".join(bad)
+    assert all(r["shared"] <= 227 * 1024 for r in rows)  # an H100's shared memory per block
 
 
 @pytest.mark.skipif(INNER, reason="outer process only")
@@ -545,9 +577,9 @@ def test_tuned_file_seeds_the_autotuner(tmp_path, monkeypatch):
     assert kernels.candidate_configs("fwd", "NVIDIA H200", 896, 151936) == [fwd]
     assert kernels.candidate_configs("bwd", "NVIDIA H200", 896, 151936) == [bwd]
     others = kernels.candidate_configs("bwd", "NVIDIA H200", 3584, 151936)
-    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS) if c != bwd]
+    assert others[0] == bwd and others[1:] == [c for c in map(dict, kernels.DEFAULT_CONFIGS["bwd"]) if c != bwd]
     assert kernels.candidate_configs("fwd", "NVIDIA H100 80GB HBM3", 896, 151936) == list(
-        map(dict, kernels.DEFAULT_CONFIGS)
+        map(dict, kernels.DEFAULT_CONFIGS["fwd"])
     )
     assert kernels.candidate_configs("fwd", "interpreter", 896, 151936) == [kernels.INTERPRET_CONFIG]
 
@@ -585,6 +617,42 @@ def test_tune_kernels_dry_run_within_its_deadline(tmp_path):
     assert entry["fwd"] == width["sweep"]["best"]["fwd"]["config"] and "measured" in entry
 
 
+@pytest.mark.skipif(INNER, reason="outer process only")
+@pytest.mark.parametrize(
+    "case, flag",
+    [
+        ("widths abc", "--widths"),
+        ("widths 0", "--widths"),
+        ("widths -8", "--widths"),
+        ("deadline nan", "--deadline"),
+        ("out an existing file", "--out"),
+        ("tuned-file a folder", "--tuned-file"),
+    ],
+)
+def test_tune_kernels_refuses_bad_input_before_any_work(tmp_path, case, flag):
+    # each bad input or destination is named in one line (exit 2) before anything is measured, and nothing that
+    # exists is touched: a destination found wrong only after the run would lose every measured result
+    existing = tmp_path / "results.txt"
+    existing.write_text("kept\n")
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    given = {
+        "widths abc": ["--widths", "abc"],
+        "widths 0": ["--widths", "0"],
+        "widths -8": ["--widths", "-8"],
+        "deadline nan": ["--deadline", "nan"],
+        "out an existing file": ["--out", str(existing)],
+        "tuned-file a folder": ["--write-tuned", "--tuned-file", str(folder)],
+    }[case]
+    out = ["--out", str(tmp_path / "out")] if flag != "--out" else []
+    r = _tool(["tools/tune_kernels.py", "--dry-run", "--deadline", "30", *out, *given], timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout == ""  # refused before the versions line: nothing measured
+    assert existing.read_text() == "kept\n" and list(folder.iterdir()) == []
+    assert not (tmp_path / "out" / "tune.json").exists()
+
+
 @pytest.mark.skipif(INNER or not kernels.HAS_TRITON, reason="needs triton; outer process only")
 def test_bench_kernels_dry_run():
     # the benchmark at a tiny shape on a CPU: a row per path with its FLOPs, bytes, time and ratios
@@ -596,4 +664,11 @@ def test_bench_kernels_dry_run():
     assert set(rows) == {"triton", "naive"}, r.stdout
     assert "GEMM floor" in r.stdout and "x floor" in r.stdout and "GFLOP" in r.stdout
     assert float(rows["naive"][3]) == 1.0  # x naive of naive itself
+    # the other fused heads beside ours on the same inputs, or "not run" and why: torch 2.13 has
+    # F.linear_cross_entropy; liger-kernel is optional
+    lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()[:1] in (["liger"], ["torch_lce"])}
+    assert set(lines) == {"liger", "torch_lce"}, r.stdout
+    assert "not run: " in lines["liger"] or float(lines["liger"].split()[10]) < 1e-2
+    lce = lines["torch_lce"].split()
+    assert float(lce[3]) > 0 and float(lce[11]) < 1e-2  # x naive, grad err
     assert float(rows["triton"][10]) <= 1e-5  # logp err

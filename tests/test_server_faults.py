@@ -196,10 +196,10 @@ def test_the_publisher_waits_for_the_copies_on_the_stream_that_made_them(tmp_pat
     assert steps == rounds + rounds, seen
 
 
-def test_the_publishers_weight_source_reads_as_vllm_0_32_and_0_33_read_it(tmp_path):
-    """The nccl engine's WeightSource (the Publisher, over the gathered weights): metadata() called (vLLM 0.32) and
-    metadata read as a property give the same list; plain iteration, iter_full() and iter_local() the same pairs
-    (rank 0 holds each tensor whole), in the metadata's order, in the wire dtype."""
+def test_the_publishers_weight_source_reads_as_vllm_0_32_reads_it(tmp_path):
+    """The nccl engine's WeightSource (the Publisher, over the gathered weights) as vLLM 0.32 reads it: metadata()
+    called, then plain iteration, in the metadata's order, in the wire dtype; metadata read as a property, iter_full()
+    and iter_local() give the same. (vLLM 0.33's engine reads more, before any publish: docs/async.md.)"""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     model, _ = warm_start.build_tiny_model(0)

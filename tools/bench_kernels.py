@@ -49,15 +49,37 @@ def targets_met(backend, d, ms, naive_ms, extra_gib, logp_err, grad_err, floor_e
     return out
 
 
+SMS = 132  # streaming multiprocessors of an H100 SXM and an H200: the forward's programs in flight, one each
+L2_BYTES = 50 * 2**20  # an H100's / H200's L2
+FWD_BLOCK_N = 128  # the token tile the forward's cost is counted at (the autotuned tiles' usual BLOCK_N)
+
+
+def fwd_operand_bytes(N, d, V, c, split_major=True) -> int:
+    """HBM bytes the forward GEMM reads of H and W. Split-major launch order (kernels._fwd_kernel): the SMS programs
+    in flight are all splits of SMS // splits token tiles; each H tile is read once (its splits share it in L2) and W
+    once per such group of token tiles. Token tile fastest (the order before): the programs in flight hold up to SMS
+    H tiles; where those exceed the L2, H is read again at every vocab block (V / 256 blocks of 256 columns)."""
+    tiles, splits = math.ceil(N / FWD_BLOCK_N), kernels.fwd_splits(N, V)
+    if split_major:
+        group = max(1, SMS // splits)
+        return N * d * c + math.ceil(tiles / group) * V * d * c
+    if min(tiles, SMS) * FWD_BLOCK_N * d * c <= L2_BYTES:
+        return N * d * c + V * d * c
+    return math.ceil(V / 256) * N * d * c + V * d * c
+
+
 def plan_cost(path, N, d, V, itemsize=2, vocab_split=None) -> dict:
     """FLOPs and HBM bytes of a forward + backward of `path`, counted from its plan: every kernel reads its operands
-    once and writes its outputs once (a tiled GEMM's re-reads are assumed to hit L2), c = itemsize.
+    once and writes its outputs once (a tiled GEMM's re-reads are assumed to hit L2, except the triton forward's W,
+    read once per group of token tiles in flight: fwd_operand_bytes), c = itemsize.
       naive:  z = H Wᵀ (c), z.float(), / T, log_softmax, gather; backward: the gather's scatter (fp32 zeros), the
               log_softmax backward, the cast back to c, dH and dW GEMMs: 6NdV FLOPs, 5c + 40 bytes per logit
       triton: forward GEMM with the row state in its epilogue (partials only); per vocab split of Vs columns: the dz
               GEMM (reads H and the split of W, writes dz in c), dW = dzᵀ H (written once), dH += dz W (fp32
               accumulator read and written): 8NdV FLOPs
-      eager:  as triton, with fp32 logits tiles written and read, and fp32 dW / dH accumulators per tile"""
+      eager:  as triton, with fp32 logits tiles written and read, and fp32 dW / dH accumulators per tile
+      liger, torch_lce (BASELINES): 6NdV, H and W read twice, dH and dW written (a lower bound: their plans' own
+              traffic is not modelled)"""
     c = itemsize
     io = (N * d + V * d) * c  # H and W read once
     if path == "naive":
@@ -68,11 +90,15 @@ def plan_cost(path, N, d, V, itemsize=2, vocab_split=None) -> dict:
         Vs = vocab_split or kernels.vocab_split(N, d, V, c)
         splits = math.ceil(V / Vs)
         flops = 8 * N * d * V
-        fwd = io + 5 * 4 * N * kernels.fwd_splits(N, V)
+        fwd = fwd_operand_bytes(N, d, V, c) + 5 * 4 * N * kernels.fwd_splits(N, V)
         bwd = splits * N * d * c + V * d * c + N * V * c  # dz GEMMs: H per split, W once, dz written
         bwd += N * V * c + splits * N * d * c + V * d * c  # dW GEMMs: dz and H read, dW written once
         bwd += N * V * c + V * d * c + splits * 2 * 4 * N * d  # dH GEMMs: dz, W, the fp32 accumulator in and out
         nbytes = fwd + bwd + N * d * (4 + c)  # dH rounded to c
+    elif path in BASELINES:  # not our plans: counted as keeping the forward's gradient chunks (no recompute),
+        # 6NdV, and reading H and W twice and writing dH and dW once: a lower bound on their bytes
+        flops = 6 * N * d * V
+        nbytes = 2 * io + (N * d + V * d) * c
     else:  # eager
         C, Vc = kernels._default_chunks("cuda", d, V)
         tiles_v, tiles_n = math.ceil(V / Vc), math.ceil(N / C)
@@ -92,6 +118,49 @@ def estimate_ms(cost: dict, gpu: str) -> float:
 def _naive(h, w, y, temperature=1.0):
     """What a trainer writes by hand: bf16 logits, fp32 log_softmax, gather."""
     return torch.log_softmax((h @ w.t()).float() / temperature, -1).gather(1, y[:, None])[:, 0]
+
+
+LIGER_PIN = "0.8.5"  # liger-kernel, an optional baseline: the version whose dispatch the row names below
+BASELINES = ("liger", "torch_lce")  # other fused heads, measured beside ours where installed
+
+
+def baseline_status(name, dev) -> tuple[str | None, str]:
+    """(None, what runs) where baseline `name` runs on `dev`, else (why not, "")."""
+    if name == "torch_lce":
+        import torch.nn.functional as F
+
+        if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+            return f"torch {torch.__version__} has no F.linear_cross_entropy (torch 2.13 has)", ""
+        return None, "F.linear_cross_entropy, chunked (LinearCrossEntropyOptions()), reduction none"
+    try:
+        import importlib.metadata
+
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return f"liger-kernel not installed (pip install liger-kernel=={LIGER_PIN})", ""
+    if version != LIGER_PIN:
+        return f"liger-kernel {version} installed; the bench is pinned to {LIGER_PIN}", ""
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as lsce
+
+        impl = lsce._resolve_implementation(torch.device(dev))  # its own dispatch: CuTe DSL on sm_90
+    except Exception as e:  # sm_90 without the CuTe DSL (nvidia-cutlass-dsl): the Hopper kernel cannot load
+        return f"liger's sm_90 kernel does not load: {type(e).__name__}: {str(e)[:100]}", ""
+    fallback = impl is lsce._FusedLinearPPOFallbackFunction
+    what = "its chunked PyTorch fallback (not sm_90)" if fallback else "its Hopper CuTe DSL kernel"
+    return None, f"liger-kernel {version} LigerFusedLinearScaledCrossEntropyFunction: {what}"
+
+
+def _baseline(name, h, w, y):
+    """Per-token log-probs from another project's fused head (the negative of its per-token loss)."""
+    if name == "torch_lce":
+        import torch.nn.functional as F
+
+        opts = torch.nn.LinearCrossEntropyOptions()
+        return -F.linear_cross_entropy(h, w, y, reduction="none", ignore_index=-100, options=opts)
+    from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+
+    return -LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, y, 1.0, -100)
 
 
 def _reference(h, w, y, g, chunk=2048):
@@ -158,6 +227,8 @@ def _measure(N, V, d, backends, reps, dev, vocab_split=None):
         h.grad = w.grad = None
         if be == "naive":
             lp = _naive(h, w, y)
+        elif be in BASELINES:
+            lp = _baseline(be, h, w, y)
         else:
             lp = kernels.token_logprobs(h, w, y, backend=be, vocab_chunk_size=vocab_split)
         (lp * g).sum().backward()
@@ -211,10 +282,19 @@ def paths(dev) -> list[str]:
         return ["eager", "naive"]
 
 
-def report(N, V, ds, reps, dev, write=print, vocab_split=None) -> list[dict]:
-    """The table for each width in ds; returns its rows (tune_kernels.py keeps them)."""
+def report(N, V, ds, reps, dev, write=print, vocab_split=None, baselines=BASELINES) -> list[dict]:
+    """The table for each width in ds; returns its rows (tune_kernels.py keeps them). The baselines run beside
+    ours where installed; a row says "not run" and why where one is not."""
     cuda = torch.device(dev).type == "cuda"
     backends = paths(dev)
+    not_run = {}
+    for name in baselines:
+        why, what = baseline_status(name, dev)
+        if why:
+            not_run[name] = why
+        else:
+            backends.append(name)
+        write(f"baseline {name}: {'not run: ' + why if why else what}")
     gpu = next((k for k in PEAKS if cuda and k in torch.cuda.get_device_name()), None)
     write(
         "rules: time <= 0.5x naive (d=896) / <= 0.9x naive (d=3584) on an H100/H200 at N=16384, V=151936; extra peak "
@@ -223,7 +303,7 @@ def report(N, V, ds, reps, dev, write=print, vocab_split=None) -> list[dict]:
         "plan (plan_cost)"
     )
     hdr = (
-        f"{'path':7} {'d':>5} {'ms':>9} {'x naive':>8} {'x floor':>8} {'GFLOP':>9} {'GB':>8} {'TFLOP/s':>8} "
+        f"{'path':9} {'d':>5} {'ms':>9} {'x naive':>8} {'x floor':>8} {'GFLOP':>9} {'GB':>8} {'TFLOP/s':>8} "
         f"{'GB/s':>7} {'extra GiB':>9} {'logp err':>9} {'grad err':>9}  verdict"
     )
     rows = []
@@ -237,10 +317,14 @@ def report(N, V, ds, reps, dev, write=print, vocab_split=None) -> list[dict]:
         )
         write(hdr)
         naive_ms = results["naive"][0] if results.get("naive") else None
-        for be in backends:
+        for be in [b for b in backends if b != "naive"] + ["naive"] + list(not_run):
+            if be in not_run:
+                write(f"{be:9} {d:5d}   not run: {not_run[be]}")
+                rows.append(dict(path=be, N=N, V=V, d=d, not_run=not_run[be]))
+                continue
             r = results[be]
             if r is None:
-                write(f"{be:7} {d:5d}   out of memory (reported, not fatal)")
+                write(f"{be:9} {d:5d}   out of memory (reported, not fatal)")
                 continue
             ms, extra, lp_err, g_err = r
             cost = plan_cost(be, N, d, V, vocab_split=vocab_split)
@@ -259,7 +343,7 @@ def report(N, V, ds, reps, dev, write=print, vocab_split=None) -> list[dict]:
             xn = ms / naive_ms if naive_ms else float("nan")
             mem = f"{extra:9.2f}" if cuda else f"{'n/a':>9}"
             write(
-                f"{be:7} {d:5d} {ms:9.2f} {xn:8.2f} {ms / floor_ms:8.2f} {cost['flops'] / 1e9:9.1f} "
+                f"{be:9} {d:5d} {ms:9.2f} {xn:8.2f} {ms / floor_ms:8.2f} {cost['flops'] / 1e9:9.1f} "
                 f"{cost['bytes'] / 1e9:8.2f} {cost['flops'] / ms / 1e9:8.2f} {cost['bytes'] / ms / 1e6:7.1f} {mem} "
                 f"{lp_err:9.2e} {g_err:9.2e}  {verdict}"
             )
@@ -300,7 +384,13 @@ def int64_check(N, V, dev, write=print) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="a tiny shape (N=64, V=517, d=40), 2 repetitions")
+    ap.add_argument("--tuned-file", help="tuned tiles to use instead of the committed kernels_tuned.json")
     args = ap.parse_args()
+    if args.tuned_file:
+        if not Path(args.tuned_file).is_file():
+            print(f"bench_kernels.py: --tuned-file {args.tuned_file}: not a file", file=sys.stderr)
+            sys.exit(2)
+        kernels.TUNED_FILE = Path(args.tuned_file)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     versions = f"torch {torch.__version__}, triton {kernels.triton.__version__ if kernels.HAS_TRITON else 'missing'}"

@@ -7,8 +7,10 @@ In order, each step only if the deadline leaves time for it (the run stops clean
 versions and clocks; the floor GEMMs (bf16 H Wᵀ, dz W, dzᵀ H as torch runs them); the sweep of tiles
 (SWEEP_CONFIGS) for the forward kernel and the backward's dz kernel at each width, best so far kept; the end-to-end
 table (bench_kernels.measure: forward + backward against naive, interleaved, with errors against the fp32
-reference) for a few backward vocab splits with the best tiles. Writes OUT/tune.json and OUT/tune.md; with
---write-tuned, the best tiles and split of each width into kernels_tuned.json under this GPU's name.
+reference) for a few backward vocab splits with the best tiles. Writes OUT/tune.json and OUT/tune.md after each
+step (a later failure loses nothing measured); with --write-tuned, the best tiles and split of each width into
+kernels_tuned.json under this GPU's name. Bad flags and destinations (--widths, --deadline, --out, --tuned-file) are
+refused before any work: one line naming the flag, exit 2.
 """
 
 import time
@@ -19,6 +21,7 @@ import argparse  # noqa: E402
 import datetime
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -33,16 +36,10 @@ from bench_kernels import PEAKS, estimate_ms, measure, plan_cost, time_target  #
 
 import kernels  # noqa: E402
 
-# The sweep: the autotuner's defaults, then narrower and deeper variants (fewer registers for the epilogue's row
-# state, more k-steps in flight)
-SWEEP_CONFIGS = list(kernels.DEFAULT_CONFIGS) + [
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=32, num_warps=8, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_D=32, num_warps=8, num_stages=4),
-    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_D=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=128, num_warps=8, num_stages=2),
-    dict(BLOCK_N=64, BLOCK_V=64, BLOCK_D=64, num_warps=4, num_stages=3),
-]
-DRY_CONFIGS = [dict(kernels.INTERPRET_CONFIG), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_D=16, num_warps=4, num_stages=1)]
+# The sweep, per kernel: the autotuner's defaults, every one compiled for sm_90 without spills (tools/spill_check.py)
+SWEEP_CONFIGS = {kind: [dict(c) for c in configs] for kind, configs in kernels.DEFAULT_CONFIGS.items()}
+_DRY = [dict(kernels.INTERPRET_CONFIG), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_D=16, num_warps=4, num_stages=1)]
+DRY_CONFIGS = {"fwd": _DRY, "bwd": _DRY}
 
 
 class Clock:
@@ -120,13 +117,14 @@ def floor_gemms(N, V, d, Vs, dev, reps, sync) -> dict:
 
 
 def sweep(N, V, d, dev, configs, reps, sync, clock, stop_at) -> dict:
-    """Each config on the forward kernel and on one split's dz kernel, in order, until the clock reaches stop_at
-    seconds left; a config that fails to compile or launch (shared memory, registers) is recorded and skipped."""
+    """Each kernel's configs (the forward kernel's and one split's dz kernel's), in turn, until the clock reaches
+    stop_at seconds left; a config that fails to compile or launch (shared memory, registers) is recorded and
+    skipped."""
     h, w, y = inputs(N, V, d, dev)
     inv_t = 1.0
-    stats_full = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t, config=configs[0]))
+    stats_full = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t, config=configs["fwd"][0]))
     m, s, x, t, zy = stats_full
-    stats = (m, s.log(), t / s, x / s)
+    stats = (m, s.log(), t / s, x / s, zy)
     g = torch.randn(N, device=dev)
     e = torch.randn(N, device=dev)
     Vs = kernels.vocab_split(N, d, V, h.element_size())
@@ -134,8 +132,11 @@ def sweep(N, V, d, dev, configs, reps, sync, clock, stop_at) -> dict:
     ws = w[:Vs]
     rows = {"fwd": [], "bwd": []}
     cost = {"fwd": 0.0, "bwd": 0.0}  # the longest a config of each kernel took, compile included
-    for c in configs:
+    for i in range(max(map(len, configs.values()))):  # the kernels' i-th tiles side by side
         for kind in ("fwd", "bwd"):
+            if i >= len(configs[kind]):
+                continue
+            c = configs[kind][i]
             if clock.left() < stop_at + cost[kind]:
                 rows[kind].append({"config": c, "skipped": "deadline"})
                 continue
@@ -263,6 +264,71 @@ def write_tuned(result, path) -> dict:
     return tuned
 
 
+MAX_WIDTH = 16384  # the widest LM heads in use (Llama 3 405B) have d = 16384
+MAX_DEADLINE = 86400.0
+
+
+def fail(msg):
+    """Bad input: one line naming the flag, exit 2."""
+    print(f"tune_kernels.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_widths(text) -> list[int]:
+    """--widths: comma-separated integers in [1, MAX_WIDTH]."""
+    ds = []
+    for part in text.split(","):
+        try:
+            d = int(part.strip())
+        except ValueError:
+            d = None
+        if d is None or not 1 <= d <= MAX_WIDTH:
+            fail(
+                f"--widths {text!r}: {part.strip()!r} is not a width (d); give comma-separated integers "
+                f"from 1 to {MAX_WIDTH}"
+            )
+        ds.append(d)
+    return ds
+
+
+def check_destinations(out, tuned_file, write_tuned) -> None:
+    """Where the results go, checked before any work: --out a folder (created here) this process can write into;
+    with --write-tuned, --tuned-file a JSON file of tuned tiles (or a new file) in a writable folder."""
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out}: exists and is not a folder (tune.json and tune.md go into a folder)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        fail(f"--out {out}: cannot write there ({e.strerror or e})")
+    if not write_tuned:
+        return
+    if tuned_file.is_dir():
+        fail(f"--tuned-file {tuned_file}: is a folder, not a JSON file of tuned tiles")
+    if tuned_file.exists():
+        try:
+            tuned = json.loads(tuned_file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            fail(f"--tuned-file {tuned_file}: not readable as JSON ({str(e).splitlines()[0][:120]})")
+        if not isinstance(tuned, dict) or not isinstance(tuned.get("gpus", {}), dict):
+            fail(f'--tuned-file {tuned_file}: not a file of tuned tiles (a JSON object with a "gpus" object)')
+    folder = tuned_file.parent
+    if (
+        not folder.is_dir()
+        or not os.access(folder, os.W_OK)
+        or (tuned_file.exists() and not os.access(tuned_file, os.W_OK))
+    ):
+        fail(f"--tuned-file {tuned_file}: cannot write there")
+
+
+def save(result, out) -> None:
+    """tune.json and tune.md as they stand: written after each step, so a later failure loses nothing measured."""
+    result["elapsed_s"] = time.monotonic() - START
+    (out / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "tune.md").write_text(markdown(result))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole run (default 360)")
@@ -274,8 +340,11 @@ def main():
         "--dry-run", action="store_true", help="a tiny shape (N=32, V=300, d=24); on a CPU under TRITON_INTERPRET=1"
     )
     args = ap.parse_args()
-    if args.deadline <= 0:
-        ap.error("--deadline must be > 0 seconds")
+    if not (0 < args.deadline <= MAX_DEADLINE):  # NaN fails every comparison
+        fail(f"--deadline {args.deadline}: give a number of seconds above 0 and at most {MAX_DEADLINE:.0f}")
+    ds = parse_widths(args.widths) if args.widths is not None else None
+    out = Path(args.out)
+    check_destinations(out, Path(args.tuned_file), args.write_tuned)
     clock = Clock(args.deadline)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -286,11 +355,10 @@ def main():
         sys.exit(2)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.dry_run or not cuda:
-        N, V, ds, reps, configs = 32, 300, [24], 1, DRY_CONFIGS
+        N, V, default_ds, reps, configs = 32, 300, [24], 1, DRY_CONFIGS
     else:
-        N, V, ds, reps, configs = 16384, 151936, [896, 3584], 5, SWEEP_CONFIGS
-    if args.widths:
-        ds = [int(x) for x in args.widths.split(",")]
+        N, V, default_ds, reps, configs = 16384, 151936, [896, 3584], 5, SWEEP_CONFIGS
+    ds = ds or default_ds
     info = versions_and_clocks(cuda)
     print(f"{info['gpu']}: torch {info['torch']}, triton {info['triton']}; {info['nvidia-smi']}", flush=True)
     result = {"info": info, "N": N, "V": V, "deadline_s": args.deadline, "dry_run": args.dry_run or not cuda}
@@ -309,6 +377,7 @@ def main():
             done = sum("ms" in x for x in r["sweep"]["rows"][kind])
             shown = f"{best['config']} {best['ms']:.3f} ms" if best else "none"
             print(f"d={d} {kind}: best of {done} configs: {shown}", flush=True)
+        save(result, out)
     for i, d in enumerate(ds):
         r = result["widths"][str(d)]
         best = r["sweep"]["best"]
@@ -329,14 +398,15 @@ def main():
                     f"grad err {row['grad_err']:.1e}",
                     flush=True,
                 )
-    result["elapsed_s"] = time.monotonic() - START
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "tune.md").write_text(markdown(result))
+        save(result, out)
+    save(result, out)
     print(f"wrote {out / 'tune.json'} and {out / 'tune.md'} ({result['elapsed_s']:.0f} s of {args.deadline:.0f})")
     if args.write_tuned:
-        write_tuned(result, args.tuned_file)
+        try:
+            write_tuned(result, args.tuned_file)
+        except OSError as e:
+            print(f"tune_kernels.py: --tuned-file {args.tuned_file}: {e} (the results are in {out / 'tune.json'})")
+            sys.exit(1)
         print(f"wrote the tiles of {info['gpu']} into {args.tuned_file}")
 
 
