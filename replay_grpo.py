@@ -55,7 +55,6 @@ if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):  # a setting the
 
 import torch
 import torch.distributed as dist
-import tyro
 
 import kernels
 import run_folder
@@ -2359,6 +2358,8 @@ def parse_args(argv: list[str], flags: type = Args, description: str = __doc__) 
             entry = description.split(":")[0]
             raise UserError(f"{token.split('=')[0]}: {entry} has no such flag ({entry} --help lists them)")
     default = flags(**{f.name: getattr(PRESETS[preset], f.name) for f in dataclasses.fields(Args)})
+    import tyro  # the command line's parser only: the method imports without it (the GPU machines have none)
+
     return tyro.cli(flags, default=default, args=argv, description=description.split("\n\n")[0])
 
 
@@ -2760,6 +2761,8 @@ def run_command(run: Callable[[list[str]], dict | None], argv: list[str] | None)
 
 def run_sync(argv: list[str]) -> dict:
     if argv[:1] == ["plan"]:
+        import tyro
+
         return plan(tyro.cli(PlanArgs, args=argv[1:], prog="replay_grpo.py plan"))
     cfg = parse_args(argv)
     validate(cfg, argv)

@@ -87,3 +87,13 @@ def test_device_check_refuses_a_used_folder(tmp_path):
     r = _tool(["tools/device_check.py", "--out", str(tmp_path), "--dry-run"], timeout=120)
     assert r.returncode == 2 and "--out" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["old.txt"]
+
+
+def test_the_method_and_the_gpu_tools_import_without_tyro():
+    """The GPU machines have no tyro: replay_grpo imports it only to parse a command line, so the method, gpu_check
+    and the mu tool import (tyro made unimportable in the child); parsing a command line still needs it."""
+    no_tyro = "import sys; sys.modules['tyro'] = None; sys.path[:0] = ['.', 'tools']; import replay_grpo; "
+    r = _tool(["-c", no_tyro + "import gpu_check, mu_tool"], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _tool(["-c", no_tyro + "replay_grpo.parse_args([])"], timeout=120)
+    assert r.returncode != 0 and "tyro" in r.stderr

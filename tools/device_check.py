@@ -5,9 +5,9 @@
 
 Needs torch, Triton and transformers (the GPU image: torch 2.11, Triton 3.6, transformers 5.17); no vLLM, no network,
 nothing else carried. tyro is not needed except by gpu_check.py's trainer check, which starts `replay_grpo.py` (its
-command line is tyro's): without tyro that check fails and says so, the others run (a stand-in module lets
-replay_grpo import). Each part runs as its own process with a share of the budget, its output in OUT/<part>.log; a
-part that fails or runs out of time is recorded and the next one runs. OUT/summary.json and OUT/summary.md are
+command line is tyro's): without tyro that check fails and says so, the others run. Each part runs as its own
+process with a share of the budget, its output in OUT/<part>.log; a part that fails or runs out of time is recorded
+and the next one runs. OUT/summary.json and OUT/summary.md are
 rewritten after each part, so whatever ran is kept. Parts and files (the dry run writes the same files):
   versions  OUT/versions.json: Python, torch, CUDA, Triton, transformers, the GPU, nvidia-smi's clocks and power
   spill     OUT/spill.txt: tools/spill_check.py, each autotune tile compiled for sm_90 by this Triton (CPU only,
@@ -39,14 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
 # each part's share of the budget, in the order they run (spill runs beside them, on the CPU)
 SHARES = {"versions": 0.04, "tune": 0.40, "bench": 0.20, "mu": 0.18, "gpu_check": 0.18}
-TYRO_STUB = (
-    "import importlib.util, runpy, sys, types\n"
-    "if importlib.util.find_spec('tyro') is None:\n"
-    "    sys.modules['tyro'] = types.ModuleType('tyro')  # replay_grpo imports it; only its command line uses it\n"
-    "sys.argv = sys.argv[1:]\n"
-    "sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])  # the tool's own folder, as `python TOOL` has it\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
 
 
 def fail(msg):
@@ -139,8 +131,7 @@ def main():
         "bench": [*py, TOOLS / "bench_kernels.py", *(["--dry-run"] if dry else [])],
         "mu": [*py, TOOLS / "mu_tool.py", "--out", out / "mu", "--deadline", f"{SHARES['mu'] * budget - 20:.0f}"]
         + (["--tiny", "--lengths", "4,16", "--batch", "2", "--prompt-len", "8"] if dry else []),
-        "gpu_check": [*py, "-c", TYRO_STUB, TOOLS / "gpu_check.py"]
-        + (["--smoke", "--only", "precision"] if dry else []),
+        "gpu_check": [*py, TOOLS / "gpu_check.py"] + (["--smoke", "--only", "precision"] if dry else []),
     }
     logs = {"spill": "spill.txt", "bench": "bench.txt", "gpu_check": "gpu_check.txt"}
     summary = {"out": str(out), "dry_run": dry, "budget_s": budget, "parts": {}}

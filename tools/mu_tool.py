@@ -14,12 +14,10 @@ The planner's inputs other than mu are `plan`'s defaults (alpha 0.1, rho 0.1, B 
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,10 +26,6 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-
-if importlib.util.find_spec("tyro") is None:
-    # replay_grpo imports tyro at its top but calls it only to parse a command line; the GPU image has no tyro
-    sys.modules["tyro"] = types.ModuleType("tyro")
 import replay_grpo as rg  # noqa: E402
 
 SHAPES = {  # the published configs' shapes (config.json of each model), vocabulary included
