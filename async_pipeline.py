@@ -723,9 +723,7 @@ def resume_async(
     """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
     returns the step and the dealing state."""
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
-    own = run_folder.read_checkpoint_file(
-        ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
-    )
+    own = run_folder.read_checkpoint_file(ckpt, f"buffer_rank{rank}.pt", run_folder.load_torch, ("buffer", "rng"))
     shard.load_state_dict(own["buffer"])
     rg.run_folder.set_rng_state(own["rng"])
     totals.update(state["totals"])

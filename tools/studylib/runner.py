@@ -8,6 +8,7 @@ import json
 import lzma
 import math
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -36,13 +37,14 @@ PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and
 def checkpoint_state(run_dir: Path) -> dict | None:
     """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint (one that cannot be
     read, or holds no integer "step", is said in one line)."""
-    import torch
-
     for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
         path = run_dir / ckpt / "trainer_state.pt"
         if path.exists():
             try:
-                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                state = run_folder.load_torch(path, mmap=True, map_location="cpu")  # plain data: runs no code
+            except pickle.UnpicklingError as e:
+                print(f"warning: cannot read {path}: it {run_folder.not_plain_data(e)}")
+                continue
             except Exception as e:
                 print(f"warning: cannot read {path}: {type(e).__name__}: {e}")
                 continue
