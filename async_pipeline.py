@@ -1583,6 +1583,20 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+def check_generator_host(host: str) -> None:
+    """Refuse in one line a --generator-host that does not resolve, or is not an address of this machine (the servers
+    launched here listen on it): the address is bound as free_port binds it."""
+    where = f"--generator-host {host}"
+    resolve(host, where, PROBE_SECONDS)
+    try:
+        free_port(host)
+    except OSError as e:
+        raise UserError(
+            f"{where}: not an address of this machine ({e.strerror or e}): the servers launched here listen on it; "
+            "give one of this machine's addresses (127.0.0.1, or its own on the network)"
+        ) from None
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -1760,13 +1774,15 @@ def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
         ("num_generators", lambda v: v >= 1, ">= 1"),
         ("num_generators", lambda v: v <= 256, "<= 256 (a process each)"),
         ("publish_check", lambda v: v >= 0, ">= 0"),
-        ("dist_timeout", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v >= 1, ">= 1 (minutes a rank waits in a collective: 0 times out every one)"),
         ("dist_timeout", lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
     ):
         need(test(getattr(cfg, name)), f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {valid}")
     urls, W = cfg.generator_urls, cfg.num_generators
     need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
     need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    if not urls:  # the servers it launches listen there
+        check_generator_host(cfg.generator_host)
     need(
         not any(a == "--generator" or a.startswith("--generator=") for a in argv),
         "--generator: async_pipeline.py generates on vLLM servers (--num-generators, --generator-urls)",

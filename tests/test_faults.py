@@ -444,6 +444,12 @@ def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, 
     [
         (["--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
         (["--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
+        (["--dist-timeout", "0"], "--dist-timeout 0: must be >= 1 (minutes a rank waits in a collective: 0 times out"),
+        (
+            ["--generator-host", "192.0.2.1"],
+            "--generator-host 192.0.2.1: not an address of this machine (Cannot assign",
+        ),
+        (["--generator-host", "no-such-host.invalid"], "--generator-host no-such-host.invalid: the host no-such-host"),
         (["--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
         (["--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
         (["--generator", "vllm"], "--generator: async_pipeline.py generates on vLLM servers"),
