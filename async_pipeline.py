@@ -1276,6 +1276,7 @@ CONTROL_FACTOR = 2
 STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
 LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
 PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
+PROBE_BYTES = 2**20  # the most a probe's answer is read: vLLM's /version and /v1/models answer under 1 KB
 SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
 SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
 WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
@@ -1317,6 +1318,13 @@ class WrongAnswer(ValueError):
     vocabulary, a log-prob that is not finite)."""
 
 
+class TooLarge(http.client.HTTPException):
+    """An answer longer than its request's max_bytes: read no further."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(f"an answer longer than {max_bytes} bytes, the most this request reads")
+
+
 class Late(TimeoutError):
     """A request that had no whole answer by its deadline."""
 
@@ -1324,11 +1332,14 @@ class Late(TimeoutError):
         super().__init__("timed out")
 
 
-def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
+def http_request(
+    url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS, max_bytes=None
+):
     """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
     and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
     the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
-    Other failures raise as urllib's do (OSError, http.client.HTTPException)."""
+    A body longer than `max_bytes` (None: no bound) is read no further: TooLarge. Other failures raise as urllib's do
+    (OSError, http.client.HTTPException)."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = connection(parts.hostname, parts.port, timeout=timeout)
@@ -1348,7 +1359,10 @@ def http_request(url: str, method: str = "GET", data: bytes | None = None, timeo
         headers = {"Content-Type": "application/json", "Connection": "close"}
         conn.request(method, target, body=data, headers=headers)
         answer = conn.getresponse()
-        return answer.status, answer.read()
+        body = answer.read() if max_bytes is None else answer.read(max_bytes + 1)
+        if max_bytes is not None and len(body) > max_bytes:
+            raise TooLarge(max_bytes)
+        return answer.status, body
     except (OSError, http.client.HTTPException):
         if late.is_set() or time.monotonic() - t0 >= timeout:
             raise Late from None
@@ -1410,7 +1424,7 @@ class Server:
     def health(self) -> str | None:
         """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
         try:
-            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS)
+            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS, max_bytes=PROBE_BYTES)
         except (OSError, http.client.HTTPException) as e:
             return f"failed ({e})"
         if status == 200:
@@ -1495,6 +1509,8 @@ def server_address(url: str) -> tuple[str, urllib.parse.SplitResult]:
     """The flag's words for `url` and its parts, or UserError: a port that is not one, or a path, query or fragment
     (an OpenAI client's base URL ends in /v1: the run and the preflight call vLLM's routes themselves)."""
     where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"{where}: not a server's URL: give http://HOST:PORT (or https://), the scheme included")
     try:
         _ = parts.port  # urlsplit checks the port when it is read
     except ValueError as e:
@@ -1517,7 +1533,7 @@ def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
     more = f" (python tools/check_servers.py {url} diagnoses it)"
     resolve(parts.hostname, where, timeout)
     try:
-        status, text = http_request(url + "/version", "GET", None, timeout)
+        status, text = http_request(url + "/version", "GET", None, timeout, PROBE_BYTES)
     except (OSError, http.client.HTTPException) as e:
         raise UserError(f"{where}: GET /version {failure(e, timeout)}") from None
     try:

@@ -1085,6 +1085,11 @@ DIAGNOSED = {  # how the server is made, and what tools/check_servers.py's one l
     "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server'),
     "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404"),
     "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404"),
+    "no scheme": (lambda: at("127.0.0.1:8000"), "not a server's URL: give http://HOST:PORT (or https://), the scheme"),
+    "an answer of 1 GiB": (
+        lambda: StandIn(huge=("/version",)),
+        "GET /version failed (an answer longer than 1048576 bytes, the most this request reads)",
+    ),
     "a version below the floor": (
         lambda: StandIn(version="0.31.2"),
         "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
