@@ -1693,3 +1693,26 @@ def test_rg_shots_beyond_any_context_are_refused_before_a_problem_is_drawn(tmp_p
         "positions of the longest context a run has, before every prompt)\n"
     )
     assert time.monotonic() - t0 < 60 and not (tmp_path / "out").exists()
+
+
+def test_sweep_records_to_a_bz2_name_writes_bzip2_and_a_name_of_no_records_format_is_one_line(tmp_path):
+    """`sweep.py records --to out.json.bz2` writes bzip2 (read back by every report), where it wrote plain JSON under
+    that name; a name ending in no records format is refused in one line before any run is read."""
+    import bz2
+
+    from studylib import runner
+    from test_sweep import fake_run, one_error_line, tool
+
+    out = tmp_path / "runs"
+    fake_run(out, "onpolicy-s0", seed=0, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    for name in ("out.json.bz2", "out.json"):
+        done = tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert bz2.decompress((tmp_path / "out.json.bz2").read_bytes()) == (tmp_path / "out.json").read_bytes()
+    assert runner.load_records(tmp_path / "out.json.bz2") == runner.load_records(tmp_path / "out.json") != []
+    line = one_error_line(tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / "out.json.zst")))
+    assert line == (
+        f"error: --to {tmp_path / 'out.json.zst'}: a records file's name ends in .json, .json.xz, .json.gz, .json.bz2 "
+        "(plain JSON, or compressed so), and the file is written as its name says"
+    ), line
+    assert not (tmp_path / "out.json.zst").exists()
