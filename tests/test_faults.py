@@ -776,6 +776,7 @@ def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
         ("warmstart.json", "garbage"),
         ("warmstart.json", "not a record"),
         ("rng_state.pt", "delete"),  # a cache written before it kept the random streams
+        ("rng_state.pt", "runs code"),  # a pickle naming os.system: never unpickled (run_folder.load_torch)
     ],
 )
 def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tmp_path, capsys, name, damage):
@@ -785,6 +786,8 @@ def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tm
     path = cache / name
     if damage == "delete":
         path.unlink()
+    elif damage == "runs code":
+        torch.save({**torch.load(path, weights_only=False), "x": RunsCode(tmp_path / "ran")}, path)
     else:
         data = path.read_bytes()
         path.write_bytes(
@@ -792,13 +795,15 @@ def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tm
         )
     capsys.readouterr()
     rg.main([*args, "--run-name", "again"])
+    assert not (tmp_path / "ran").exists()
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if line.startswith(f"warm start: the cache {cache} ")]
-    if name == "rng_state.pt":  # a cache written without the streams' state is older, not damaged
+    if damage == "delete" and name == "rng_state.pt":  # a cache written without the streams' state is older
         assert said == [f"warm start: the cache {cache} holds no random-stream state ({name}): training it again"]
     else:
         assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
         assert "training it again to replace it" in said[0]
+        assert damage != "runs code" or f"({name}: it names posix.system: a checkpoint holds tensors" in said[0]
     assert "--model" not in out
     assert "warm start: 3 supervised steps" in out
     assert records_without_timing(tmp_path / "again") == records_without_timing(tmp_path / "cold")
