@@ -985,7 +985,7 @@ def shown(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-RG_CONFIG_CHARS = 2**16  # --rg-config's longest text: a generator's options are a few fields (the presets': 200)
+RG_CONFIG_CHARS = 2**16  # --rg-config's longest text: a generator's options are a few fields (the presets': 153)
 
 
 def rg_options(cfg: Args) -> dict:
