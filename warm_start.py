@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -249,6 +250,8 @@ def read_part(cache: Path, name: str, read):
     """read(cache / name), or DamagedCache naming the file and its error."""
     try:
         return read(cache / name)
+    except pickle.UnpicklingError as e:  # run_folder.load_torch's refusal of what is not plain data
+        raise DamagedCache(f"{name}: it {run_folder.not_plain_data(e)}") from None
     except Exception as e:  # json's, torch's, safetensors' and transformers' errors for a damaged file share no base
         raise DamagedCache(f"{name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}") from None
 
@@ -284,8 +287,10 @@ def read_cache(cache: Path, device: torch.device):
             raise ValueError(f"tensors missing or of another shape: {sorted(loading['missing_keys'])[:3]}")
         return model
 
-    info = read_part(cache, "warmstart.json", lambda path: warm_start_record(json.loads(path.read_text())))
-    streams = read_part(cache, STREAMS, lambda path: torch.load(path, weights_only=False))
+    info = read_part(
+        cache, "warmstart.json", lambda path: warm_start_record(run_folder.read_json(path.read_text(), str(path)))
+    )
+    streams = read_part(cache, STREAMS, run_folder.load_torch)
     config = read_part(cache, "config.json", lambda _: AutoConfig.from_pretrained(cache))
     tok = read_part(cache, "tokenizer_config.json", lambda _: AutoTokenizer.from_pretrained(cache))
     model = read_part(cache, "model.safetensors", load_weights)

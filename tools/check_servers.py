@@ -2,7 +2,7 @@
 
     python tools/check_servers.py http://node1:8000 http://node2:8000 [--context 1536]
 
-For each URL, a few requests of PROBE_SECONDS each: its vLLM version (GET /version, at least the run's
+For each URL, a few requests of PROBE_SECONDS and PROBE_BYTES each: its vLLM version (GET /version, at least the run's
 SERVER_VERSION_FLOOR), its model and context (GET /v1/models; at least --context tokens, the run's longest prompt and
 --max-new-tokens, when given), its weight routes (GET /is_paused, there with VLLM_SERVER_DEV_MODE=1), its token route
 (POST /inference/v1/generate without a body: 400 there, 404 without --enable-scale-out) and /health. One line a
@@ -33,7 +33,7 @@ def diagnose(url: str, context: int = 0, timeout: float = ap.PROBE_SECONDS) -> d
 
     def ask(path: str, method: str = "GET") -> tuple[int, bytes]:
         try:
-            return ap.http_request(url + path, method, b"{}" if method == "POST" else None, timeout)
+            return ap.http_request(url + path, method, b"{}" if method == "POST" else None, timeout, ap.PROBE_BYTES)
         except (OSError, http.client.HTTPException) as e:
             raise UserError(f"{where}: {method} {path} {ap.failure(e, timeout)}") from None
 

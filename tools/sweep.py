@@ -96,7 +96,8 @@ class RecordsArgs:
     out_dir: tyro.conf.Positional[str]
     """the sweep's folder."""
     to: str
-    """the records file to write: records.json.xz (xz-compressed, as the reports write it), .json.gz or .json."""
+    """the records file to write: records.json.xz (xz-compressed, as the reports write it), .json.gz, .json.bz2 or
+    .json."""
     seeds: list[int] | None = None
     """only these seeds (default: every finished run's)."""
     pool_records: str | None = None
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if isinstance(args, PlotArgs):
         return plot_run(Path(args.run_folder))
     if isinstance(args, RecordsArgs):
+        runner.check_records_path(Path(args.to), "--to")  # before the runs are read
         runs = [r for r in load_runs(Path(args.out_dir), quiet=True) if args.seeds is None or r["seed"] in args.seeds]
         if args.pool_records:
             kept = runner.load_records(Path(args.pool_records), "--pool-records")

@@ -2,12 +2,14 @@
 run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
 checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
 
+import bz2
 import contextlib
 import fcntl
 import json
 import lzma
 import math
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -36,13 +38,14 @@ PLANNED = "sweep_run.json"  # in each run folder: its configuration, variant and
 def checkpoint_state(run_dir: Path) -> dict | None:
     """The run's trainer_state.pt (memory-mapped), or None if it has no readable checkpoint (one that cannot be
     read, or holds no integer "step", is said in one line)."""
-    import torch
-
     for ckpt in ("checkpoint", "checkpoint.old"):  # .old: killed between the two renames of a save
         path = run_dir / ckpt / "trainer_state.pt"
         if path.exists():
             try:
-                state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+                state = run_folder.load_torch(path, mmap=True, map_location="cpu")  # plain data: runs no code
+            except pickle.UnpicklingError as e:
+                print(f"warning: cannot read {path}: it {run_folder.not_plain_data(e)}")
+                continue
             except Exception as e:
                 print(f"warning: cannot read {path}: {type(e).__name__}: {e}")
                 continue
@@ -347,28 +350,44 @@ def compact_runs(runs: list[dict]) -> dict:
 
 
 # A study's records file, as its report writes it beside the report: compact JSON, xz-compressed (a sixth of the JSON's
-# size; the committed studies' records are 73.6 MB as JSON, 9.6 MB as xz). The readers also take gzip and plain JSON.
+# size; the committed studies' records are 73.6 MB as JSON, 9.6 MB as xz). The readers also take gzip, bzip2 and
+# plain JSON.
 RECORDS = "records.json.xz"
 RECORDS_BYTES = 2**30  # a records file's JSON beyond this once decompressed is refused (a study's largest: 46 MB)
-XZ_MAGIC, GZIP_MAGIC = b"\xfd7zXZ\x00", b"\x1f\x8b"
+XZ_MAGIC, GZIP_MAGIC, BZIP2_MAGIC = b"\xfd7zXZ\x00", b"\x1f\x8b", b"BZh"
+RECORDS_SUFFIXES = (".json", ".json.xz", ".json.gz", ".json.bz2")  # the records files written: JSON, compressed so
 
 
 def records_bytes(data: dict, path: Path) -> bytes:
-    """data as a records file at `path` holds it: compact JSON, xz- or gzip-compressed where its name ends so."""
+    """data as a records file at `path` holds it: compact JSON, xz-, gzip- or bzip2-compressed where its name ends
+    so (check_records_path: one of RECORDS_SUFFIXES)."""
     text = (json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n").encode()
     if path.name.endswith(".xz"):
         return lzma.compress(text, preset=9)
     if path.name.endswith(".gz"):  # gzip's header holds no time or name: the same records give the same bytes
         co = zlib.compressobj(9, zlib.DEFLATED, 31)
         return co.compress(text) + co.flush()
+    if path.name.endswith(".bz2"):
+        return bz2.compress(text, 9)
     return text
 
 
-def write_records(path: Path, data: dict, flag: str) -> None:
-    """data as a records file at `path` (records_bytes), written whole or not at all; a folder or an unwritable
-    place stops with one line naming the flag that gave it."""
+def check_records_path(path: Path, flag: str) -> None:
+    """Refuse, before any work, a records file to write that is a folder or whose name ends in none of
+    RECORDS_SUFFIXES (its content would not be what its name says): one line naming the flag."""
     if path.is_dir():
         raise SystemExit(f"error: {flag} {path} is a folder: give the records file to write, e.g. {path / RECORDS}")
+    if not path.name.endswith(RECORDS_SUFFIXES):
+        raise SystemExit(
+            f"error: {flag} {path}: a records file's name ends in {', '.join(RECORDS_SUFFIXES)} (plain JSON, or "
+            "compressed so), and the file is written as its name says"
+        )
+
+
+def write_records(path: Path, data: dict, flag: str) -> None:
+    """data as a records file at `path` (records_bytes), written whole or not at all; a folder, a name of no records
+    format (check_records_path) or an unwritable place stops with one line naming the flag that gave it."""
+    check_records_path(path, flag)
     blob, tmp = records_bytes(data, path), path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,12 +400,14 @@ def write_records(path: Path, data: dict, flag: str) -> None:
 
 
 def decompress(path: Path, blob: bytes) -> bytes:
-    """A records file's JSON bytes: blob as it is, or decompressed (xz or gzip, told by its first bytes), at most
-    RECORDS_BYTES; Damaged names a cut, damaged or too large file."""
+    """A records file's JSON bytes: blob as it is, or decompressed (xz, gzip or bzip2, told by its first bytes), at
+    most RECORDS_BYTES; Damaged names a cut, damaged or too large file."""
     if blob.startswith(XZ_MAGIC):
         d, errors = lzma.LZMADecompressor(), lzma.LZMAError
     elif blob.startswith(GZIP_MAGIC):
         d, errors = zlib.decompressobj(31), zlib.error
+    elif blob.startswith(BZIP2_MAGIC):
+        d, errors = bz2.BZ2Decompressor(), OSError  # bz2 raises OSError for damaged data
     else:
         d, errors = None, ()
     try:
