@@ -521,10 +521,14 @@ def load_torch(path: Path, mmap: bool = False, map_location=None):
     weights_only unpickler: tensors, numbers, strings, None, and lists, tuples and dicts of them. It builds no other
     object and calls no function a file names, so a file from someone else cannot run code here; a file holding
     anything else raises pickle.UnpicklingError (not_plain_data says it in words). Every file this code saves
-    holds only that (rng_state keeps numpy's stream as a tensor)."""
+    holds only that (rng_state keeps numpy's stream as a tensor); numpy arrays, which checkpoints of earlier versions
+    hold (numpy's stream), are read as arrays: their reconstruction builds an array and nothing else."""
+    import numpy as np
     import torch
 
-    return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    arrays = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(arrays):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def not_plain_data(e: pickle.UnpicklingError) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import numpy as np
 import pytest
 import sweep
 import torch
@@ -1579,6 +1580,21 @@ def test_a_checkpoint_holding_a_pickle_that_runs_code_is_refused_in_one_line_wit
         said = capsys.readouterr().out
         assert f"warning: cannot read {path}: it names posix.system" in said, said
         assert not marker.exists()
+
+
+def test_a_checkpoint_of_the_earlier_format_with_numpys_stream_as_an_array_still_resumes(tmp_path, capsys):
+    """Checkpoints written before numpy's stream was saved as a tensor hold it as a numpy array: the safe loader reads
+    arrays (their reconstruction builds nothing else), so such a run resumes, with the same stream."""
+    out = tmp_path / "out"
+    rg.main(small_args(out, "--run-name", "r", "--eval-every", "3"))
+    path = out / "r" / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    name, key, pos, has_gauss, gauss = state["rng"]["numpy"]
+    state["rng"]["numpy"] = (name, key.numpy().astype(np.uint32), pos, has_gauss, gauss)  # as older versions saved it
+    torch.save(state, path)
+    assert isinstance(run_folder.load_torch(path)["rng"]["numpy"][1], np.ndarray)
+    rg.main(small_args(out, "--run-name", "r", "--eval-every", "3", "--resume", "--total-steps", "6"))
+    assert "error" not in capsys.readouterr().err
 
 
 def test_a_reasoning_gym_gold_is_json_data_and_a_pickled_one_is_never_unpickled(tmp_path):
