@@ -315,29 +315,30 @@ def test_deterministic(backend):
     assert torch.equal(lp_ng, outs[0][0])
 
 
-@pytest.mark.skipif(not INNER, reason="the Triton kernels' property (torch's CPU GEMMs round by place)")
-def test_a_logit_does_not_depend_on_its_place_in_the_tile():
-    # the backward's vocab splits start anywhere (not at a tile's edge) and its token tiles hold other rows than the
-    # forward's (zero-gradient rows dropped): a recomputed logit must come out the same bits wherever it sits in a
-    # tile (the interpreter's fp32 numpy matmul rounds by place on some CPUs), or it differs from the forward's. dz of
-    # each column, fp32, is compared from splits starting at 0 and at columns that are no tile's edge, and of rows
-    # alone or in a batch of their own.
-    h, w, y = make(37, 40, 517, dtype=torch.float32, seed=21, ignore=0.0)
-    inv_t = 1 / 0.7
-    m, s, x, t, zy = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t))
-    stats = (m, s.log(), t / s, x / s, zy)
-    g, e = upstream(37, zero_frac=0.0)
+if INNER:  # the Triton kernels' property (torch's CPU GEMMs round by place): collected in the interpreter's run only
 
-    def dz(rows, first):
-        sub = tuple(a[rows] for a in stats)
-        out = torch.empty(len(range(37)[rows]), 517 - first)
-        return kernels.bwd_dz_triton(h[rows], w[first:], y[rows] - first, sub, g[rows], e[rows], inv_t, out, V=517)
+    def test_a_logit_does_not_depend_on_its_place_in_the_tile():
+        # the backward's vocab splits start anywhere (not at a tile's edge) and its token tiles hold other rows than
+        # the forward's (zero-gradient rows dropped): a recomputed logit must come out the same bits wherever it sits
+        # in a tile (the interpreter's fp32 numpy matmul rounds by place on some CPUs), or it differs from the
+        # forward's. dz of each column, fp32, is compared from splits starting at 0 and at columns that are no tile's
+        # edge, and of rows alone or in a batch of their own.
+        h, w, y = make(37, 40, 517, dtype=torch.float32, seed=21, ignore=0.0)
+        inv_t = 1 / 0.7
+        m, s, x, t, zy = kernels.merge_partials(kernels.fwd_triton(h, w, y, inv_t))
+        stats = (m, s.log(), t / s, x / s, zy)
+        g, e = upstream(37, zero_frac=0.0)
 
-    whole = dz(slice(None), 0)
-    for first in (7, 13, 300):
-        assert torch.equal(dz(slice(None), first), whole[:, first:]), first
-    for lo, hi in ((5, 6), (14, 18), (33, 37)):
-        assert torch.equal(dz(slice(lo, hi), 0), whole[lo:hi]), (lo, hi)
+        def dz(rows, first):
+            sub = tuple(a[rows] for a in stats)
+            out = torch.empty(len(range(37)[rows]), 517 - first)
+            return kernels.bwd_dz_triton(h[rows], w[first:], y[rows] - first, sub, g[rows], e[rows], inv_t, out, V=517)
+
+        whole = dz(slice(None), 0)
+        for first in (7, 13, 300):
+            assert torch.equal(dz(slice(None), first), whole[:, first:]), first
+        for lo, hi in ((5, 6), (14, 18), (33, 37)):
+            assert torch.equal(dz(slice(lo, hi), 0), whole[lo:hi]), (lo, hi)
 
 
 @pytest.mark.parametrize("backend", MAIN)
