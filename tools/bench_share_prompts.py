@@ -20,7 +20,6 @@ import datetime
 import json
 import lzma
 import os
-import platform
 import random
 import statistics
 import sys
@@ -34,15 +33,9 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import torch
 
 import replay_grpo as rg
+import run_folder
 
 RECORDS = ROOT / "docs/study/real_model/lr1e5/records.json.xz"  # the answers SmolLM2 gave, first and last evaluation
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def completion_texts(cfg: rg.Args, task: rg.Task, rng: random.Random) -> list[str]:
@@ -149,7 +142,7 @@ def main() -> None:
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be at least 1")
     print(
-        f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{run_folder.machine()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
     )
     print("| preset | B (micro) | prompt / completion tokens | tokens forwarded | step seconds | ratio |")
