@@ -1758,6 +1758,9 @@ def torch_threads(n: int | None):
         torch._C.set_num_threads(before)
 
 
+CPU_BLOCK_SIZE = 32  # vLLM's CPU default (128) outgrows short prompts: no block fills, so nothing is prefix-cached
+
+
 class VLLMGenerator:
     """A vLLM engine in this process (one device) generating from token ids; behaviour log-probs are the engine's
     own (logprobs_mode="processed_logprobs": log_softmax(logits / T), what was sampled from). sleep_level 1 or 2:
@@ -1799,8 +1802,9 @@ class VLLMGenerator:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self.sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as trained on
-            generation_config="vllm",
-        )  # ignore the folder's sampling defaults: ours are explicit
+            generation_config="vllm",  # ignore the folder's sampling defaults: ours are explicit
+            block_size=CPU_BLOCK_SIZE if platform.is_cpu() else None,
+        )
         VLLMGenerator.sleep_mode_engines += sleep_level > 0
         torch._C.set_num_threads(threads)  # the trainer's share back (torch._C: vLLM's CPU worker patches the API)
         self.eos_ids = stop_token_ids(model, tok)  # the same stop set as HFGenerator

@@ -129,6 +129,25 @@ def test_behaviour_logprobs_match_trainer(tiny, temperature):
 
 
 @needs_vllm
+def test_a_prefix_shared_by_prompts_is_computed_once_on_cpu(tiny):
+    """vLLM's CPU default block (128 tokens) is longer than the presets' prompts (the cpu-smollm2 one is 104), so no
+    block filled and nothing was prefix-cached: each prompt's system line and worked problem were prefilled anew."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, tok, gen, prompts = tiny
+    shared = ([t for p in prompts for t in p] * 3)[:100]  # shorter than 128, three full blocks of 32
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    gen.llm.reset_prefix_cache()
+    first, second = (
+        gen.llm.generate([TokensPrompt(prompt_token_ids=shared + [t])], params, use_tqdm=False)[0]
+        for t in prompts[0][:2]
+    )
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == len(shared) // rg.CPU_BLOCK_SIZE * rg.CPU_BLOCK_SIZE == 96
+
+
+@needs_vllm
 def test_sleep_mode_call_order(tiny, monkeypatch):
     """The colocated-GPU order (sleep; wake weights, load, wake KV cache) through the real engine
     calls. On CPU the worker's sleep/wake_up are no-ops, but the engine's scheduler pause and
