@@ -123,7 +123,7 @@ def train_async(cfg: AsyncArgs) -> dict:
             box = [None]
             dist.scatter_object_list(box, out if rank == 0 else None, src=0)
             mine = box[0]
-            shard.push(mine["rollouts"])
+            shard.push(mine["rollouts"], step)
             if mine["failure"]:  # every rank stops here, none is left waiting in a collective
                 if rank == 0:
                     mine["failure"] += f"; {run_folder.what_is_kept(run.run_dir)}"
@@ -153,6 +153,8 @@ def train_async(cfg: AsyncArgs) -> dict:
                 "since_last": since_last_use,
                 "buffer_size": len(shard),
                 "evicted_uses": shard.evicted_uses,
+                "evicted": shard.evicted,
+                "evicted_age": shard.evicted_age,
             }
             reports = [None] * T if rank == 0 else None
             dist.gather_object(report, reports, dst=0)
@@ -296,7 +298,7 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     # and save_pretrained writes a checkpoint through it
     host_copy = kernels.cast_copy(model, kernels.compute_dtype(device), torch.device("cpu")) if rank == 0 else None
     policy = shard_policy(model, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=rg.learning_rate(cfg), weight_decay=0.0)
     shard = rg.make_buffer(cfg, capacity=cfg.buffer_size // T, seed=cfg.seed + 1_000_003 * rank)
     # rank 0's run totals and dealing state (checkpointed)
     totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
@@ -464,7 +466,7 @@ def merge_stats(per_rank: list[dict]) -> dict:
         vals = [(s[k], n) for s, n in zip(per_rank, tokens) if k in s]
         if k == "trained_tokens":
             out[k] = sum(tokens)
-        elif k in ("ratio_max", "nonfinite"):
+        elif k in ("ratio_max", "nonfinite", "zero_signal", "zero_signal_skipped"):
             out[k] = max(v for v, _ in vals)
         elif k in ("loss", "grad_norm"):
             out[k] = sum(v for v, _ in vals) / len(vals)
@@ -504,6 +506,8 @@ def async_record(
         since_last=[s for r in reports for s in r["since_last"]],
         buffer_size=sum(r["buffer_size"] for r in reports),
         evicted_uses=sum((r["evicted_uses"] for r in reports), Counter()),
+        evicted=sum((r["evicted"] for r in reports), Counter()),
+        evicted_age=sum(r["evicted_age"] for r in reports),
         batch_size=batch_size,
         totals=totals,
         trainers=T,

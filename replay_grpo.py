@@ -82,6 +82,7 @@ class Args:
     sampling: Sampling = "uniform"  # how a batch is drawn: uniform is the paper's; the rules: ReplayBuffer.RULES
     max_age: int | None = None  # evict a rollout more than this many policy versions old before sampling (None: off)
     max_uses: int | None = None  # evict a rollout after this many uses (None: off)
+    max_drift: float | None = None  # evict a rollout whose last measured M2 = mean (log pi/behaviour)^2 exceeds this
     priority_alpha: float = 0.0  # priority and fresh-anchored: replayed rollouts drawn with weight (|A| + eps)^alpha
     priority_tau: float | None = None  # priority and fresh-anchored: that weight times exp(-age / tau) (None: no decay)
     ratio_level: Literal["token", "sequence"] = "token"  # GRPO ratio per token, or per sequence (the paper's, GSPO)
@@ -92,6 +93,8 @@ class Args:
     decoupled_cap: float = 5.0  # decoupled: tokens whose weight prox/behaviour exceeds this are masked (AReaL's)
     prox_lag: int = 0  # decoupled: the proximal policy is the trainer's weights this many versions back (0: these)
     lr: float = 1e-4  # constant learning rate of Adam (no weight decay, as in the paper)
+    lr_reuse_exponent: float = 0.0  # the step's learning rate is --lr x (R / B)^this (0: the paper's, unscaled)
+    skip_zero_signal: bool = False  # grpo: no optimizer step on a batch whose advantages are all 0 (counted)
     temperature: float = 1.0  # sampling temperature of training rollouts; the trainer's log-probs use the same
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"  # mean over the batch's tokens, or per completion first
     zero_variance_groups: Literal["keep", "drop"] = "keep"  # all-equal-reward groups: keep, or drop and refill to R
@@ -142,7 +145,7 @@ class Args:
 
 # Fixed settings of the method (a flag each would only clutter --help; edit them here):
 PRIORITY_EPS = 0.01  # eps of the priority (|A| + eps)^alpha: a zero-advantage rollout can still be drawn
-BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "priority_alpha", "priority_tau")  # its rules
+BUFFER_FLAGS = ("positive_bias", "sampling", "max_age", "max_uses", "max_drift", "priority_alpha", "priority_tau")
 MAX_NONFINITE_STEPS = 5  # NaN/inf steps in a row that stop a run
 MAX_EMPTY_REQUESTS = 50  # generation requests in a row whose groups were all dropped: stop
 
@@ -238,6 +241,9 @@ class Rollout:
     uses: int = 0
     last_use_step: int = -1
     answer: str = ""  # the gold answer, for the samples a run writes
+    drift_m2: float | None = None  # at its last use: mean over its tokens of (log pi_theta / behaviour)^2 (M2)
+    drift_k3: float | None = None  # at its last use: mean of r - 1 - log r, r = pi_theta / behaviour (KL estimate)
+    drift_version: int = -1  # the policy version those were measured at
 
     @property
     def correct(self) -> bool:
@@ -262,7 +268,8 @@ class ReplayBuffer:
     """FIFO over rollouts, capacity N. push() appends and, over capacity, evicts the oldest unprotected rollout:
     with positive bias delta, the delta*N freshest correct rollouts outside the (1-delta)N newest are protected.
     sample(B, step) draws B distinct rollouts by a rule of RULES and counts each use. max_age evicts rollouts older
-    than that many policy versions before sampling, max_uses those used that many times."""
+    than that many policy versions before sampling, max_drift those whose M2 at their last use exceeded it, and
+    max_uses those used that many times. Evictions are counted by reason, with the rollouts' ages."""
 
     def __init__(
         self,
@@ -272,6 +279,7 @@ class ReplayBuffer:
         sampling: str = "uniform",
         max_age: int | None = None,
         max_uses: int | None = None,
+        max_drift: float | None = None,
         priority_alpha: float = 0.0,
         priority_tau: float | None = None,
     ):
@@ -284,40 +292,52 @@ class ReplayBuffer:
         self.sampling = sampling
         self.max_age = max_age
         self.max_uses = max_uses
+        self.max_drift = max_drift
         self.priority_alpha = priority_alpha
         self.priority_tau = priority_tau
         self.items: deque[Rollout] = deque()
         self.rng = random.Random(seed)
         self.evicted_uses = Counter()  # uses -> evicted rollouts used that many times (their final replay ratio)
+        self.evicted = Counter()  # reason -> evictions
+        self.evicted_age = 0  # the evicted rollouts' policy versions behind the trainer at eviction, summed
         self.pushed = 0  # rollouts pushed since the last sample (fresh-anchored takes all of them)
+        self.step = 0  # the trainer's policy version at the last draw
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def push(self, rollouts: list[Rollout]) -> None:
+    def push(self, rollouts: list[Rollout], step: int | None = None) -> None:
+        """Append rollouts while the trainer is at policy version `step` (None: the last draw's; ages at eviction)."""
         for r in rollouts:
             self.items.append(r)
             self.pushed += 1
             while len(self.items) > self.capacity:
-                self._evict_one()
+                self._evict_one(self.step if step is None else step)
 
-    def _evict_one(self) -> None:
+    def _evict_one(self, step: int) -> None:
         older = len(self.items) - (self.capacity - self.n_protected)  # items[:older]: outside the freshest
         correct = [i for i in range(older - 1, -1, -1) if self.items[i].correct]  # the freshest first
         protected = set(correct[: self.n_protected])
         victim = next(i for i in range(len(self.items)) if i not in protected)
-        self._remove([victim])
+        self._remove([victim], step, "capacity")
 
-    def _remove(self, indices) -> None:
-        """Evict the rollouts at `indices`, counting their uses."""
+    def _remove(self, indices, step: int, reason: str) -> None:
+        """Evict the rollouts at `indices`, counting their uses, the reason and their ages at `step`."""
         for i in sorted(set(indices), reverse=True):
             self.evicted_uses[self.items[i].uses] += 1
+            self.evicted[reason] += 1
+            self.evicted_age += step - self.items[i].policy_version
             del self.items[i]
 
     def _expire(self, step: int) -> None:
-        """The age cap: evict rollouts more than max_age policy versions older than the trainer (at `step`)."""
+        """Before a draw (the trainer at `step`): the age cap evicts rollouts more than max_age policy versions old,
+        the drift gate those whose M2 at their last use exceeded max_drift (a never-used one has none yet)."""
+        self.step = step
         if self.max_age is not None:
-            self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age])
+            self._remove([i for i, r in enumerate(self.items) if step - r.policy_version > self.max_age], step, "age")
+        if self.max_drift is not None:
+            drifted = [i for i, r in enumerate(self.items) if r.drift_m2 is not None and r.drift_m2 > self.max_drift]
+            self._remove(drifted, step, "drift")
 
     def _never_used(self) -> list[int]:
         return [i for i, r in enumerate(self.items) if r.uses == 0]
@@ -395,9 +415,9 @@ class ReplayBuffer:
             r.last_use_step = step
         self.pushed = 0
         if rule.consumes:
-            self._remove(indices)
+            self._remove(indices, step, "consumed")
         elif self.max_uses is not None:
-            self._remove([i for i in indices if self.items[i].uses >= self.max_uses])
+            self._remove([i for i in indices if self.items[i].uses >= self.max_uses], step, "uses")
         return batch, since_last_use
 
     def state_dict(self) -> dict:
@@ -407,7 +427,10 @@ class ReplayBuffer:
             "items": [dataclasses.asdict(r) for r in self.items],
             "rng": self.rng.getstate(),
             "evicted_uses": dict(self.evicted_uses),
+            "evicted": dict(self.evicted),
+            "evicted_age": self.evicted_age,
             "pushed": self.pushed,
+            "step": self.step,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -416,7 +439,10 @@ class ReplayBuffer:
         self.items = deque(Rollout(**r) for r in state["items"])
         self.rng.setstate(state["rng"])
         self.evicted_uses = Counter({int(u): n for u, n in state["evicted_uses"].items()})
+        self.evicted = Counter(state.get("evicted", {}))  # absent from checkpoints written before it was counted
+        self.evicted_age = state.get("evicted_age", 0)
         self.pushed = state["pushed"]
+        self.step = state.get("step", 0)  # absent from checkpoints written before ages were counted
 
 
 Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args reads its annotation when parsed)
@@ -425,6 +451,16 @@ Sampling = Literal[tuple(ReplayBuffer.RULES)]  # the --sampling choices (Args re
 def make_buffer(cfg: Args, capacity: int, seed: int) -> ReplayBuffer:
     """The buffer of --buffer-size (or a shard of it) with the run's rules."""
     return ReplayBuffer(capacity=capacity, seed=seed, **{name: getattr(cfg, name) for name in BUFFER_FLAGS})
+
+
+def measure_drift(rollouts: list[Rollout], log_ratio: torch.Tensor, lengths: torch.Tensor, version: int) -> None:
+    """Each rollout's drift at this use (the gate's input): M2 = mean (log r)^2 and k3 = mean (r - 1 - log r) over
+    its tokens, r = pi_theta / behaviour, with pi_theta the weights of `version` (before this step's update)."""
+    token_of = torch.repeat_interleave(torch.arange(len(rollouts), device=log_ratio.device), lengths)
+    terms = torch.stack([log_ratio.square(), torch.exp(log_ratio) - 1 - log_ratio]).double()
+    means = terms.new_zeros(2, len(rollouts)).index_add(1, token_of, terms) / lengths.clamp(min=1)
+    for r, (m2, k3) in zip(rollouts, means.T.tolist()):
+        r.drift_m2, r.drift_k3, r.drift_version = m2, k3, version
 
 
 # ===== Losses and the train step ==================================================================
@@ -519,10 +555,18 @@ def per_token(values: list[float], repeats: torch.Tensor) -> torch.Tensor:
     return torch.tensor([float(v) for v in values], device=repeats.device).repeat_interleave(repeats)
 
 
+def learning_rate(cfg: Args) -> float:
+    """--lr x (R / B)^--lr-reuse-exponent: with exponent 1 a rollout's B/R uses move the weights as far as one use
+    at --lr would (the paper scales nothing: exponent 0, exactly --lr)."""
+    return cfg.lr * (cfg.rollouts_per_step / cfg.batch_size) ** cfg.lr_reuse_exponent
+
+
 def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int, lagged=None) -> dict:
-    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it. `lagged`:
-    decoupled --prox-lag > 0's LaggedPolicy."""
+    """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it, and so
+    does a batch without signal under --skip-zero-signal (grpo: all advantages 0 give a zero gradient, yet AdamW's
+    moments would still move the weights). `lagged`: decoupled --prox-lag > 0's LaggedPolicy."""
     device = next(model.parameters()).device
+    zero_signal = all_ranks(torch.tensor(not any(r.advantage for r in batch), device=device))  # every rank's
     batch = prompt_order(batch, cfg.micro_batch_size) if cfg.share_prompts else batch  # a prompt's in one micro-batch
     lengths = [len(r.completion_ids) for r in batch]
     norm_tokens = tokens_per_rank(sum(lengths), device) if cfg.loss_agg == "token-mean" else sum(lengths)
@@ -560,16 +604,19 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             break
         loss.backward()
         loss_sum += loss.item()
+        measure_drift(mb, logp.detach() - behaviour, repeats, version)
         parts.append((mb, repeats, logp.detach(), behaviour, ent.detach(), ratio.detach(), clipped, corrected))
     params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     nonfinite = nonfinite or not torch.isfinite(grad_norm)
-    if nonfinite:
+    skipped = nonfinite or (cfg.skip_zero_signal and zero_signal)
+    if skipped:
         optimizer.zero_grad(set_to_none=True)  # skip: the weights and Adam moments stay as they were
     else:
         optimizer.step()
         check_finite_weights(params, version)
-    return step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
+    stats = step_metrics(parts, version, loss_sum, float("nan") if nonfinite else float(grad_norm), sum(lengths))
+    return stats | {"zero_signal": int(zero_signal), "zero_signal_skipped": int(skipped and not nonfinite)}
 
 
 # ===== The rollout maker: G completions per prompt, scored, group statistics frozen =================
@@ -630,7 +677,7 @@ def train(cfg: Args) -> dict:
     task, model, tok, model_dir, warm, state = load_run(cfg, device, ckpt)
     check_memory_plan(cfg, model, (task.longest_prompt, task.longest_eval_prompt), device)  # or refuses it
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
     buffer = make_buffer(cfg, capacity=N, seed=cfg.seed)
     lagged = LaggedPolicy(model, cfg.prox_lag) if cfg.correction == "decoupled" and cfg.prox_lag else None
     memory = kernels.StepMemory(device)
@@ -680,7 +727,7 @@ def train(cfg: Args) -> dict:
             add_counts(totals, counts)
             next_group_id += prompts
             fresh += new
-            buffer.push(new)
+            buffer.push(new, step)
             empty_requests = 0 if new else empty_requests + 1
             if empty_requests >= MAX_EMPTY_REQUESTS:
                 raise UserError(all_dropped_message(empty_requests, step))
@@ -719,6 +766,8 @@ def train(cfg: Args) -> dict:
             since_last=since_last_use,
             buffer_size=len(buffer),
             evicted_uses=buffer.evicted_uses,
+            evicted=buffer.evicted,
+            evicted_age=buffer.evicted_age,
             batch_size=B,
             totals=totals,
             generated_tokens=totals["generated_tokens"] - tokens_before,
@@ -1978,7 +2027,7 @@ def evaluate(
 # ===== The run: loading, resuming, records (both loops) ===========================================
 
 COUNTED = "verifier_errors verifier_timeouts zero_variance_groups nonfinite_steps generated_rollouts trained_rollouts"
-COUNTED = tuple(COUNTED.split())  # the counts every record carries
+COUNTED = tuple(COUNTED.split() + ["zero_signal_steps", "zero_signal_skipped_steps"])  # the counts every record carries
 
 
 def new_totals(**extra) -> dict:
@@ -2005,6 +2054,8 @@ def count_step(totals: dict, stats: dict, batch_size: int, train_seconds: float)
     totals["trained_tokens"] += stats["trained_tokens"]
     totals["train_seconds"] += train_seconds
     totals["nonfinite_steps"] += stats["nonfinite"]
+    totals["zero_signal_steps"] += stats["zero_signal"]
+    totals["zero_signal_skipped_steps"] += stats["zero_signal_skipped"]
 
 
 def is_eval_step(cfg: Args, step: int) -> bool:
@@ -2096,6 +2147,8 @@ def step_record(
     since_last: list[int],
     buffer_size: int,
     evicted_uses: Counter,
+    evicted: Counter,
+    evicted_age: int,
     batch_size: int,
     totals: dict,
     trainers: int = 1,
@@ -2117,6 +2170,9 @@ def step_record(
     record["steps_since_last_use"] = sum(since_last) / len(since_last) if since_last else None
     record["replay_ratio"] = totals["trained_rollouts"] / totals["generated_rollouts"]
     record["replay_hist"] = {str(u): n for u, n in sorted(evicted_uses.items())}  # uses of the evicted rollouts
+    record["evicted"] = dict(sorted(evicted.items()))  # evictions so far by reason
+    n_evicted = sum(evicted.values())
+    record["evicted_age_mean"] = evicted_age / n_evicted if n_evicted else None  # versions behind the trainer
     record["mu"] = measured_mu(totals, trainers)
     record.update(extra)
     record.update({k: totals.get(k, 0) for k in COUNTED})
@@ -2459,6 +2515,15 @@ def validate_rules(cfg: Args, need) -> None:
         f"--max-age {cfg.max_age}: must be "
         f">= 1 and >= --publish-every - 1 = {cfg.publish_every - 1} (the age of the freshest rollouts)",
     )
+    need(
+        cfg.max_drift is None or 0 < cfg.max_drift < math.inf,
+        f"--max-drift {cfg.max_drift}: must be above 0 (a mean squared log-ratio; 0.04 is the clip width squared)",
+    )
+    need(math.isfinite(cfg.lr_reuse_exponent), f"--lr-reuse-exponent {cfg.lr_reuse_exponent}: must be finite")
+    need(
+        not cfg.skip_zero_signal or cfg.loss == "grpo",
+        "--skip-zero-signal: only --loss grpo has no gradient when every advantage is 0 (asymre's baseline has one)",
+    )
     prioritized = cfg.priority_alpha > 0 or cfg.priority_tau is not None
     need(
         not prioritized or cfg.sampling in ("priority", "fresh-anchored"),
@@ -2491,8 +2556,9 @@ def validate_rules(cfg: Args, need) -> None:
         "rollout once and keeps none back: use --positive-bias 0",
     )
     need(
-        cfg.max_age is None and cfg.max_uses is None,
-        "--sampling queue: every rollout is used once and none is evicted, so --max-age and --max-uses do not apply",
+        cfg.max_age is None and cfg.max_uses is None and cfg.max_drift is None,
+        "--sampling queue: every rollout is used once and none is evicted, so --max-age, --max-uses and --max-drift "
+        "do not apply",
     )
     need(
         B % R == 0,

@@ -301,6 +301,7 @@ def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_pa
         "sampling": "uniform",
         "max_age": None,
         "max_uses": None,
+        "max_drift": None,
         "priority_alpha": 0.0,
         "priority_tau": None,
         "ratio_level": "token",
@@ -331,7 +332,11 @@ def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_pa
         (["--sampling", "priority"], "--sampling priority needs --priority-alpha > 0 or --priority-tau"),
         (["--priority-alpha", "0.5"], "only --sampling priority and fresh-anchored draw by priority"),
         (["--sampling", "queue", "--positive-bias", "0.25"], "--sampling queue --positive-bias 0.25"),
-        (["--sampling", "queue", "--max-uses", "2"], "--max-age and --max-uses do not apply"),
+        (["--sampling", "queue", "--max-uses", "2"], "--max-age, --max-uses and --max-drift do not apply"),
+        (["--sampling", "queue", "--max-drift", "0.04"], "--max-age, --max-uses and --max-drift do not apply"),
+        (["--max-drift", "0"], "--max-drift 0.0: must be above 0"),
+        (["--lr-reuse-exponent", "inf"], "--lr-reuse-exponent inf: must be finite"),
+        (["--skip-zero-signal", "--loss", "asymre"], "--skip-zero-signal: only --loss grpo has no gradient"),
         (["--sampling", "queue", "--batch-size", "12"], "--batch-size 12 must be a multiple of R = 8"),
         (
             ["--sampling", "without-replacement", "--batch-size", "16", "--positive-bias", "0.25"],
@@ -358,6 +363,7 @@ RULES = {
     "priority": ["--sampling", "priority", "--priority-alpha", "0.6", "--priority-tau", "4"],
     "queue": ["--sampling", "queue", "--prompts-per-step", "1"],
     "caps": ["--max-age", "3", "--max-uses", "2", "--prompts-per-step", "1"],
+    "drift-gate": ["--max-drift", "1e-6", "--prompts-per-step", "1", "--lr-reuse-exponent", "0.5"],
     "sequence-ratio": ["--ratio-level", "sequence", "--prompts-per-step", "1"],
 }
 
@@ -373,6 +379,7 @@ def check_rule_run(name: str, recs: list[dict]) -> None:
         assert set(hist) <= {1}, hist  # used once, and none evicted unused
     if name == "caps":
         assert max(hist, default=0) <= 2 and all(r["staleness_max"] <= 3 for r in trained)
+    assert sum(trained[-1]["evicted"].values()) == sum(hist.values())  # each eviction counted once, with its reason
 
 
 @pytest.mark.parametrize("name", RULES)
