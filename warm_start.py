@@ -239,7 +239,8 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
             elif e.args:  # absent says nothing
                 print(f"warm start: the cache {cache} is damaged ({e}): training it again to replace it", flush=True)
         run_folder.set_rng_state(before)
-        return train_and_cache(cfg, device, task, cache)
+        train_and_cache(cfg, device, task, cache)
+        return read_cache(cache, device)  # the loaded copy: a run computes alike whether it trained the cache or not
 
 
 class DamagedCache(Exception):

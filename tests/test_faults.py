@@ -752,16 +752,20 @@ def records_without_timing(run_dir: Path) -> list[dict]:
 
 def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
     """The second run of the same flags and seed loads the warm start the first trained: its records (but the
-    clock's) and its final weights are the first's."""
+    clock's) and its final weights are the first's. A warm start long enough to be checked (every 100 steps), then
+    GRPO from a buffer: the run that trained it once went on with the trained object and differed in the last bits
+    of a gradient norm from step 3 on."""
     from safetensors.torch import load_file
 
-    args = small_args(tmp_path, "--sft-warmup-steps", "3", "--eval-every", "3")
+    flags = "--sft-warmup-steps 300 --eval-every 3 --loss grpo --prompts-per-step 1 --buffer-size 32 --lr 1e-3"
+    args = small_args(tmp_path, *flags.split(), "--total-steps", "6")
     rg.main([*args, "--run-name", "cold"])
-    assert "warm start: 3 supervised steps" in capsys.readouterr().out
+    assert "warm start: 300 supervised steps" in capsys.readouterr().out
     rg.main([*args, "--run-name", "cached"])
     assert "warm start" not in capsys.readouterr().out  # loaded from the cache
     cold, cached = records_without_timing(tmp_path / "cold"), records_without_timing(tmp_path / "cached")
-    assert [r["step"] for r in cold] == [0, 1, 2, 3]
+    assert [r["step"] for r in cold] == [0, 1, 2, 3, 4, 5, 6]
+    assert any(r.get("grad_norm") for r in cold)  # a step with a gradient: the comparison means something
     assert cached == cold
     weights = [load_file(tmp_path / name / "checkpoint" / "model.safetensors") for name in ("cold", "cached")]
     assert weights[0].keys() == weights[1].keys()
