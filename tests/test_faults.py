@@ -752,9 +752,9 @@ def records_without_timing(run_dir: Path) -> list[dict]:
 
 def test_a_cached_warm_start_gives_the_run_a_cold_one_gives(tmp_path, capsys):
     """The second run of the same flags and seed loads the warm start the first trained: its records (but the
-    clock's) and its final weights are the first's. A warm start long enough to be checked (every 100 steps), then
-    GRPO from a buffer: the run that trained it once went on with the trained object and differed in the last bits
-    of a gradient norm from step 3 on."""
+    clock's) and its final weights are the first's. With a 300-step warm start (100 steps did not show it) and
+    GRPO from a buffer, a run that went on with the object it had trained differed in the last bits of a gradient
+    norm from step 3 on."""
     from safetensors.torch import load_file
 
     flags = "--sft-warmup-steps 300 --eval-every 3 --loss grpo --prompts-per-step 1 --buffer-size 32 --lr 1e-3"
