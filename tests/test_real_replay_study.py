@@ -195,3 +195,21 @@ def test_the_run_folders_are_read_and_their_records_give_the_same_report_byte_fo
     for name in ("table.md", "summary.json"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
     assert (tmp_path / "b" / rrs.FIGURE).stat().st_size > 0
+
+
+def test_a_damaged_recorded_run_is_left_out_and_a_damaged_run_folder_or_a_missing_arm_stops_the_report(
+    tmp_path, capsys
+):
+    data = records([ONE_JUMP] * 2, [ONE_JUMP] * 2)
+    data["runs"][1]["evicted"] = {"drift": "three"}
+    runner.write_records(tmp_path / "r.json", data, "--records")
+    kept = runner.read_records(tmp_path / "r.json", keys=("arm", "seed"), check=rrs.problem)["runs"]
+    assert [(r["arm"], r["seed"]) for r in kept] == [("on-policy", 10), ("replay", 10), ("replay", 11)]
+    assert "left out, damaged: evictions not counted by reason" in capsys.readouterr().out
+
+    write_run(tmp_path / "runs" / "on-policy" / "10" / "run", ("on-policy", 10), 4, 2, (32, 32))
+    (tmp_path / "runs" / "on-policy" / "seed_table.json").write_text(json.dumps({"10": "ten minutes"}))
+    with pytest.raises(SystemExit, match="on-policy/10/run: no wall time"):
+        rrs.main(["--runs", str(tmp_path / "runs"), "--report-dir", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="the replay arm has no finished run"):
+        rrs.analyse(records([ONE_JUMP], []))

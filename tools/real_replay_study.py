@@ -50,6 +50,7 @@ CONFIG_KEYS = (
     "max_drift",
     "lr_reuse_exponent",
 )
+COUNTS = ("mu", "zero_signal_steps", "zero_signal_skipped_steps", "evicted")  # read from a run's last record
 EVAL_KEYS = ("step", "generated_rollouts", "trained_rollouts", "total_generated_tokens", "greedy_acc")
 FIGURE = "accuracy_vs_compute.png"
 
@@ -97,7 +98,6 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
                 e["greedy_acc_untwinned"] = r["eval/greedy_acc_untwinned"]
             evals.append(e)
     last = records[-1] if records else {}
-    counts = ("mu", "zero_signal_steps", "zero_signal_skipped_steps", "evicted")
     return {
         "arm": arm,
         "seed": seed,
@@ -106,7 +106,7 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
         "cfg": {k: cfg[k] for k in CONFIG_KEYS if k in cfg},
         "evals": evals,
         "m2_by_staleness": m2_by_staleness(records),
-    } | {k: last.get(k) for k in counts}
+    } | {k: last.get(k) for k in COUNTS}
 
 
 def collect(runs: Path) -> dict:
@@ -123,6 +123,8 @@ def collect(runs: Path) -> dict:
                 print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
                 continue
             out.append(compact(folder / str(seed) / "run", arm, seed, times[str(seed)]))
+            if why := problem(out[-1]):  # what --records would leave out stops the report here: a folder to mend
+                raise SystemExit(f"error: --runs {folder / str(seed) / 'run'}: {why}")
     runner.refuse_non_finite(out, lambda run, i: f"--runs {runs}: {run['arm']} seed {run['seed']}")
     return {"runs": out}
 
@@ -142,8 +144,15 @@ def problem(run: dict) -> str | None:
         return "evaluations out of step order"
     if not runner.is_number(run.get("wall_seconds")):
         return "no wall time"
-    if not isinstance(run.get("m2_by_staleness"), dict):
-        return "no M2 by staleness"
+    m2 = run.get("m2_by_staleness")
+    if not isinstance(m2, dict) or not all(isinstance(v, dict) and runner.is_number(v.get("m2")) for v in m2.values()):
+        return "no M2 by staleness bucket"
+    if any(run.get(k) is not None and not runner.is_number(run[k]) for k in ("mu", *COUNTS[1:3])):
+        return f"one of {', '.join(('mu', *COUNTS[1:3]))} is not a number"
+    if run.get("evicted") is not None and not runner.is_table(run["evicted"]):
+        return "evictions not counted by reason"
+    if run.get("made") is not None and not isinstance(run["made"], str):
+        return "the time its folder was made is not text"
     return None
 
 
