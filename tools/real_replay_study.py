@@ -93,7 +93,7 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
     evals = []
     for r in records:
         if "eval/greedy_acc" in r:
-            e = {k: r.get(k, 0) for k in EVAL_KEYS[1:4]} | {"step": r["step"], "greedy_acc": r["eval/greedy_acc"]}
+            e = {"step": r["step"]} | {k: r.get(k, 0) for k in EVAL_KEYS[1:4]} | {"greedy_acc": r["eval/greedy_acc"]}
             if "eval/greedy_acc_untwinned" in r:
                 e["greedy_acc_untwinned"] = r["eval/greedy_acc_untwinned"]
             evals.append(e)
