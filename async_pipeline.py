@@ -71,7 +71,7 @@ from torch.distributed.tensor import DTensor
 
 import kernels
 import replay_grpo as rg
-import run_folder
+from infra import run_folder
 from replay_grpo import UserError
 
 

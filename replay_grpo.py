@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 import kernels
-import run_folder
-from run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
+from infra import run_folder
+from infra.run_folder import UserError  # a mistake in flags, input files or the run folder: one clear line
 
 # ===== Config =====================================================================================
 

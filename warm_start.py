@@ -33,8 +33,8 @@ import torch
 
 import kernels
 import replay_grpo as rg
-import run_folder
-from run_folder import UserError
+from infra import run_folder
+from infra.run_folder import UserError
 
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target

@@ -31,8 +31,8 @@ from test_async_pipeline import Run, metrics  # a CLI run in its own session, wa
 
 import async_pipeline as ap
 import replay_grpo as rg
-import run_folder
 import warm_start
+from infra import run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = 20.0  # the runs' REPLAY_GRPO_REQUEST_FLOOR: a hung server is named after 20 s here, not the default 60

@@ -23,7 +23,7 @@ from PIL import Image
 from studylib import report, runner
 
 import replay_grpo
-import run_folder
+from infra import run_folder
 
 FIGURES = [
     "accuracy_vs_steps.png",
@@ -156,7 +156,7 @@ def test_a_run_another_process_trains_is_left_alone(tmp_path, capsys):
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; import run_folder; "
+            "import sys, time; from pathlib import Path; from infra import run_folder; "
             "run_folder.lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
             str(other),
         ],

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import torch
 
 import replay_grpo as rg
-import run_folder
+from infra import run_folder
 
 RECORDS = ROOT / "docs/study/real_model/lr1e5/records.json.xz"  # the answers SmolLM2 gave, first and last evaluation
 

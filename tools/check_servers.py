@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the method's modules live at the root
 
 import async_pipeline as ap
-from run_folder import UserError
+from infra.run_folder import UserError
 
 
 def diagnose(url: str, context: int = 0, timeout: float = ap.PROBE_SECONDS) -> dict:

@@ -57,8 +57,8 @@ from bench_kernels import measure, targets_met, time_target
 
 import kernels
 import replay_grpo as rg
-import run_folder
 import warm_start
+from infra import run_folder
 
 ROWS = []  # (check, measured, target, verdict)
 MISSED = "missed"  # a row's `ok` when only a speed or memory target was not reached

@@ -24,7 +24,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
-import run_folder
+from infra import run_folder
 
 PROMPT_TOKENS = 512  # the longest prompt assumed where --max-prompt-tokens is not set
 ASYNC = (5, 3, 8)  # the paper's headline (W, T) on one node of 8 GPUs
