@@ -548,7 +548,7 @@ class LogprobPolicy(torch.nn.Module):
     kernels.token_logprobs the full head weight, and FSDP reduce-scatters its gradient (to the tied
     embedding too). Reading the head outside this forward would hand the kernel a shard of it."""
 
-    computes_logprobs = True  # rg.completion_logprobs calls forward with its rg.Packed ids
+    computes_logprobs = True  # kernels.completion_logprobs calls forward with its kernels.Packed ids
 
     def __init__(self, policy):
         super().__init__()
@@ -556,7 +556,7 @@ class LogprobPolicy(torch.nn.Module):
         self.config = policy.config  # completion_logprobs reads its attention implementation
 
     def forward(self, packed, temperature, entropy):
-        out = rg.packed_logprobs(self.policy, packed, temperature, entropy=entropy)
+        out = kernels.packed_logprobs(self.policy, packed, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
 
@@ -1035,7 +1035,7 @@ def check_served(server: Server, pairs: list, expected: list[torch.Tensor], vers
 @torch.no_grad()
 def trainer_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
     """The trainer's log-probs of `pairs` at temperature 1 (what a server holding its weights serves), per pair."""
-    logp = rg.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
+    logp = kernels.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
     if hasattr(policy, "reshard"):  # FSDP2 keeps the root unsharded after a forward until a backward: shard it back
         policy.reshard()
     return list(logp.float().cpu().split([len(c) for _, c in pairs]))

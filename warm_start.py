@@ -153,7 +153,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
                 group["lr"] = lr * (1 - done / steps) if cfg.sft_lr_decay else lr
             seqs = [encode(ex.prompt, ex.solution) for ex in task.sample(rng, BATCH_SIZE)]
             # unshared: a batch of problems drawn one by one, not groups, and the cache key holds no --share-prompts
-            loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=False).mean()
+            loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=False).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

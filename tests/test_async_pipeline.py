@@ -26,6 +26,7 @@ sys.path[:0] = PATH.split(os.pathsep)
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 
 import async_pipeline as ap  # noqa: E402
+import kernels  # noqa: E402
 import replay_grpo as rg  # noqa: E402
 import warm_start  # noqa: E402
 
@@ -373,7 +374,7 @@ def served_and_trained(
     samples = [s for g in groups for s in g]
     pairs = [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)]
     with torch.no_grad():
-        trained = rg.completion_logprobs(model, pairs, tok.pad_token_id, 1.0)
+        trained = kernels.completion_logprobs(model, pairs, tok.pad_token_id, 1.0)
     return samples, torch.cat([s.logprobs for s in samples]), trained
 
 
@@ -404,7 +405,7 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
     assert how == "disk" or not (tmp_path / "model.safetensors").exists()  # the weights went over the group
     pairs = [(p, s.completion_ids) for p, s in zip([q for q in prompts_of(tok) for _ in range(4)], samples)]
     with torch.no_grad():
-        old = rg.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
+        old = kernels.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
     assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
 
 
@@ -771,21 +772,21 @@ def fsdp_check(agg: str) -> None:
     model_init = copy.deepcopy(model.state_dict())
     ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
     shares = []  # the ranks' micro-batches forward a shared prompt once, through FSDP2's root and blocks
-    pack = rg.pack
+    pack = kernels.pack
 
     def counting_pack(*args, **kwargs):
         packed = pack(*args, **kwargs)
         shares.append(packed.positions is not None)
         return packed
 
-    rg.pack = counting_pack
+    kernels.pack = counting_pack
     policy = ap.LogprobPolicy(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     stats = rg.train_step(policy, optimizer, batch[4 * rank : 4 * rank + 4], cfg, tok.pad_token_id, 0)
-    rg.pack = pack
+    kernels.pack = pack
     assert any(shares), shares
     grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
     losses = [None, None]
@@ -883,8 +884,6 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
     """Rank 0 saves the gathered fp32 masters through its copy in the compute dtype (bf16 on GPUs, simulated
     here): config.json says float32, so from_pretrained loads what the file holds."""
     from safetensors.torch import load_file
-
-    import kernels
 
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     ap.main(tiny + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import kernels
 import replay_grpo as rg
 import warm_start
 from test_replay_grpo import metrics, small_args
@@ -127,7 +128,7 @@ def test_train_step_gradient_is_the_hand_written_loss_of_each_correction(correct
         completion = torch.randint(3, 200, (3 + i % 3,)).tolist()
         batch.append(rg.Rollout([5, 6, 7], completion, None, 0.0, (-1.0) ** i * (1 + i / 5), 0.0, 0, i))
     with torch.no_grad():
-        logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+        logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     for r, lp in zip(batch, logp.split([len(r.completion_ids) for r in batch])):
         r.behaviour_logprobs = lp - torch.randn(len(lp)) * 0.4  # r = pi / behaviour around e^{+-0.4}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -136,7 +137,7 @@ def test_train_step_gradient_is_the_hand_written_loss_of_each_correction(correct
 
     model.zero_grad()
     lengths = [len(r.completion_ids) for r in batch]
-    logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+    logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     behaviour = torch.cat([r.behaviour_logprobs for r in batch])
     adv = torch.cat([torch.full((n,), r.advantage) for r, n in zip(batch, lengths)])
     loss = hand_loss(correction, logp, behaviour, adv, lengths, c).sum() / sum(lengths)
@@ -163,14 +164,14 @@ def test_none_is_the_paper_loss_bit_for_bit():
     torch.manual_seed(2)
     batch = [rg.Rollout([5, 6], [9, 10, 11], None, 1.0, 0.7 - i, 0.0, 0, i) for i in range(4)]
     with torch.no_grad():
-        logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+        logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     for r, lp in zip(batch, logp.split(3)):
         r.behaviour_logprobs = lp - torch.randn(3) * 0.3
     c = cfg(grad_clip=0.0)
     rg.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, c, pad_id=0, version=0)
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+    logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     repeats = torch.tensor([3] * 4)
     tok_loss, _, _ = rg.token_loss(
         loss="grpo",
@@ -207,7 +208,7 @@ def test_the_lagged_proximal_policy_is_the_weights_lag_versions_back_for_older_r
     reference, _ = warm_start.build_tiny_model(0)
     reference.load_state_dict(versions[1])
     with torch.no_grad():
-        expected = rg.completion_logprobs(reference, [([5, 6], [9, 10])], 0, 1.0)
+        expected = kernels.completion_logprobs(reference, [([5, 6], [9, 10])], 0, 1.0)
     assert torch.allclose(proximal[:2], expected, atol=1e-6)  # made by version 0 < 1: version 1's log-probs
     assert torch.equal(proximal[2:], torch.zeros(2))  # made by version 1: its own behaviour log-probs
 

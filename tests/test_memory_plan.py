@@ -61,7 +61,7 @@ def saved_bytes(model, rollouts) -> int:
 
     pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rg.completion_logprobs(model, pairs, 0, 1.0, entropy=True)
+        kernels.completion_logprobs(model, pairs, 0, 1.0, entropy=True)
     return sum(seen.values())
 
 

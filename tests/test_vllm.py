@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest
 import torch
 
+import kernels
 import replay_grpo as rg
 import warm_start
 from replay_grpo import VLLMGenerator, VLLMUnavailable, export_plain_folder, import_vllm
@@ -122,7 +123,7 @@ def test_behaviour_logprobs_match_trainer(tiny, temperature):
         assert s.truncated == (s.completion_ids[-1] != tok.eos_token_id)
     pairs = [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)]
     with torch.no_grad():
-        ref = rg.completion_logprobs(model, pairs, tok.pad_token_id, temperature).float()
+        ref = kernels.completion_logprobs(model, pairs, tok.pad_token_id, temperature).float()
     diff = (torch.cat([s.logprobs for s in samples]) - ref).abs()
     print(f"\nT={temperature}: {diff.numel()} tokens, mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.mean() < 1e-3 and diff.max() < 1e-2
@@ -215,7 +216,7 @@ def test_both_backends_stop_at_every_eos_id(tmp_path):
     ]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(150):
-        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -262,7 +263,7 @@ def test_smollm2_gguf_answers_and_logprobs(tmp_path):
 
     def logprob_diff(samples, temperature):
         with torch.no_grad():
-            ref = rg.completion_logprobs(
+            ref = kernels.completion_logprobs(
                 model, [(prompt, s.completion_ids) for s in samples], tok.pad_token_id, temperature
             ).float()
         return (torch.cat([s.logprobs for s in samples]) - ref).abs()

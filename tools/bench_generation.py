@@ -4,7 +4,7 @@
 
 Both backends generate, and the trainer trains, in the precision a run uses on this device
 (kernels.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +
-backward of rg.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
+backward of kernels.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
 step; mu is what `replay_grpo.py plan --mu` takes.
 """
 
@@ -52,7 +52,7 @@ def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_ro
         sync()
         t = time.perf_counter()
         for i in range(0, len(samples), micro):
-            lp = rg.completion_logprobs(model, samples[i : i + micro], tok.pad_token_id, temperature)
+            lp = kernels.completion_logprobs(model, samples[i : i + micro], tok.pad_token_id, temperature)
             (-lp.sum() / len(samples)).backward()
         opt.step()
         opt.zero_grad()

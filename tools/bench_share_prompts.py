@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
 import torch
 
+import kernels
 import replay_grpo as rg
 from infra import run_folder
 
@@ -78,12 +79,13 @@ def make_batch(cfg: rg.Args, tok, task: rg.Task, seed: int) -> list[rg.Rollout]:
 
 
 def forwarded(batch: list[rg.Rollout], cfg: rg.Args, share: bool, pad_id: int) -> tuple[int, int]:
-    """Tokens a step forwards and positions (rows x padded length, as rg.pack lays them out), over its micro-batches."""
-    batch = rg.prompt_order(batch, cfg.micro_batch_size) if share else batch
+    """Tokens a step forwards and positions (rows x padded length, as kernels.pack lays them out), over its
+    micro-batches."""
+    batch = kernels.prompt_order(batch, cfg.micro_batch_size) if share else batch
     tokens = positions = 0
     for i in range(0, len(batch), cfg.micro_batch_size):
         seqs = [(r.prompt_ids, r.completion_ids) for r in batch[i : i + cfg.micro_batch_size]]
-        positions += rg.pack(seqs, pad_id, "cpu", share).ids.numel()
+        positions += kernels.pack(seqs, pad_id, "cpu", share).ids.numel()
         distinct = {tuple(p) for p, _ in seqs}
         if share and len(distinct) < len(seqs):  # each prompt less its last token, then that token + each completion
             tokens += sum(len(p) - 1 for p in distinct) + sum(len(c) + 1 for _, c in seqs)

@@ -427,7 +427,7 @@ def check_vllm(out: Path, smoke: bool) -> None:
         answer = str(sum(map(int, tok.decode(p)[:-1].split("+"))))
         seqs.append((p, tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     for _ in range(30):  # move the weights so that a missed sync would show
-        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -446,7 +446,7 @@ def check_vllm(out: Path, smoke: bool) -> None:
     samples = [s for g in gen.generate(prompts, 4, 16, 1.0) for s in g]
     with torch.no_grad():
         ref = (
-            rg.completion_logprobs(
+            kernels.completion_logprobs(
                 model, [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)], tok.pad_token_id, 1.0
             )
             .float()
@@ -485,7 +485,7 @@ def check_shared_prompts(dev: str, smoke: bool) -> None:
             torch.cuda.reset_peak_memory_stats()
         sync()
         t = time.perf_counter()
-        logp = rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=share)
+        logp = kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=share)
         logp.mean().backward()
         sync()
         seconds = time.perf_counter() - t
