@@ -71,8 +71,8 @@ from torch.distributed.tensor import DTensor
 
 import kernels
 import replay_grpo as rg
-from infra import run_folder
-from replay_grpo import UserError
+from infra import device_memory, flag_checks, generation, loading, models, reporting, run_folder, tasks
+from infra.run_folder import UserError
 
 
 @dataclass
@@ -164,7 +164,10 @@ def train_async(cfg: AsyncArgs) -> dict:
             # 3. publish the weights every k steps and at an evaluation (a server evaluates them: it waits for them,
             #    as the queue baseline's next requests do); on GPUs one gathered copy at a time: while the last is
             #    still going out, this step's is not gathered (the next publish sends newer weights)
-            evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
+            evaluating, waits = (
+                reporting.is_eval_step(cfg, step),
+                cfg.sampling == "queue" or reporting.is_eval_step(cfg, step),
+            )
             t0 = time.perf_counter()
             publishing = step % cfg.publish_every == 0 or evaluating
             if publishing and run.route == "nccl" and waits and rank == 0:
@@ -207,8 +210,16 @@ def train_async(cfg: AsyncArgs) -> dict:
                     sync_seconds=sync_seconds,
                 )
                 fresh, step_tokens = [], 0
-                evaluation = rg.end_step(
-                    cfg, record, batch, tok, run.task, evaluator=evaluator, runlog=system.runlog, bar=system.bar
+                evaluation = reporting.end_step(
+                    cfg,
+                    record,
+                    batch,
+                    tok,
+                    run.task,
+                    evaluator=evaluator,
+                    runlog=system.runlog,
+                    bar=system.bar,
+                    verifiers=rg.VERIFIERS,
                 )
                 last_eval = evaluation or last_eval
                 if evaluator is not None:
@@ -252,7 +263,7 @@ class Run:
     run_name: str
     run_dir: Path
     ckpt: Path  # the run's checkpoint folder
-    task: rg.Task
+    task: tasks.Task
     tok: object  # the policy's tokenizer
     warm: dict | None  # the warm start's record (a fresh run), else None
     route: str  # how the weights reach the servers: nccl or disk (weight_transfer)
@@ -283,14 +294,20 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     dist.broadcast_object_list(box, src=0)
     run_name, run_dir, ckpt = box[0]
     if rank == 0:  # first: it may write the warm-start cache that the others then read
-        with rg.torch_threads(warm_start_threads(device)):
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+        with generation.torch_threads(warm_start_threads(device)):
+            task, model, tok, _, warm, state = loading.load_run(
+                cfg, device, ckpt, T, rank, mode="async", verifiers=rg.VERIFIERS
+            )
     barrier()
     if rank != 0:
-        task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+        task, model, tok, _, warm, state = loading.load_run(
+            cfg, device, ckpt, T, rank, mode="async", verifiers=rg.VERIFIERS
+        )
     prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
-    layout = rg.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
-    rg.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
+    layout = device_memory.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+    device_memory.check_memory_plan(
+        cfg, model, prompts, device, trainers=T, rank=rank, layout=layout
+    )  # before sharding
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
     # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
     # and save_pretrained writes a checkpoint through it
@@ -299,7 +316,7 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     shard = rg.make_buffer(cfg, capacity=cfg.buffer_size // T, seed=cfg.seed + 1_000_003 * rank)
     # rank 0's run totals and dealing state (checkpointed)
-    totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
+    totals = reporting.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
     step, dealing = 0, None
     if state is not None:
         step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard, totals=totals)
@@ -337,7 +354,7 @@ class System:
     loop: RolloutLoop | None = None
     publisher: Publisher | None = None
     runlog: run_folder.RunLog | None = None
-    bar: rg.Progress | None = None
+    bar: reporting.Progress | None = None
     eos_ids: list[int] | None = None
 
     def stop(self) -> None:
@@ -373,11 +390,13 @@ def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch
         servers, run.route, run.run_dir / "published", run.dtype, tied=tied, address=address, device=device
     )
     system.publisher.publish(run.first, run.step, wait=True)  # every server holds this policy before its first request
-    system.eos_ids = rg.stop_token_ids(host_copy, tok)
+    system.eos_ids = generation.stop_token_ids(host_copy, tok)
     last_eval = {}
     if run.step == 0:  # on a server, before the rollouts' requests
         evaluator = ServerEvaluator(servers[0], system.eos_ids, policy_version=0, seed=cfg.seed)
-        last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=system.runlog, warm=run.warm)
+        last_eval = reporting.first_evaluation(
+            evaluator, tok, task, cfg, runlog=system.runlog, warm=run.warm, verifiers=rg.VERIFIERS, rule=rg.rules(cfg)
+        )
     system.loop = RolloutLoop(cfg, servers, task, tok, system.eos_ids, first_group_id=run.dealer.next_group_id)
     print(
         f"async: W = {cfg.num_generators} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} "
@@ -385,7 +404,7 @@ def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch
         f"buffer N = {N} ({N // T}/rank), {system.loop.capacity} requests in flight or waiting, weights by "
         f"{run.route} every {cfg.publish_every} step(s)"
     )
-    system.bar = rg.Progress(run.step, cfg.total_steps)
+    system.bar = reporting.Progress(run.step, cfg.total_steps)
     return last_eval
 
 
@@ -434,7 +453,7 @@ class Dealer:
         for m in msgs:
             totals["gen_seconds"] += m["busy_seconds"]
             totals["gen_idle_seconds"] += m["idle_seconds"]
-            rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
+            reporting.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
             self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
             if self.empty_requests >= rg.MAX_EMPTY_REQUESTS:
                 failure = rg.all_dropped_message(self.empty_requests, step)
@@ -493,7 +512,7 @@ def async_record(
     """One step's record from the ranks' reports (counted into the run totals: the slowest rank's seconds set the
     pace): rg.step_record, and what the pipeline adds."""
     stats, train_seconds = merge_stats([r["stats"] for r in reports]), max(r["train_seconds"] for r in reports)
-    rg.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
+    reporting.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
     totals["sync_seconds"] += extra["sync_seconds"]
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     return rg.step_record(
@@ -525,7 +544,7 @@ def print_summary(totals: dict, T: int, W: int) -> None:
     """The run's mu both ways, gamma and the idle seconds of each side."""
     if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
         return
-    mu = rg.measured_mu(totals, T)
+    mu = reporting.measured_mu(totals, T)
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     print(
         f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
@@ -726,7 +745,7 @@ def resume_async(
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
     own = run_folder.read_checkpoint_file(ckpt, f"buffer_rank{rank}.pt", run_folder.load_torch, ("buffer", "rng"))
     shard.load_state_dict(own["buffer"])
-    rg.run_folder.set_rng_state(own["rng"])
+    run_folder.set_rng_state(own["rng"])
     totals.update(state["totals"])
     return state["step"], state["dealing"]
 
@@ -744,7 +763,7 @@ def save_async_checkpoint(
     if rank == 0:
         run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
-    own = {"buffer": shard.state_dict(), "rng": rg.run_folder.rng_state()}
+    own = {"buffer": shard.state_dict(), "rng": run_folder.rng_state()}
     torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -1004,11 +1023,11 @@ def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
     return sum(v.numel() for v in weights.values()) * dtype.itemsize
 
 
-def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
+def probe_pairs(task: tasks.Task, tok) -> list[tuple[list[int], list[int]]]:
     """The publish check's probe: the first PROBE_PROMPTS held-out prompts and their gold solutions (token ids)."""
     probes = task.eval[:PROBE_PROMPTS]
     gold = [tok(ex.solution or ex.answer, add_special_tokens=False)["input_ids"] for ex in probes]
-    return [(rg.render_prompt(tok, ex.prompt, task.shots), ids) for ex, ids in zip(probes, gold)]
+    return [(models.render_prompt(tok, ex.prompt, task.shots), ids) for ex, ids in zip(probes, gold)]
 
 
 def check_served(server: Server, pairs: list, expected: list[torch.Tensor], version: int) -> float:
@@ -1069,7 +1088,7 @@ class ServerGenerator:
         return answers
 
     @classmethod
-    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[rg.Sample]:
+    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[generation.Sample]:
         """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not, and
         WrongAnswer for values the trainer cannot take (token ids from `vocab` on, when given; log-probs that are not
         finite), which would stop its step (an IndexError) or skip it (a NaN loss) without naming the server."""
@@ -1079,7 +1098,7 @@ class ServerGenerator:
         return [cls.sample(c, vocab) for c in choices]
 
     @staticmethod
-    def sample(choice: dict, vocab: int = 0) -> rg.Sample:
+    def sample(choice: dict, vocab: int = 0) -> generation.Sample:
         ids = choice["token_ids"]
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             raise ValueError("token_ids is not a list of integers")
@@ -1098,13 +1117,14 @@ class ServerGenerator:
         versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
         if not versions:  # without them no rollout could say which policy made it
             raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
-        return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
+        return generation.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
 class ServerEvaluator:
-    """rg.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
-    server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
-    An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
+    """evaluation.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as
+    requests to a server holding the weights of `policy_version` (just published), beside the rollouts' requests, on
+    its own seeds. An answer with a token of other weights is a ServerError: the record's version is the one
+    evaluated."""
 
     def __init__(self, server: Server, eos_ids: list[int], policy_version: int, seed: int):
         self.generator = ServerGenerator(server, eos_ids, random.Random(seed))
@@ -1146,7 +1166,7 @@ class Scorer:
         self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
-        return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
+        return list(self.pool.map(tasks.score, [verifier] * len(texts), texts, [gold] * len(texts)))
 
     def close(self) -> None:  # waits: an executor thread left running races the interpreter's exit for its pipe
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -1765,23 +1785,23 @@ def start_generators(
             check_model(info["url"], tok, cfg.model)
         return [Server(url.rstrip("/")) for url in cfg.generator_urls]
     try:
-        rg.import_vllm()
-    except rg.VLLMUnavailable as e:
+        generation.import_vllm()
+    except generation.VLLMUnavailable as e:
         raise UserError(f"async_pipeline.py launches vLLM servers: {e}") from None
-    folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
+    folder = models.export_plain_folder(model, tok, str(run_dir / "served"))
     n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus = server_gpus(cfg.num_generators, T, n_gpus)
     own = cfg.num_generators + T <= n_gpus  # else a server shares its GPU: --vllm-gpu-memory-utilization of it
     memory = 0.9 if own else cfg.vllm_gpu_memory_utilization
-    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory=memory)
+    return launch_servers(cfg, Path(folder), models.context_length(model), gpus, run_dir / "servers", memory=memory)
 
 
 # ===== Checks and main ===========================================================================
 
 
 def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
-    """replay_grpo.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
-    rg.validate(cfg, argv)
+    """flag_checks.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
+    flag_checks.validate(cfg, argv)
 
     def need(ok, message):
         if not ok:
@@ -1832,7 +1852,7 @@ def run_async(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    return rg.run_command(run_async, argv)
+    return reporting.run_command(run_async, argv)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 import async_pipeline as ap
-import replay_grpo as rg
-import warm_start
+from infra import generation, models
 
 SERVER_HOST = "127.0.0.2"
 PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
@@ -63,7 +62,7 @@ def untied_tiny(seed: int):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    model, tok = warm_start.build_tiny_model(seed)
+    model, tok = models.build_tiny_model(seed)
     model.config.tie_word_embeddings = False
     torch.manual_seed(seed + 1)
     untied = Qwen2ForCausalLM(model.config)
@@ -86,8 +85,8 @@ def vllm_servers(tmp_path_factory):
     """{"tied": Server, "untied": Server}: each serving a tiny Qwen2 folder, launched by async_pipeline itself."""
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":
-            raise RuntimeError("vLLM is not installed: " + rg.VLLM_INSTALL)
-        pytest.skip("vLLM is not installed (" + rg.VLLM_INSTALL + ")")
+            raise RuntimeError("vLLM is not installed: " + generation.VLLM_INSTALL)
+        pytest.skip("vLLM is not installed (" + generation.VLLM_INSTALL + ")")
     root = tmp_path_factory.mktemp("servers")
     cfg = types.SimpleNamespace(generator_host=SERVER_HOST, seed=0)
     servers, command = {}, ap.server_command
@@ -95,8 +94,8 @@ def vllm_servers(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
             mp.setattr(ap, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
-            for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
-                folder = rg.export_plain_folder(model, tok, str(root / name))
+            for name, (model, tok) in (("tied", models.build_tiny_model(0)), ("untied", untied_tiny(0))):
+                folder = models.export_plain_folder(model, tok, str(root / name))
                 (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
                 LAUNCHED.append(servers[name])
         ap.wait_ready(list(servers.values()), timeout=600)

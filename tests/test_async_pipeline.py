@@ -28,7 +28,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 import async_pipeline as ap  # noqa: E402
 import kernels  # noqa: E402
 import replay_grpo as rg  # noqa: E402
-import warm_start  # noqa: E402
+from infra import evaluation, generation, models, run_folder, tasks, warm_start  # noqa: E402
 
 TINY = (
     "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
@@ -193,7 +193,7 @@ def test_two_ranks_write_rank_0s_trained_samples_every_sample_every_steps(two_ra
     run_dir, _ = two_rank_run
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["source"] == "train"]
-    assert sorted({r["step"] for r in train}) == [3, 6] and len(train) == 2 * rg.SAMPLES
+    assert sorted({r["step"] for r in train}) == [3, 6] and len(train) == 2 * evaluation.SAMPLES
     assert all(r["staleness"] >= 0 and r["gold"] and "advantage" in r for r in train)
 
 
@@ -355,7 +355,7 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
 
 
 def prompts_of(tok, texts=("12+7=", "3+45=", "99+1=")) -> list[list[int]]:
-    return [rg.render_prompt(tok, t) for t in texts]
+    return [models.render_prompt(tok, t) for t in texts]
 
 
 def served_and_trained(
@@ -368,7 +368,7 @@ def served_and_trained(
         count = publisher.count
         publisher.publish(model.state_dict(), version, wait=True)
         assert publisher.error is None and publisher.count == count + 1
-    generator = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0))
+    generator = ap.ServerGenerator(server, generation.stop_token_ids(model, tok), random.Random(0))
     prompts = prompts_of(tok)
     groups = generator.generate(prompts, 4, 8, temperature=1.0)
     samples = [s for g in groups for s in g]
@@ -390,7 +390,7 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
 
     for name, function in cpu_data_plane().items():
         monkeypatch.setattr(nccl_engine, name, function)
-    build = warm_start.build_tiny_model if head == "tied" else untied_tiny
+    build = models.build_tiny_model if head == "tied" else untied_tiny
     server = vllm_servers[head]
     (a, tok), (b, _) = build(11), build(12)
     tied, cpu = head == "tied", torch.device("cpu")
@@ -435,7 +435,7 @@ def test_one_broadcast_reaches_every_server(vllm_servers, tmp_path, monkeypatch)
     publisher = ap.Publisher(servers, "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
     try:
         for version, seed in ((41, 41), (42, 42)):
-            model, tok = warm_start.build_tiny_model(seed)
+            model, tok = models.build_tiny_model(seed)
             for i, server in enumerate(servers):  # one publish, then each server sampled
                 samples, served, trained = served_and_trained(publisher, server, model, tok, version, publish=i == 0)
                 assert torch.allclose(served, trained, atol=1e-4), (server.url, (served - trained).abs().max())
@@ -469,10 +469,10 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
     match the trainer's at that version; a reload made to load other weights (another model's; the old weights
     under the new version, as a reload that silently did nothing) stops the publisher with one line naming the
     server and the version."""
-    model, tok = warm_start.build_tiny_model(21)
-    other, _ = warm_start.build_tiny_model(22)
+    model, tok = models.build_tiny_model(21)
+    other, _ = models.build_tiny_model(22)
     server = vllm_servers["tied"]
-    pairs = ap.probe_pairs(rg.make_task(rg.parse_args([])), tok)
+    pairs = ap.probe_pairs(tasks.make_task(rg.parse_args([])), tok)
     probe = (pairs, ap.trainer_logprobs(model, pairs, tok))
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 30, wait=True, check=probe)
@@ -504,22 +504,22 @@ def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path)
     """async_pipeline.py evaluates on a server holding the published weights: its greedy completions of the held-out
     prompts are HF generate's token for token, the greedy accuracy is the same, and the record names the version;
     an answer from other weights than the version evaluated is one line naming the server."""
-    model, tok = warm_start.build_tiny_model(51)
+    model, tok = models.build_tiny_model(51)
     server = vllm_servers["tied"]
     cfg = ap.parse_args(TINY + ["--max-new-tokens", "12", "--eval-size", "16"])
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="127.0.0.1")
     publisher.publish(model.state_dict(), 51, wait=True)
     publisher.close()
     assert publisher.error is None
-    eos = rg.stop_token_ids(model, tok)
-    on_server, hf = ap.ServerEvaluator(server, eos, policy_version=51, seed=0), rg.HFGenerator(model, tok)
+    eos = generation.stop_token_ids(model, tok)
+    on_server, hf = ap.ServerEvaluator(server, eos, policy_version=51, seed=0), generation.HFGenerator(model, tok)
     hf.policy_version = 51
-    prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
+    prompts = [models.render_prompt(tok, ex.prompt) for ex in task.eval]
     greedy = [[s.completion_ids for s in g] for g in (hf.generate(prompts, 1, 12, 0.0, logprobs=False))]
     assert [[s.completion_ids for s in g] for g in on_server.generate(prompts, 1, 12, 0.0)] == greedy
-    metrics, _ = rg.evaluate(on_server, tok, task, cfg)
-    reference, _ = rg.evaluate(hf, tok, task, cfg)
+    metrics, _ = evaluation.evaluate(on_server, tok, task, cfg, verifiers=rg.VERIFIERS)
+    reference, _ = evaluation.evaluate(hf, tok, task, cfg, verifiers=rg.VERIFIERS)
     assert metrics["eval/policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
     with pytest.raises(ap.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
         ap.ServerEvaluator(server, eos, policy_version=52, seed=0).generate(prompts[:2], 1, 4, 0.0)
@@ -540,7 +540,7 @@ def test_closing_the_nccl_publisher_waits_for_the_broadcast_under_way(vllm_serve
     for name, function in plane.items():
         monkeypatch.setattr(nccl_engine, name, function)
     monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", slow_producer)
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     server, cpu = vllm_servers["tied"], torch.device("cpu")
     publisher = ap.Publisher([server], "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
     publisher.publish(model.state_dict(), 3)
@@ -561,7 +561,7 @@ def generated_tokens(server) -> float:
 def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_servers, tmp_path):
     """A long request is paused (its tokens kept), the weights change, it resumes: its tokens carry both versions,
     and make_rollouts counts it as mixed with the oldest version as its policy_version."""
-    model, tok = warm_start.build_tiny_model(13)
+    model, tok = models.build_tiny_model(13)
     server = vllm_servers["tied"]
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 20, wait=True)
@@ -590,7 +590,7 @@ def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_s
             return [samples[:n]]
 
     cfg = rg.parse_args(["--group-size", "4"])
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     rollouts, counts = rg.make_rollouts(Served(), tok, task, task.sample(random.Random(0), 1), cfg, 0)
     assert counts["mixed_version_rollouts"] == 4 and {r.policy_version for r in rollouts} == {20}
 
@@ -631,12 +631,14 @@ def test_a_server_error_is_one_line_naming_the_server(vllm_servers):
 def test_more_prompt_tokens_in_flight_than_a_step_prefills_come_back_from_a_cpu_server(vllm_servers, tmp_path):
     """Ten prompts of 300 tokens, more than one step of vLLM's CPU server prefills (2,048): each is prefilled whole,
     as a seeded request cut in two stops the CPU runner ('CPU Generator does not use offset', a 500 for every one)."""
-    model, tok = warm_start.build_tiny_model(0)
-    prompts = [rg.render_prompt(tok, f"{i}+{i}=" * 100)[:300] for i in range(10)]
+    model, tok = models.build_tiny_model(0)
+    prompts = [models.render_prompt(tok, f"{i}+{i}=" * 100)[:300] for i in range(10)]
     assert sum(map(len, prompts)) == 3000
     server = vllm_servers["tied"]
     ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1").publish(model.state_dict(), 1, wait=True)
-    groups = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0)).generate(prompts, 2, 4, 1.0)
+    groups = ap.ServerGenerator(server, generation.stop_token_ids(model, tok), random.Random(0)).generate(
+        prompts, 2, 4, 1.0
+    )
     assert [len(g) for g in groups] == [2] * 10 and all(1 <= len(s.completion_ids) <= 4 for g in groups for s in g)
 
 
@@ -660,7 +662,7 @@ def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
 def test_the_weight_transfer_is_nccl_only_where_every_server_has_its_own_gpu(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert ap.weight_transfer(ap.parse_args(TINY), cpu, 1) == "disk"
-    with pytest.raises(rg.UserError, match="^--weight-transfer nccl needs CUDA"):
+    with pytest.raises(run_folder.UserError, match="^--weight-transfer nccl needs CUDA"):
         ap.weight_transfer(ap.parse_args(TINY + ["--weight-transfer", "nccl"]), cpu, 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     five = ap.parse_args(TINY + ["--num-generators", "5"])
@@ -749,7 +751,7 @@ def fsdp_check(agg: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", agg, "--micro-batch-size", "2", "--lr", "1e-2"])
-    model, tok = warm_start.build_tiny_model(0)  # tied embeddings: the head is the embedding
+    model, tok = models.build_tiny_model(0)  # tied embeddings: the head is the embedding
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (3 + i,), generator=g).tolist() for i in range(3)]  # each rank gets one twice
     batch = []

@@ -31,8 +31,7 @@ from test_async_pipeline import Run, metrics  # a CLI run in its own session, wa
 
 import async_pipeline as ap
 import replay_grpo as rg
-import warm_start
-from infra import run_folder
+from infra import flag_checks, generation, models, reporting, run_folder, tasks, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = 20.0  # the runs' REPLAY_GRPO_REQUEST_FLOOR: a hung server is named after 20 s here, not the default 60
@@ -475,10 +474,10 @@ def test_a_presets_own_value_or_a_flag_that_turns_a_feature_off_passes_without_w
     nothing: no refusal. Typed at any other value, the default included, an owned flag is refused."""
     for extra in ([], ["--sft-imitation", "0"], ["--sft-imitation=0", "--no-sft-lr-decay", "--arith-demo-error", "0"]):
         argv = ["--preset", "cpu", "--sft-warmup-steps", "0", *extra]
-        rg.validate(rg.parse_args(argv), argv)
+        flag_checks.validate(rg.parse_args(argv), argv)
     argv = ["--preset", "gsm8k-qwen2.5-0.5b", "--tis-cap", "2"]
-    with pytest.raises(rg.UserError, match="^--tis-cap 2.0: only --correction tis reads it"):
-        rg.validate(rg.parse_args(argv), argv)
+    with pytest.raises(run_folder.UserError, match="^--tis-cap 2.0: only --correction tis reads it"):
+        flag_checks.validate(rg.parse_args(argv), argv)
 
 
 def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
@@ -745,7 +744,7 @@ def test_a_read_only_run_folder_is_named_not_the_out_dir(tmp_path, capsys):
 
 def records_without_timing(run_dir: Path) -> list[dict]:
     return [
-        {k: v for k, v in json.loads(line).items() if not rg.measured_on_this_machine(k)}
+        {k: v for k, v in json.loads(line).items() if not reporting.measured_on_this_machine(k)}
         for line in lines(run_dir / "metrics.jsonl")
     ]
 
@@ -843,8 +842,6 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
     loads it (trained once), and both runs are the same."""
     import fcntl
 
-    import warm_start
-
     args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
     key = warm_start.warm_start_key(rg.parse_args(args), torch.device("cpu"))
     (tmp_path / ".warmstart").mkdir()
@@ -918,11 +915,11 @@ def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vl
     monkeypatch.setattr(ap, "REQUEST_FLOOR", 1.0)
     monkeypatch.setattr(ap, "START_SECONDS", 60.0)
     cfg = ap.parse_args(small_args(tmp_path, "--generator-urls", vllm_servers["tied"].url))
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     server = vllm_servers["tied"]
     publisher = ap.Publisher([server], "disk", tmp_path / "p", torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 0, wait=True)
-    loop = ap.RolloutLoop(cfg, [server], rg.make_task(cfg), tok, rg.stop_token_ids(model, tok), 0)
+    loop = ap.RolloutLoop(cfg, [server], tasks.make_task(cfg), tok, generation.stop_token_ids(model, tok), 0)
     try:
         deadline = time.time() + 120
         while loop.depth() < loop.capacity and time.time() < deadline:
@@ -960,7 +957,7 @@ def test_a_verifier_scored_off_the_main_thread_is_refused_and_leaves_the_time_li
     def score_until_stopped():
         while not stop.is_set():
             try:
-                rg.score(rg.numeric_match, "1", "1")
+                tasks.score(rg.numeric_match, "1", "1")
             except ValueError as e:
                 refused.append(e)
 
@@ -968,7 +965,7 @@ def test_a_verifier_scored_off_the_main_thread_is_refused_and_leaves_the_time_li
     thread.start()
     t0 = time.time()
     try:
-        reward, failure = rg.score(sleeps_10_s, "1", "1", timeout=1.0)
+        reward, failure = tasks.score(sleeps_10_s, "1", "1", timeout=1.0)
     finally:
         stop.set()
         thread.join()
@@ -1021,7 +1018,7 @@ def test_a_publish_awaited_by_the_queue_returns_when_the_run_must_stop(tmp_path)
     beyond the moment the rollout loop knows why the run stops."""
     listener, url = silent_server()
     publisher = ap.Publisher([ap.Server(url)], "disk", tmp_path, torch.float32, tied=True, address="")
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     t0, reason = time.time(), []
     threading.Timer(2.0, lambda: reason.append("a rollout thread failed")).start()
     publisher.publish(model.state_dict(), 1, wait=True, failure=lambda: reason and reason[0])
@@ -1068,7 +1065,7 @@ def encode(text: str) -> list[int]:
 
 @functools.cache
 def tiny_tokenizer():
-    return warm_start.build_tiny_model(0)[1]
+    return models.build_tiny_model(0)[1]
 
 
 def async_args(out_dir: Path, url: str, *extra) -> list[str]:
@@ -1292,7 +1289,7 @@ def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, m
 
         monkeypatch.setattr(ap.Server, "post", post)
         publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="")
-        model, _ = warm_start.build_tiny_model(0)
+        model, _ = models.build_tiny_model(0)
         publisher.publish(model.state_dict(), 1, wait=True)
     assert publisher.error is None and publisher.done_version == 1
     load = max(control, (tmp_path / "model.safetensors").stat().st_size / ap.LOAD_BYTES_PER_SECOND)
@@ -1607,18 +1604,18 @@ def test_a_reasoning_gym_gold_is_json_data_and_a_pickled_one_is_never_unpickled(
     import reasoning_gym
 
     cfg = rg.Args(task="reasoning-gym", rg_dataset="graph_color", rg_config='{"size": 3}', eval_size=2)
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     own = {e["question"]: e for e in reasoning_gym.create_dataset("graph_color", size=3, seed=cfg.seed)}
     for ex in task.train:
         gold = json.loads(ex.answer)
-        entry = own[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
-        assert isinstance(gold["entry"], dict) and rg.from_gold_data(gold["entry"]) == entry
+        entry = own[ex.prompt.removesuffix(tasks.RG_INSTRUCTION)]
+        assert isinstance(gold["entry"], dict) and tasks.from_gold_data(gold["entry"]) == entry
         coloring = json.dumps(entry["metadata"]["possible_answer"])  # a right answer: its scorer reads integer keys
-        assert rg.score(rg.rg_match, f"<answer>{coloring}</answer>", ex.answer) == (1.0, None)
+        assert tasks.score(rg.rg_match, f"<answer>{coloring}</answer>", ex.answer) == (1.0, None)
     marker = tmp_path / "ran"
     payload = base64.b64encode(pickle.dumps(RunsCode(marker))).decode()
     crafted = json.dumps({**json.loads(task.train[0].answer), "entry": payload})
-    assert rg.score(rg.rg_match, "<answer>1</answer>", crafted)[0] == 0.0  # a gold it cannot use: 0
+    assert tasks.score(rg.rg_match, "<answer>1</answer>", crafted)[0] == 0.0  # a gold it cannot use: 0
     assert not marker.exists()
 
 

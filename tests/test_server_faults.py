@@ -22,7 +22,7 @@ from test_async_pipeline import Run, alive, metrics
 from test_faults import ENV, FLOOR, async_args, encode
 
 import async_pipeline as ap
-import warm_start
+from infra import models
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -175,7 +175,7 @@ def test_the_publisher_waits_for_the_copies_on_the_stream_that_made_them(tmp_pat
         return real_post(self, path, *args, **kwargs)
 
     monkeypatch.setattr(ap.Server, "post", post)
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     with StandIn(encode=encode) as stand_in:
         server = ap.Server(stand_in.url)
         device = torch.device("cuda", 0)
@@ -202,7 +202,7 @@ def test_the_publishers_weight_source_reads_as_vllm_0_32_reads_it(tmp_path):
     and iter_local() give the same. (vLLM 0.33's engine reads more, before any publish: docs/async.md.)"""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     weights = dict(model.state_dict())
     publisher = ap.Publisher([], "disk", tmp_path, torch.bfloat16, tied=True, address="", device=torch.device("cpu"))
     publisher.source = ap.DictSource(weights, torch.bfloat16, torch.device("cpu"))

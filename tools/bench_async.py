@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import async_pipeline as ap
-import replay_grpo as rg
-import warm_start
+from infra import models
 
 
 def run(cmd: list[str], cwd: Path) -> float:
@@ -86,8 +85,8 @@ def main() -> None:
     entry = ["async_pipeline.py"] if own_entry else ["replay_grpo.py", "--mode", "async"]
     old_seconds = run([sys.executable, *entry, *flags, "--run-name", f"old-{stamp}"], old_tree)
 
-    model, tok = warm_start.build_tiny_model(0)  # the architecture; each run publishes its own weights first
-    folder = rg.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
+    model, tok = models.build_tiny_model(0)  # the architecture; each run publishes its own weights first
+    folder = models.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
     cfg = ap.parse_args(["--generator-host", "127.0.0.1", "--seed", str(a.seed)])
     servers = ap.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
     try:

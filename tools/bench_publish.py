@@ -131,9 +131,9 @@ def instrumented(counts: Counts):
 
 def count_publish(ap, servers, folder: Path) -> dict:
     """One publish of the tiny model's weights as `ap`'s train_async makes it, counted."""
-    import warm_start
+    from infra import models
 
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     P = sum(p.numel() for p in model.parameters())
     policy = ap.shard_policy(model, torch.device("cpu"))
     bf16, cpu = torch.bfloat16, torch.device("cpu")
@@ -164,11 +164,10 @@ def count_publish(ap, servers, folder: Path) -> dict:
 def launch(n: int, root: Path):
     """n vLLM CPU servers of the tiny model with the nccl weight transfer and the data plane's stand-in."""
     import async_pipeline as ap
-    import replay_grpo as rg
-    import warm_start
+    from infra import models
 
-    model, tok = warm_start.build_tiny_model(0)
-    folder = rg.export_plain_folder(model, tok, str(root / "model"))
+    model, tok = models.build_tiny_model(0)
+    folder = models.export_plain_folder(model, tok, str(root / "model"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN), str(ROOT), os.environ.get("PYTHONPATH")]))
     command = ap.server_command
     ap.server_command = lambda *a, **k: command(*a, **k) + ["--weight-transfer-config", '{"backend": "nccl"}']
