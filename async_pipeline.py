@@ -487,11 +487,11 @@ def merge_stats(per_rank: list[dict]) -> dict:
             out[k] = max(v for v, _ in vals)
         elif k in ("loss", "grad_norm"):
             out[k] = sum(v for v, _ in vals) / len(vals)
-        elif k == "staleness_sums":  # bucket -> summed counts and sums (rg.add_staleness_sums)
+        elif k == "staleness_sums":  # bucket -> the ranks' rg.BucketSums added up
             out[k] = {}
             for v, _ in vals:
-                for bucket, row in v.items():
-                    out[k][bucket] = [x + y for x, y in zip(out[k].get(bucket, [0] * len(row)), row)]
+                for bucket, sums in v.items():
+                    out[k][bucket] = out[k].get(bucket, rg.BucketSums()).plus(sums)
         else:
             out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
     return out

@@ -605,6 +605,19 @@ def check_finite_weights(params: list, version: int) -> None:
         )
 
 
+class TrainedMicroBatch(NamedTuple):
+    """One micro-batch as train_step trained it: its rollouts and its tokens' values, which step_metrics reads."""
+
+    rollouts: list[Rollout]
+    lengths: torch.Tensor  # completion tokens per rollout
+    logp: torch.Tensor  # the trainer's log-probs of the completion tokens (detached)
+    behaviour: torch.Tensor  # the sampler's (Rollout.behaviour_logprobs)
+    entropy: torch.Tensor  # the trainer's entropy at each completion token (detached)
+    ratio: torch.Tensor  # the loss's ratio (detached)
+    clipped: torch.Tensor  # the tokens the clip held
+    corrected: torch.Tensor  # the tokens the --correction masked or truncated
+
+
 def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, version: int, lagged=None) -> dict:
     """One optimizer step on a batch, accumulated over micro-batches; a NaN/inf loss or gradient skips it. `lagged`:
     decoupled --prox-lag > 0's LaggedPolicy."""
@@ -613,7 +626,7 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
     lengths = [len(r.completion_ids) for r in batch]
     norm_tokens = tokens_per_rank(sum(lengths), device) if cfg.loss_agg == "token-mean" else sum(lengths)
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, nonfinite, parts = 0.0, False, []  # parts: each micro-batch's tensors, for step_metrics
+    loss_sum, nonfinite, parts = 0.0, False, []  # parts: each micro-batch's TrainedMicroBatch, for step_metrics
     clip_low, clip_high = (math.inf, math.inf) if cfg.correction == "m2po" else (cfg.clip_low, cfg.clip_high)
     for start in range(0, len(batch), cfg.micro_batch_size):
         mb, mb_len = batch[start : start + cfg.micro_batch_size], lengths[start : start + cfg.micro_batch_size]
@@ -646,7 +659,18 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             break
         loss.backward()
         loss_sum += loss.item()
-        parts.append((mb, repeats, logp.detach(), behaviour, ent.detach(), ratio.detach(), clipped, corrected))
+        parts.append(
+            TrainedMicroBatch(
+                rollouts=mb,
+                lengths=repeats,
+                logp=logp.detach(),
+                behaviour=behaviour,
+                entropy=ent.detach(),
+                ratio=ratio.detach(),
+                clipped=clipped,
+                corrected=corrected,
+            )
+        )
     params = [p for p in model.parameters() if p.requires_grad]  # clip_grad_norm_ with max inf: the norm only
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
     nonfinite = nonfinite or not torch.isfinite(grad_norm)
@@ -664,23 +688,33 @@ STALENESS_BUCKETS = (("0", 0), ("1", 1), ("2-3", 3), ("4-7", 7), ("8+", None))  
 
 
 @torch.no_grad()
-def step_metrics(parts: list[tuple], version: int, loss: float, grad_norm: float, total_tokens: int) -> dict:
-    """The step's record from its micro-batches' (rollouts, token counts, logp, behaviour, entropy, ratio, clipped)
-    tensors: entropy, clip fraction and ratios on the trained tokens, the per-staleness sums, and the sampler/trainer
-    log-prob mismatch on the rollouts made by exactly the weights trained now."""
+def step_metrics(
+    parts: list[TrainedMicroBatch], version: int, loss: float, grad_norm: float, total_tokens: int
+) -> dict:
+    """The step's record from its micro-batches: entropy, clip fraction and ratios on the trained tokens, the
+    per-staleness sums, and the sampler/trainer log-prob mismatch on the rollouts made by exactly the weights trained
+    now."""
     sums = dict(entropy=0.0, clipped=0.0, ratio=0.0, mismatch_abs=0.0, mismatch_kl=0.0, mismatch_tokens=0)
     ratio_max, staleness_sums = 0.0, {}  # add_staleness_sums
-    for mb, repeats, logp, behaviour, ent, ratio, clipped, corrected in parts:
-        sums["entropy"] += ent.sum().item()
-        sums["clipped"] += clipped.sum().item()
-        sums["ratio"] += ratio.sum().item()
-        ratio_max = max(ratio_max, ratio.max().item())
+    for part in parts:
+        sums["entropy"] += part.entropy.sum().item()
+        sums["clipped"] += part.clipped.sum().item()
+        sums["ratio"] += part.ratio.sum().item()
+        ratio_max = max(ratio_max, part.ratio.max().item())
+        log_ratio = part.logp - part.behaviour
         add_staleness_sums(
-            staleness_sums, mb, version, ratio=ratio, clipped=clipped, corrected=corrected, log_ratio=logp - behaviour
+            staleness_sums,
+            part.rollouts,
+            version,
+            ratio=part.ratio,
+            clipped=part.clipped,
+            corrected=part.corrected,
+            log_ratio=log_ratio,
         )
-        fresh = torch.tensor([r.policy_version == version for r in mb], device=logp.device).repeat_interleave(repeats)
+        fresh = torch.tensor([r.policy_version == version for r in part.rollouts], device=part.logp.device)
+        fresh = fresh.repeat_interleave(part.lengths)
         if fresh.any():
-            d = (logp - behaviour)[fresh]
+            d = log_ratio[fresh]
             sums["mismatch_abs"] += d.abs().sum().item()
             sums["mismatch_kl"] += (torch.exp(d) - 1 - d).sum().item()  # KL(behaviour || trainer), k3
             sums["mismatch_tokens"] += int(fresh.sum())
@@ -706,9 +740,26 @@ def staleness_bucket(staleness: int) -> str:
     return next(label for label, largest in STALENESS_BUCKETS if largest is None or staleness <= largest)
 
 
+class BucketSums(NamedTuple):
+    """A staleness bucket's sums over the trained rollouts in it (add_staleness_sums; w: the loss's ratio, r =
+    pi_theta / behaviour); trainer ranks' sums add up (plus)."""
+
+    rollouts: int = 0
+    tokens: int = 0
+    clipped: int = 0  # tokens the clip held
+    abs_log_ratio: float = 0.0  # sum of |log r|
+    w: float = 0.0  # sum of w
+    w2: float = 0.0  # sum of w^2
+    corrected: int = 0  # tokens the --correction masked or truncated
+    m2: float = 0.0  # sum of (log r)^2
+    k3: float = 0.0  # sum of the k3 terms r - 1 - log r
+
+    def plus(self, other: BucketSums) -> BucketSums:
+        return BucketSums(*(a + b for a, b in zip(self, other)))
+
+
 def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, corrected, log_ratio) -> None:
-    """Per staleness bucket: [rollouts, tokens, clipped tokens, sum |log r|, sum w, sum w^2, corrected tokens,
-    sum (log r)^2, sum of the k3 terms r - 1 - log r] (w: the loss's ratio; r = pi_theta / behaviour)."""
+    """The batch's rollouts into `sums`, staleness bucket -> BucketSums."""
     lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
     rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
     k3 = torch.exp(log_ratio) - 1 - log_ratio
@@ -717,9 +768,19 @@ def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, cl
     per_rollout = torch.zeros(len(per_token), len(batch), device=ratio.device, dtype=ratio.dtype)
     per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
     for r, n, (n_clipped, abs_log, w, w2, n_corrected, m2, kl) in zip(batch, lengths.tolist(), per_rollout):
-        row = sums.setdefault(staleness_bucket(version - r.policy_version), [0, 0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0.0])
-        for i, value in enumerate((1, n, round(n_clipped), abs_log, w, w2, round(n_corrected), m2, kl)):
-            row[i] += value
+        bucket = staleness_bucket(version - r.policy_version)
+        rollout = BucketSums(
+            rollouts=1,
+            tokens=n,
+            clipped=round(n_clipped),
+            abs_log_ratio=abs_log,
+            w=w,
+            w2=w2,
+            corrected=round(n_corrected),
+            m2=m2,
+            k3=kl,
+        )
+        sums[bucket] = sums.get(bucket, BucketSums()).plus(rollout)
 
 
 def by_staleness(sums: dict) -> tuple[dict, dict]:
@@ -730,15 +791,19 @@ def by_staleness(sums: dict) -> tuple[dict, dict]:
     as logprob_mismatch_kl), r = pi_theta / behaviour."""
     out, offpolicy = {}, {}
     for label in [label for label, _ in STALENESS_BUCKETS if label in sums]:
-        rollouts, tokens, clipped, abs_log_ratio, w, w2, corrected, m2, kl = sums[label]
+        b = sums[label]
         out[label] = {
-            "rollouts": rollouts,
-            "tokens": tokens,
-            "clip_frac": clipped / tokens,
-            "abs_log_ratio": abs_log_ratio / tokens,
-            "ess": w * w / w2,
+            "rollouts": b.rollouts,
+            "tokens": b.tokens,
+            "clip_frac": b.clipped / b.tokens,
+            "abs_log_ratio": b.abs_log_ratio / b.tokens,
+            "ess": b.w * b.w / b.w2,
         }
-        offpolicy[label] = {"corrected_frac": corrected / tokens, "m2": m2 / tokens, "mismatch_kl": kl / tokens}
+        offpolicy[label] = {
+            "corrected_frac": b.corrected / b.tokens,
+            "m2": b.m2 / b.tokens,
+            "mismatch_kl": b.k3 / b.tokens,
+        }
     return out, offpolicy
 
 

@@ -4,6 +4,7 @@ supervised warm start) or resumed from the run folder's checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +12,17 @@ from infra import run_folder, warm_start
 from infra.models import fit_to_context, load_base_policy, load_pretrained
 from infra.run_folder import UserError
 from infra.tasks import Task, make_task
+
+
+class LoadedRun(NamedTuple):
+    """A run as load_run starts it."""
+
+    task: Task
+    model: torch.nn.Module  # the policy: fp32 masters on the run's device
+    tok: object  # its tokenizer
+    model_dir: str  # where its weights live: a folder (the warm start's cache, the checkpoint) or --model
+    warm: dict | None  # the warm start's record, logged at step 0 (None: no warm start, or a resume)
+    state: dict | None  # the checkpoint's trainer state (None: a fresh run)
 
 
 def load_policy(cfg, device: torch.device, task: Task, *, verifiers: dict):
@@ -25,7 +37,7 @@ def load_policy(cfg, device: torch.device, task: Task, *, verifiers: dict):
 
 def load_run(
     cfg, device: torch.device, ckpt: Path, trainers: int = 1, rank: int = 0, mode: str = "sync", *, verifiers: dict
-):
+) -> LoadedRun:
     """The task, the policy, its tokenizer and folder, the warm start's record and the trainer state. On --resume
     the policy and tokenizer are the checkpoint's (the base model and the warm start are not loaded again) and
     the warm start's record, logged at step 0 only, is None. The optimizer state is read on rank 0 only (at 7B it
@@ -38,7 +50,7 @@ def load_run(
     if not cfg.resume:
         model, tok, model_dir, warm = load_policy(cfg, device, task, verifiers=verifiers)
         fit_to_context(cfg, task, tok, model, rank)
-        return task, model, tok, model_dir, warm, None
+        return LoadedRun(task=task, model=model, tok=tok, model_dir=model_dir, warm=warm, state=None)
 
     torch_load = run_folder.load_torch  # tensors and plain data only: a run folder's file never runs code
     sync_keys = ("next_group_id", "task_rng", "buffer", "rng", "generator_version") if mode == "sync" else ()
@@ -60,4 +72,4 @@ def load_run(
         ckpt, "model.safetensors", lambda _: load_pretrained(str(ckpt), torch.float32)
     )
     fit_to_context(cfg, task, tok, model, rank)
-    return task, model.to(device), tok, str(ckpt), None, state
+    return LoadedRun(task=task, model=model.to(device), tok=tok, model_dir=str(ckpt), warm=None, state=state)
