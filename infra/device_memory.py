@@ -96,7 +96,7 @@ class Layout:
 
 
 def servers_on_gpu(layout: Layout, trainers: int, n_gpus: int | None, gpu: int) -> int:
-    """The launched vLLM servers on GPU `gpu` of this node: async_pipeline.server_gpus's round-robin after the
+    """The launched vLLM servers on GPU `gpu` of this node: serving.server_gpus's round-robin after the
     trainers' GPUs (rank r on GPU r). None or 0 GPUs: every server has a GPU of its own, or runs on the CPU."""
     if not layout.servers or not layout.launched or not n_gpus:
         return 0
@@ -143,7 +143,7 @@ def plan_memory(
     vllm = cfg.generator == "vllm" or (cfg.generator == "auto" and importlib.util.find_spec("vllm") is not None)
     if sync:
         generator = int(cfg.vllm_gpu_memory_utilization * device_total) if vllm else c * P
-    else:  # a server sharing this GPU takes its --vllm-gpu-memory-utilization of it (async_pipeline.start_generators)
+    else:  # a server sharing this GPU takes its --vllm-gpu-memory-utilization of it (serving.start_generators)
         generator = servers_on_gpu(layout, trainers, n_gpus, rank) * int(cfg.vllm_gpu_memory_utilization * device_total)
     rows["generator (resident)"] = generator
     nccl_publisher = not sync and rank == 0 and layout.route == "nccl"

@@ -6,7 +6,7 @@ The servers also take `--weight-transfer-config {"backend": "nccl"}`, as launche
 stand-in for the NCCL data plane (tests/vllm_plugin) on their PYTHONPATH, so that the nccl route runs on a CPU.
 
 Nothing of the suite outlives a killed test run: the servers get SIGTERM from the kernel when the thread that launched
-them ends (async_pipeline.die_with_parent), their process groups are killed at the interpreter's exit, a SIGTERM
+them ends (serving.die_with_parent), their process groups are killed at the interpreter's exit, a SIGTERM
 stops the session as Ctrl-C does (the fixtures' teardown runs), and a pytest-xdist worker gets SIGTERM when its
 controller dies."""
 
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import async_pipeline as ap
-from infra import generation, models
+from infra import generation, models, serving
 
 SERVER_HOST = "127.0.0.2"
 PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
@@ -40,13 +39,13 @@ def pytest_configure(config):
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, interrupted)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        ap.die_with_parent(os.getppid())
+        serving.die_with_parent(os.getppid())
 
 
 @atexit.register
 def stop_launched() -> None:
     """The process group of every server still running, at the interpreter's exit (a session cut short)."""
-    ap.stop_servers(LAUNCHED, timeout=5.0)
+    serving.stop_servers(LAUNCHED, timeout=5.0)
 
 
 def pytest_collection_modifyitems(items):
@@ -89,16 +88,16 @@ def vllm_servers(tmp_path_factory):
         pytest.skip("vLLM is not installed (" + generation.VLLM_INSTALL + ")")
     root = tmp_path_factory.mktemp("servers")
     cfg = types.SimpleNamespace(generator_host=SERVER_HOST, seed=0)
-    servers, command = {}, ap.server_command
+    servers, command = {}, serving.server_command
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
-            mp.setattr(ap, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
+            mp.setattr(serving, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
             for name, (model, tok) in (("tied", models.build_tiny_model(0)), ("untied", untied_tiny(0))):
                 folder = models.export_plain_folder(model, tok, str(root / name))
-                (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
+                (servers[name],) = serving.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
                 LAUNCHED.append(servers[name])
-        ap.wait_ready(list(servers.values()), timeout=600)
+        serving.wait_ready(list(servers.values()), timeout=600)
         yield servers
     finally:
-        ap.stop_servers(list(servers.values()))
+        serving.stop_servers(list(servers.values()))

@@ -28,7 +28,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 import async_pipeline as ap  # noqa: E402
 import kernels  # noqa: E402
 import replay_grpo as rg  # noqa: E402
-from infra import evaluation, generation, models, run_folder, tasks, warm_start  # noqa: E402
+from infra import evaluation, generation, models, run_folder, serving, tasks, warm_start  # noqa: E402
 
 TINY = (
     "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
@@ -100,13 +100,13 @@ def cmdline(pid: int) -> str:
 
 class Run:
     """A CLI run in its own session; remembers every process it ever had below it. It gets SIGTERM (a Ctrl-C to the
-    run) when the test process ends, SIGKILL included (async_pipeline.die_with_parent)."""
+    run) when the test process ends, SIGKILL included (serving.die_with_parent)."""
 
     def __init__(self, cmd: list[str], preexec_fn=None, env: dict | None = None):
         self.t0, self.seen, parent = time.time(), set(), os.getpid()
 
         def child() -> None:
-            ap.die_with_parent(parent)
+            serving.die_with_parent(parent)
             if preexec_fn is not None:
                 preexec_fn()
 
@@ -521,7 +521,7 @@ def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path)
     metrics, _ = evaluation.evaluate(on_server, tok, task, cfg, verifiers=rg.VERIFIERS)
     reference, _ = evaluation.evaluate(hf, tok, task, cfg, verifiers=rg.VERIFIERS)
     assert metrics["eval/policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
-    with pytest.raises(ap.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
+    with pytest.raises(serving.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
         ap.ServerEvaluator(server, eos, policy_version=52, seed=0).generate(prompts[:2], 1, 4, 0.0)
 
 
@@ -613,19 +613,19 @@ def test_the_rollout_loop_hands_out_the_freshest_first_within_its_slots():
     assert [m["id"] for m in loop.receive(wait=0, limit=None)] == [3] and loop.depth() == 0
     loop.ready = [{"id": 4, "passed": 0}]
     assert loop.receive(wait=0, limit=0) == [] and loop.ready[0]["passed"] == 0  # nothing taken, none passed over
-    loop.errors.append(ap.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
+    loop.errors.append(serving.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
     assert loop.failure() == "vLLM server http://x: /inference/v1/generate failed (timed out)"
 
 
 def test_a_server_error_is_one_line_naming_the_server(vllm_servers):
     server = vllm_servers["tied"]
-    with pytest.raises(ap.ServerError) as e:
+    with pytest.raises(serving.ServerError) as e:
         server.post("/collective_rpc", {"method": "no_such_method"})
     assert str(e.value).startswith(f"vLLM server {server.url}: /collective_rpc answered 500") and "\n" not in str(
         e.value
     )
-    with pytest.raises(ap.ServerError, match=r"^vLLM server http://127.0.0.2:1: /health failed \("):
-        ap.Server("http://127.0.0.2:1").post("/health", timeout=5)
+    with pytest.raises(serving.ServerError, match=r"^vLLM server http://127.0.0.2:1: /health failed \("):
+        serving.Server("http://127.0.0.2:1").post("/health", timeout=5)
 
 
 def test_more_prompt_tokens_in_flight_than_a_step_prefills_come_back_from_a_cpu_server(vllm_servers, tmp_path):
@@ -648,12 +648,12 @@ def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
 
     cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
     (tmp_path / "empty").mkdir()
-    servers = ap.launch_servers(cfg, tmp_path / "empty", 512, [None], tmp_path / "log")
+    servers = serving.launch_servers(cfg, tmp_path / "empty", 512, [None], tmp_path / "log")
     try:
-        with pytest.raises(ap.ServerError) as e:
-            ap.wait_ready(servers, timeout=600)
+        with pytest.raises(serving.ServerError) as e:
+            serving.wait_ready(servers, timeout=600)
     finally:
-        ap.stop_servers(servers)
+        serving.stop_servers(servers)
     line = str(e.value)
     assert line.startswith(f"vLLM server {servers[0].url} did not start; the server exited with code 1")
     assert f"the end of {tmp_path / 'log' / 'server0.log'}: " in line and "\n" not in line, line
@@ -683,14 +683,14 @@ def test_where_the_servers_are_does_not_change_the_warm_start():
 def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch):
     """One server per GPU after the trainers' (round-robin when fewer), each seeing only its own; CPU servers run
     eager with a bounded KV cache. The launch lines only (Popen recorded): no GPU here."""
-    assert ap.server_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
-    assert ap.server_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
-    assert ap.server_gpus(2, 1, 0) == [None, None]  # CPU
+    assert serving.server_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
+    assert serving.server_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
+    assert serving.server_gpus(2, 1, 0) == [None, None]  # CPU
     launched = []
-    monkeypatch.setattr(ap.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
+    monkeypatch.setattr(serving.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = ap.parse_args(TINY)
-    ap.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
+    serving.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
     (gpu2, env2), (gpu3, env3), (cpu, env_cpu) = launched
     assert env2["CUDA_VISIBLE_DEVICES"] == "2" and env3["CUDA_VISIBLE_DEVICES"] == "3"
     assert '{"backend": "nccl"}' in gpu2 and "--enforce-eager" not in gpu2
@@ -709,10 +709,10 @@ def test_servers_launched_before_a_failed_launch_are_stopped(tmp_path, monkeypat
         started.append(real(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(ap.subprocess, "Popen", popen)
+    monkeypatch.setattr(serving.subprocess, "Popen", popen)
     cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
     with pytest.raises(KeyboardInterrupt):
-        ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+        serving.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
     assert len(started) == 1 and started[0].poll() is not None
 
 

@@ -26,7 +26,7 @@ import torch
 import async_pipeline as ap
 import kernels
 import replay_grpo as rg
-from infra import generation, loading, models, reporting, tasks
+from infra import generation, loading, models, reporting, serving, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(
@@ -158,9 +158,9 @@ def test_resume_restores_numpy_stream(numpy_seeded_sampling, tmp_path):
 
 def test_server_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert ap.server_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
+    assert serving.server_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,MIG-bb")
-    assert ap.server_gpus(1, 1, 2) == ["MIG-bb"]
+    assert serving.server_gpus(1, 1, 2) == ["MIG-bb"]
 
 
 # --- defect: every rank read the full optimizer state on resume -----------------------------------

@@ -21,7 +21,7 @@ import memory_plan
 import async_pipeline as ap
 import kernels
 import replay_grpo as rg
-from infra import device_memory, flag_checks, models, run_folder, tasks
+from infra import device_memory, flag_checks, models, run_folder, serving, tasks
 
 ARGS = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2"]
 ARGS += ["--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2"]
@@ -262,13 +262,13 @@ def test_the_packed_broadcast_buffers_are_vllms_own():
 
 
 def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys, monkeypatch):
-    """(W, T) = (3, 3) on 4 GPUs: async_pipeline.server_gpus puts the servers on GPUs 3, 0 and 1, each with its
+    """(W, T) = (3, 3) on 4 GPUs: serving.server_gpus puts the servers on GPUs 3, 0 and 1, each with its
     --vllm-gpu-memory-utilization of the device; ranks 0 and 1 hold one, rank 2 none."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "3"]
     plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3, gpus=4)
-    gpus = ap.server_gpus(3, 3, 4)
+    gpus = serving.server_gpus(3, 3, 4)
     share = int(0.3 * memory_plan.H100_GIB * 2**30)
     assert [p["rows"]["generator (resident)"] for p in plans] == [gpus.count(str(r)) * share for r in range(3)]
     assert gpus.count("0") == gpus.count("1") == 1 and plans[2]["rows"]["generator (resident)"] == 0
@@ -295,7 +295,7 @@ def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch
         memory_plan.plan(argv, gib, trainers=T, gpus=8)
     message = str(refused.value)
     w, t = advised_layout(message, W, T)
-    assert "fits" in message and not set(ap.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
+    assert "fits" in message and not set(serving.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
     advised = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(w)]
     for flag in ("--micro-batch-size", "--activation-checkpointing"):
         advised += re.findall(rf"{flag}(?: \d+)?", message)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import async_pipeline as ap
-from infra import models
+from infra import models, serving
 
 
 def run(cmd: list[str], cwd: Path) -> float:
@@ -88,13 +88,13 @@ def main() -> None:
     model, tok = models.build_tiny_model(0)  # the architecture; each run publishes its own weights first
     folder = models.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
     cfg = ap.parse_args(["--generator-host", "127.0.0.1", "--seed", str(a.seed)])
-    servers = ap.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
+    servers = serving.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
     try:
-        start_seconds = ap.wait_ready(servers)
+        start_seconds = serving.wait_ready(servers)
         urls = ["--generator-urls", *[s.url for s in servers]]
         new_seconds = run([sys.executable, "async_pipeline.py", *flags, *urls, "--run-name", f"new-{stamp}"], ROOT)
     finally:
-        ap.stop_servers(servers)
+        serving.stop_servers(servers)
 
     old, new = summary(out / f"old-{stamp}"), summary(out / f"new-{stamp}")
     print(f"{a.rev} (its run, starting its own generators): {old_seconds:.1f} s wall, {old}")
