@@ -1323,6 +1323,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    import async_pipeline  # run as the module that the tests and tools import: one copy of every class
-
-    async_pipeline.main()
+    main()

@@ -1480,6 +1480,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    import replay_grpo  # run as the module that async_pipeline.py and the tools import: one copy of every class
-
-    replay_grpo.main()
+    main()
