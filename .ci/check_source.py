@@ -20,7 +20,7 @@ from pathlib import Path
 
 MAX_POSITIONAL = 5
 ENTRIES = ("replay_grpo", "async_pipeline")  # the two scripts a user runs: the method, and its W/T system
-# What both entries run on: imports neither of them, so that no line of it can depend on where the method ends.
+# What both entries run on: the entries import it, never the reverse.
 BENEATH = ("infra/", "kernels.py")
 METHOD = "replay_grpo.py"
 # The GPU machines the project is checked on carry at most 64 MiB of working tree, the wheels built for them included:

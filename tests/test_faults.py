@@ -279,7 +279,7 @@ def test_a_fresh_start_never_appends_to_a_killed_runs_records(tmp_path, capsys, 
     def killed(*args, **kwargs):  # killed before its first checkpoint
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rg.run_folder, "save_checkpoint", killed)
+    monkeypatch.setattr(run_folder, "save_checkpoint", killed)
     with pytest.raises(SystemExit):
         rg.main(small_args(tmp_path, "--run-name", "k"))
     monkeypatch.undo()
