@@ -314,9 +314,8 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
         )
     prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
     layout = device_memory.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
-    device_memory.check_memory_plan(
-        cfg, model, prompts, device, trainers=T, rank=rank, layout=layout
-    )  # before sharding
+    # before sharding
+    device_memory.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
     # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
     # and save_pretrained writes a checkpoint through it
