@@ -27,13 +27,8 @@ Its flags are replay_grpo.py's (the presets too) and AsyncArgs's own. Where it d
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import datetime
-import functools
-import http.client
-import json
 import math
 import multiprocessing
 import os
@@ -41,7 +36,6 @@ import random
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -71,8 +65,27 @@ from torch.distributed.tensor import DTensor
 
 import kernels
 import replay_grpo as rg
-import run_folder
-from replay_grpo import UserError
+from infra import device_memory, flag_checks, generation, loading, models, reporting, run_folder, tasks
+from infra.run_folder import UserError
+from infra.serving import (
+    GENERATE,
+    LOAD_BYTES_PER_SECOND,
+    PROBE_BOUND,
+    PROBE_PROMPTS,
+    PipelineError,
+    Server,
+    ServerError,
+    WrongAnswer,
+    as_server_error,
+    check_generator_host,
+    free_port,
+    on_daemons,
+    on_servers,
+    reach,
+    start_generators,
+    stop_servers,
+    wait_ready,
+)
 
 
 @dataclass
@@ -86,10 +99,6 @@ class AsyncArgs(rg.Args):
     weight_transfer: Literal["auto", "disk", "nccl"] = "auto"  # how weights reach the servers (docs/async.md)
     publish_check: int = 1  # every k-th publish, each server's log-probs of a fixed probe checked (0: off)
     dist_timeout: int = 120  # minutes a torchrun rank may wait in a collective (rank 0 evaluating, saving)
-
-
-class PipelineError(RuntimeError):
-    """A vLLM server failed (or rank 0 stopped the run because of one): exit 1 on every rank."""
 
 
 def train_async(cfg: AsyncArgs) -> dict:
@@ -166,7 +175,10 @@ def train_async(cfg: AsyncArgs) -> dict:
             # 3. publish the weights every k steps and at an evaluation (a server evaluates them: it waits for them,
             #    as the queue baseline's next requests do); on GPUs one gathered copy at a time: while the last is
             #    still going out, this step's is not gathered (the next publish sends newer weights)
-            evaluating, waits = rg.is_eval_step(cfg, step), cfg.sampling == "queue" or rg.is_eval_step(cfg, step)
+            evaluating, waits = (
+                reporting.is_eval_step(cfg, step),
+                cfg.sampling == "queue" or reporting.is_eval_step(cfg, step),
+            )
             t0 = time.perf_counter()
             publishing = step % cfg.publish_every == 0 or evaluating
             if publishing and run.route == "nccl" and waits and rank == 0:
@@ -209,8 +221,16 @@ def train_async(cfg: AsyncArgs) -> dict:
                     sync_seconds=sync_seconds,
                 )
                 fresh, step_tokens = [], 0
-                evaluation = rg.end_step(
-                    cfg, record, batch, tok, run.task, evaluator=evaluator, runlog=system.runlog, bar=system.bar
+                evaluation = reporting.end_step(
+                    cfg,
+                    record,
+                    batch,
+                    tok,
+                    run.task,
+                    evaluator=evaluator,
+                    runlog=system.runlog,
+                    bar=system.bar,
+                    verifiers=rg.VERIFIERS,
                 )
                 last_eval = evaluation or last_eval
                 if evaluator is not None:
@@ -254,7 +274,7 @@ class Run:
     run_name: str
     run_dir: Path
     ckpt: Path  # the run's checkpoint folder
-    task: rg.Task
+    task: tasks.Task
     tok: object  # the policy's tokenizer
     warm: dict | None  # the warm start's record (a fresh run), else None
     route: str  # how the weights reach the servers: nccl or disk (weight_transfer)
@@ -285,14 +305,19 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     dist.broadcast_object_list(box, src=0)
     run_name, run_dir, ckpt = box[0]
     if rank == 0:  # first: it may write the warm-start cache that the others then read
-        with rg.torch_threads(warm_start_threads(device)):
-            task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+        with generation.torch_threads(warm_start_threads(device)):
+            task, model, tok, _, warm, state = loading.load_run(
+                cfg, device, ckpt, T, rank, mode="async", verifiers=rg.VERIFIERS
+            )
     barrier()
     if rank != 0:
-        task, model, tok, _, warm, state = rg.load_run(cfg, device, ckpt, T, rank, mode="async")
+        task, model, tok, _, warm, state = loading.load_run(
+            cfg, device, ckpt, T, rank, mode="async", verifiers=rg.VERIFIERS
+        )
     prompts, route = (task.longest_prompt, task.longest_eval_prompt), weight_transfer(cfg, device, T)
-    layout = rg.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
-    rg.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)  # before sharding
+    layout = device_memory.Layout(cfg.num_generators, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+    # before sharding
+    device_memory.check_memory_plan(cfg, model, prompts, device, trainers=T, rank=rank, layout=layout)
     kernels.checkpoint_layers(model, cfg.activation_checkpointing)  # each decoder layer, before fully_shard
     # rank 0's full copy on the host in the compute dtype, made before sharding: launched servers start from it,
     # and save_pretrained writes a checkpoint through it
@@ -301,7 +326,7 @@ def setup(cfg: AsyncArgs, rank: int, T: int, device: torch.device) -> Run:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=rg.learning_rate(cfg), weight_decay=0.0)
     shard = rg.make_buffer(cfg, capacity=cfg.buffer_size // T, seed=cfg.seed + 1_000_003 * rank)
     # rank 0's run totals and dealing state (checkpointed)
-    totals = rg.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
+    totals = reporting.new_totals(gen_idle_seconds=0.0, trainer_idle_seconds=0.0, sync_seconds=0.0)
     step, dealing = 0, None
     if state is not None:
         step, dealing = resume_async(state, ckpt, rank, policy=policy, optimizer=optimizer, shard=shard, totals=totals)
@@ -339,7 +364,7 @@ class System:
     loop: RolloutLoop | None = None
     publisher: Publisher | None = None
     runlog: run_folder.RunLog | None = None
-    bar: rg.Progress | None = None
+    bar: reporting.Progress | None = None
     eos_ids: list[int] | None = None
 
     def stop(self) -> None:
@@ -375,11 +400,13 @@ def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch
         servers, run.route, run.run_dir / "published", run.dtype, tied=tied, address=address, device=device
     )
     system.publisher.publish(run.first, run.step, wait=True)  # every server holds this policy before its first request
-    system.eos_ids = rg.stop_token_ids(host_copy, tok)
+    system.eos_ids = generation.stop_token_ids(host_copy, tok)
     last_eval = {}
     if run.step == 0:  # on a server, before the rollouts' requests
         evaluator = ServerEvaluator(servers[0], system.eos_ids, policy_version=0, seed=cfg.seed)
-        last_eval = rg.first_evaluation(evaluator, tok, task, cfg, runlog=system.runlog, warm=run.warm)
+        last_eval = reporting.first_evaluation(
+            evaluator, tok, task, cfg, runlog=system.runlog, warm=run.warm, verifiers=rg.VERIFIERS, rule=rg.rules(cfg)
+        )
     system.loop = RolloutLoop(cfg, servers, task, tok, system.eos_ids, first_group_id=run.dealer.next_group_id)
     print(
         f"async: W = {cfg.num_generators} vLLM server(s) ({', '.join(s.url for s in servers)}; ready in {seconds:.0f} "
@@ -387,7 +414,7 @@ def start_system(cfg: AsyncArgs, run: Run, system: System, T: int, device: torch
         f"buffer N = {N} ({N // T}/rank), {system.loop.capacity} requests in flight or waiting, weights by "
         f"{run.route} every {cfg.publish_every} step(s)"
     )
-    system.bar = rg.Progress(run.step, cfg.total_steps)
+    system.bar = reporting.Progress(run.step, cfg.total_steps)
     return last_eval
 
 
@@ -436,7 +463,7 @@ class Dealer:
         for m in msgs:
             totals["gen_seconds"] += m["busy_seconds"]
             totals["gen_idle_seconds"] += m["idle_seconds"]
-            rg.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
+            reporting.add_counts(totals, m["counters"])  # generated rollouts and tokens, verifier failures...
             self.empty_requests = 0 if m["rollouts"] else self.empty_requests + 1
             if self.empty_requests >= rg.MAX_EMPTY_REQUESTS:
                 failure = rg.all_dropped_message(self.empty_requests, step)
@@ -470,11 +497,11 @@ def merge_stats(per_rank: list[dict]) -> dict:
             out[k] = max(v for v, _ in vals)
         elif k in ("loss", "grad_norm"):
             out[k] = sum(v for v, _ in vals) / len(vals)
-        elif k == "staleness_sums":  # bucket -> summed counts and sums (rg.add_staleness_sums)
+        elif k == "staleness_sums":  # bucket -> the ranks' rg.BucketSums added up
             out[k] = {}
             for v, _ in vals:
-                for bucket, row in v.items():
-                    out[k][bucket] = [x + y for x, y in zip(out[k].get(bucket, [0] * len(row)), row)]
+                for bucket, sums in v.items():
+                    out[k][bucket] = out[k].get(bucket, rg.BucketSums()).plus(sums)
         else:
             out[k] = sum(v * n for v, n in vals) / sum(n for _, n in vals)
     return out
@@ -495,7 +522,7 @@ def async_record(
     """One step's record from the ranks' reports (counted into the run totals: the slowest rank's seconds set the
     pace): rg.step_record, and what the pipeline adds."""
     stats, train_seconds = merge_stats([r["stats"] for r in reports]), max(r["train_seconds"] for r in reports)
-    rg.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
+    reporting.count_step(totals, stats, batch_size=batch_size, train_seconds=train_seconds)
     totals["sync_seconds"] += extra["sync_seconds"]
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     return rg.step_record(
@@ -529,7 +556,7 @@ def print_summary(totals: dict, T: int, W: int) -> None:
     """The run's mu both ways, gamma and the idle seconds of each side."""
     if not (totals["generated_rollouts"] and totals["trained_rollouts"]):
         return
-    mu = rg.measured_mu(totals, T)
+    mu = reporting.measured_mu(totals, T)
     mu_throughput, gamma = throughput_mu_gamma(totals, T, W)
     print(
         f"measured mu = {mu:.2f} (busy seconds per rollout, generators / trainers); the paper's throughput ratio "
@@ -552,7 +579,7 @@ class LogprobPolicy(torch.nn.Module):
     kernels.token_logprobs the full head weight, and FSDP reduce-scatters its gradient (to the tied
     embedding too). Reading the head outside this forward would hand the kernel a shard of it."""
 
-    computes_logprobs = True  # rg.completion_logprobs calls forward with its rg.Packed ids
+    computes_logprobs = True  # kernels.completion_logprobs calls forward with its kernels.Packed ids
 
     def __init__(self, policy):
         super().__init__()
@@ -560,7 +587,7 @@ class LogprobPolicy(torch.nn.Module):
         self.config = policy.config  # completion_logprobs reads its attention implementation
 
     def forward(self, packed, temperature, entropy):
-        out = rg.packed_logprobs(self.policy, packed, temperature, entropy=entropy)
+        out = kernels.packed_logprobs(self.policy, packed, temperature, entropy=entropy)
         # fresh tensors, not views: FSDP hangs its pre-backward hook on the outputs
         return tuple(t.clone() for t in out) if entropy else out.clone()
 
@@ -730,7 +757,7 @@ def resume_async(
     load_optimizer_state(policy, optimizer, state.get("optimizer", {}))  # rank 0's; {} on the others
     own = run_folder.read_checkpoint_file(ckpt, f"buffer_rank{rank}.pt", run_folder.load_torch, ("buffer", "rng"))
     shard.load_state_dict(own["buffer"])
-    rg.run_folder.set_rng_state(own["rng"])
+    run_folder.set_rng_state(own["rng"])
     totals.update(state["totals"])
     return state["step"], state["dealing"]
 
@@ -748,7 +775,7 @@ def save_async_checkpoint(
     if rank == 0:
         run_folder.save_checkpoint(run_dir, model, tok, state, optimizer_state=osd, weights=weights, swap=False)
     barrier()
-    own = {"buffer": shard.state_dict(), "rng": rg.run_folder.rng_state()}
+    own = {"buffer": shard.state_dict(), "rng": run_folder.rng_state()}
     torch.save(own, run_dir / "checkpoint.tmp" / f"buffer_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -1008,11 +1035,11 @@ def weights_bytes(weights: dict, dtype: torch.dtype) -> int:
     return sum(v.numel() for v in weights.values()) * dtype.itemsize
 
 
-def probe_pairs(task: rg.Task, tok) -> list[tuple[list[int], list[int]]]:
+def probe_pairs(task: tasks.Task, tok) -> list[tuple[list[int], list[int]]]:
     """The publish check's probe: the first PROBE_PROMPTS held-out prompts and their gold solutions (token ids)."""
     probes = task.eval[:PROBE_PROMPTS]
     gold = [tok(ex.solution or ex.answer, add_special_tokens=False)["input_ids"] for ex in probes]
-    return [(rg.render_prompt(tok, ex.prompt, task.shots), ids) for ex, ids in zip(probes, gold)]
+    return [(models.render_prompt(tok, ex.prompt, task.shots), ids) for ex, ids in zip(probes, gold)]
 
 
 def check_served(server: Server, pairs: list, expected: list[torch.Tensor], version: int) -> float:
@@ -1039,7 +1066,7 @@ def check_served(server: Server, pairs: list, expected: list[torch.Tensor], vers
 @torch.no_grad()
 def trainer_logprobs(policy, pairs: list, tok) -> list[torch.Tensor]:
     """The trainer's log-probs of `pairs` at temperature 1 (what a server holding its weights serves), per pair."""
-    logp = rg.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
+    logp = kernels.completion_logprobs(policy, pairs, tok.pad_token_id, 1.0)
     if hasattr(policy, "reshard"):  # FSDP2 keeps the root unsharded after a forward until a backward: shard it back
         policy.reshard()
     return list(logp.float().cpu().split([len(c) for _, c in pairs]))
@@ -1073,7 +1100,7 @@ class ServerGenerator:
         return answers
 
     @classmethod
-    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[rg.Sample]:
+    def samples(cls, answer: dict, n: int, vocab: int = 0) -> list[generation.Sample]:
         """The `n` samples of one prompt's answer, in their order; ValueError (or KeyError...) for what is not, and
         WrongAnswer for values the trainer cannot take (token ids from `vocab` on, when given; log-probs that are not
         finite), which would stop its step (an IndexError) or skip it (a NaN loss) without naming the server."""
@@ -1083,7 +1110,7 @@ class ServerGenerator:
         return [cls.sample(c, vocab) for c in choices]
 
     @staticmethod
-    def sample(choice: dict, vocab: int = 0) -> rg.Sample:
+    def sample(choice: dict, vocab: int = 0) -> generation.Sample:
         ids = choice["token_ids"]
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             raise ValueError("token_ids is not a list of integers")
@@ -1102,13 +1129,14 @@ class ServerGenerator:
         versions = [int(span["version"]) for span in choice.get("weight_versions") or []]
         if not versions:  # without them no rollout could say which policy made it
             raise ValueError("no weight_versions spans: the run needs vLLM 0.32 or later on its servers")
-        return rg.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
+        return generation.Sample(ids, lp, choice["finish_reason"] == "length", (min(versions), max(versions)))
 
 
 class ServerEvaluator:
-    """rg.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as requests to a
-    server holding the weights of `policy_version` (just published), beside the rollouts' requests, on its own seeds.
-    An answer with a token of other weights is a ServerError: the record's version is the one evaluated."""
+    """evaluation.evaluate's generator for async_pipeline.py: the held-out evaluation (greedy, pass@1, pass@k) as
+    requests to a server holding the weights of `policy_version` (just published), beside the rollouts' requests, on
+    its own seeds. An answer with a token of other weights is a ServerError: the record's version is the one
+    evaluated."""
 
     def __init__(self, server: Server, eos_ids: list[int], policy_version: int, seed: int):
         self.generator = ServerGenerator(server, eos_ids, random.Random(seed))
@@ -1150,7 +1178,7 @@ class Scorer:
         self.pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def __call__(self, verifier, texts: list[str], gold: str) -> list[tuple[float, str | None]]:
-        return list(self.pool.map(rg.score, [verifier] * len(texts), texts, [gold] * len(texts)))
+        return list(self.pool.map(tasks.score, [verifier] * len(texts), texts, [gold] * len(texts)))
 
     def close(self) -> None:  # waits: an executor thread left running races the interpreter's exit for its pipe
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -1238,554 +1266,12 @@ class RolloutLoop:
         self.scorer.close()
 
 
-# ===== vLLM servers: launch, requests, answers ===================================================
-
-
-# A generate request that gets no answer within its bound fails the run (a hung or stopped server): REQUEST_FACTOR times
-# its server's reference answer (the longest of those asking the most tokens per sample so far: its warm-up's until a
-# rollout request answers), scaled to the tokens per sample it asks for, at least REQUEST_FLOOR. Tokens per sample set
-# a request's time: a request's samples decode together, one token each per engine step. A launched server's first
-# request of each size (its warm-up, its first rollout request) has START_SECONDS; a server the run did not launch is up
-# (probe), so its first requests have the bound of any other.
-REQUEST_FACTOR = 10  # requests of one size vary by a few times on a busy machine; a hung server never answers
-
-
-def env_seconds(name: str, default: float) -> float:
-    """Seconds from the environment variable `name` (a positive number), else `default`; one line and exit 2 for
-    another value."""
-    text = os.environ.get(name)
-    try:
-        seconds = default if text is None else float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:  # read as this module loads, before main: the entry's one line and exit status here
-        print(f"error: {name}={text!r}: not a positive number of seconds", file=sys.stderr)
-        raise SystemExit(2)
-    return seconds
-
-
-# a busy 2-core machine's requests take seconds; a fast cluster may name a hung server sooner with a lower floor
-REQUEST_FLOOR = env_seconds("REPLAY_GRPO_REQUEST_FLOOR", 60.0)
-START_SECONDS = 1800.0  # a launched server may compile on its first requests, and its process is watched meanwhile
-PROBE_PROMPTS = 4  # held-out prompts, with their gold solutions as completions, in the publish check's probe
-# The publish check stops a run whose server serves other log-probs than the trainer's at the published version by
-# more than this, per probe token on average. Measured on a CPU server (fp32, tiny model): the right weights 2.7e-7;
-# another model's 0.25; the right model with every weight moved at random by 10%, 30%, 100% of its tensor's std
-# 0.035, 0.095, 0.22. It sits above the sampler/trainer gap MISMATCH_WARN warns about (0.05), so bf16 serving does
-# not trip it: it catches weights that are wrong, not a server a few small steps behind
-PROBE_BOUND = 0.1
-READY_SECONDS = 1800.0  # a launched server that is not healthy after this stops the run (its log's tail shown)
-# /pause, /update_weight_version, /resume (no generation) may take CONTROL_FACTOR times the bound of the server's
-# generate requests of the reference size: a hung server is then named by its generate request when one is in flight
-CONTROL_FACTOR = 2
-STARTING_LINE_SECONDS = 60.0  # while launched servers load, a line this often names those still starting
-LOAD_BYTES_PER_SECOND = 20 * 2**20  # a reload reads the published weights: at least a slow shared filesystem's rate
-PROBE_SECONDS = 5.0  # each probe of a server the run did not launch: one that is up answers within milliseconds
-PROBE_BYTES = 2**20  # the most a probe's answer is read: vLLM's /version and /v1/models answer under 1 KB
-SERVER_VERSION_FLOOR = (0, 32)  # the generate route's weight_versions spans, which date every rollout's tokens
-SHOWN_BYTES = 200  # of an answer the run cannot read: enough to tell an error page, HTML or garbage
-WARM_UP_TOKENS = 2  # a server's first request: two tokens, its answer the first reference of the bounds
-GENERATE = "/inference/v1/generate"
-# encoded by the run's tokenizer and by a server's (POST /tokenize): other token ids mean another model
-MODEL_PROBE_TEXT = "Please reason step by step: 12+7=?"
-
-
-class ServerError(PipelineError):
-    """A vLLM server did not start, died, or answered an error: one line naming it."""
-
-
-def as_server_error(what: str, e: Exception) -> ServerError:
-    """The error a thread hands to the dealer: a ServerError as it is, anything else as one line naming `what`."""
-    return e if isinstance(e, ServerError) else ServerError(" ".join(f"{what}: {type(e).__name__}: {e}".split()))
-
-
-def timed_out(e: BaseException) -> bool:
-    """Whether a failed request got no answer within its timeout (urllib wraps a connect's timeout in a URLError)."""
-    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
-
-
-def unreadable(text: bytes) -> str | None:
-    """Why an answer is not JSON the run can read (not UTF-8, not JSON, beyond run_folder.read_json's bounds), or
-    None."""
-    try:
-        run_folder.read_json(text.decode(), "it", max_chars=None)
-    except UnicodeDecodeError as e:
-        return f"not UTF-8 at byte {e.start}"
-    except run_folder.JSONBoundError as e:
-        return str(e)
-    except ValueError as e:
-        return f"not JSON: {getattr(e, 'msg', e)}"
-    return None
-
-
-class WrongAnswer(ValueError):
-    """An answer that reads as JSON with every field, whose values the trainer cannot take (a token id outside its
-    vocabulary, a log-prob that is not finite)."""
-
-
-class TooLarge(http.client.HTTPException):
-    """An answer longer than its request's max_bytes: read no further."""
-
-    def __init__(self, max_bytes: int):
-        super().__init__(f"an answer longer than {max_bytes} bytes, the most this request reads")
-
-
-class Late(TimeoutError):
-    """A request that had no whole answer by its deadline."""
-
-    def __init__(self):
-        super().__init__("timed out")
-
-
-def http_request(
-    url: str, method: str = "GET", data: bytes | None = None, timeout: float = PROBE_SECONDS, max_bytes=None
-):
-    """(status, body) of one HTTP request to `url` that ends within `timeout` seconds in all: connecting, the headers
-    and the body together (a socket timeout bounds each read alone, so a server answering a byte at a time would hold
-    the run for ever). A timer shuts the socket down at the deadline, which ends any read under way; past it, Late.
-    A body longer than `max_bytes` (None: no bound) is read no further: TooLarge. Other failures raise as urllib's do
-    (OSError, http.client.HTTPException)."""
-    parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = connection(parts.hostname, parts.port, timeout=timeout)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    t0, late = time.monotonic(), threading.Event()
-
-    def cut() -> None:
-        late.set()
-        if conn.sock is not None:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(timeout, cut)
-    timer.daemon = True
-    timer.start()
-    try:
-        headers = {"Content-Type": "application/json", "Connection": "close"}
-        conn.request(method, target, body=data, headers=headers)
-        answer = conn.getresponse()
-        body = answer.read() if max_bytes is None else answer.read(max_bytes + 1)
-        if max_bytes is not None and len(body) > max_bytes:
-            raise TooLarge(max_bytes)
-        return answer.status, body
-    except (OSError, http.client.HTTPException):
-        if late.is_set() or time.monotonic() - t0 >= timeout:
-            raise Late from None
-        raise
-    finally:
-        timer.cancel()
-        conn.close()
-
-
-@dataclasses.dataclass
-class Server:
-    """One OpenAI-compatible vLLM server: its URL and, when this run launched it, its process and log; and the reference
-    answer of its generate requests' bounds (tokens per sample, seconds)."""
-
-    url: str
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-    reference: tuple[int, float] = (0, 0.0)
-    vocab: int = 0  # the trainer's vocabulary: every sampled token id must be below it (0: not known yet)
-
-    def post(self, path: str, body: dict | None = None, timeout: float | None = None, parse=None, method="POST"):
-        """POST JSON (GET: no body); the answer as JSON ({} when empty), through `parse` when given. Any failure is a
-        ServerError in one line naming the server and the endpoint: no connection, no answer within `timeout` (default:
-        a control request's, control_bound; the request's age said), an HTTP error, an answer that is not JSON or that
-        `parse` cannot read (a missing field, a wrong value: KeyError, IndexError, TypeError or ValueError), with its
-        first SHOWN_BYTES bytes."""
-        timeout = self.control_bound() if timeout is None else timeout
-        data = json.dumps(body or {}).encode() if method == "POST" else None
-        t0 = time.monotonic()
-        try:
-            status, text = http_request(self.url + path, method, data, timeout)
-        except (OSError, http.client.HTTPException) as e:  # refused, reset, no whole answer by the deadline
-            if self.proc is not None:  # a launched server whose connection dropped may be dying: say so if it is
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(2.0)
-            age = f": no answer in {time.monotonic() - t0:.0f} s, this request's bound" if timed_out(e) else ""
-            raise ServerError(f"vLLM server {self.url}: {path} failed ({e}){age}{self.died() or ''}") from None
-        if not 200 <= status < 300:
-            raise ServerError(f"vLLM server {self.url}: {path} answered {status}: {text[:SHOWN_BYTES]!r}")
-        why = unreadable(text) if text.strip() else None
-        if why:
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered what the run cannot read as JSON ({why}): "
-                f"{text[:SHOWN_BYTES]!r}"
-            )
-        value = json.loads(text) if text.strip() else {}
-        try:
-            return parse(value) if parse else value
-        except WrongAnswer as e:
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered what the trainer cannot take ({e}): {text[:SHOWN_BYTES]!r}"
-            ) from None
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-            raise ServerError(
-                f"vLLM server {self.url}: {path} answered without what the run reads ({what}): {text[:SHOWN_BYTES]!r}"
-            ) from None
-
-    def health(self) -> str | None:
-        """None when GET /health answers 200 within PROBE_SECONDS, else what happened."""
-        try:
-            status, text = http_request(self.url + "/health", timeout=PROBE_SECONDS, max_bytes=PROBE_BYTES)
-        except (OSError, http.client.HTTPException) as e:
-            return f"failed ({e})"
-        if status == 200:
-            return None
-        return f"answered HTTP {status}: {text[:SHOWN_BYTES]!r}" if status >= 400 else f"answered {status}"
-
-    def bound(self, tokens: int) -> float:
-        """Seconds a generate request of `tokens` per sample may take (REQUEST_FACTOR and the others above)."""
-        ref_tokens, ref_seconds = self.reference
-        if self.proc is not None and ref_tokens < tokens:
-            return START_SECONDS
-        if not ref_tokens:
-            return REQUEST_FLOOR
-        return max(REQUEST_FLOOR, REQUEST_FACTOR * ref_seconds * max(1.0, tokens / ref_tokens))
-
-    def control_bound(self) -> float:
-        """Seconds a request that generates nothing may take (CONTROL_FACTOR above)."""
-        return CONTROL_FACTOR * self.bound(self.reference[0])
-
-    def answered(self, tokens: int, seconds: float) -> None:
-        """Keep the reference of the bounds: the longest answer among those of the most tokens per sample so far."""
-        ref_tokens, ref_seconds = self.reference
-        if tokens > ref_tokens:
-            self.reference = (tokens, seconds)
-        elif tokens == ref_tokens:
-            self.reference = (tokens, max(seconds, ref_seconds))
-
-    def died(self) -> str | None:
-        """Launched here and exited: how, with the last lines of its log; else None."""
-        if self.proc is None or self.proc.poll() is None:
-            return None
-        return f"; the server exited with code {self.proc.returncode}; the end of {self.log}: {self.log_tail()}"
-
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            text = self.log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(line.strip() for line in text[-lines:])
-
-
-def resolve(host: str | None, where: str, timeout: float) -> None:
-    """Refuse a host name that does not resolve within `timeout` (the resolver has no bound of its own: it runs on a
-    daemon thread)."""
-    if not host:
-        raise UserError(f"{where}: no host in the URL")
-    found = []
-
-    def look() -> None:
-        try:
-            found.append(socket.getaddrinfo(host, None))
-        except (OSError, UnicodeError) as e:  # gaierror; a label the IDNA codec refuses (over 63 characters)
-            found.append(e)
-
-    thread = threading.Thread(target=look, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not found:
-        raise UserError(f"{where}: the host {host} was not resolved within {timeout:.0f} s")
-    if isinstance(found[0], Exception):
-        reason = getattr(found[0], "strerror", None) or str(found[0])
-        raise UserError(f"{where}: the host {host} cannot be resolved ({reason}): is the name right?")
-
-
-def failure(e: BaseException, timeout: float) -> str:
-    """What a request that got no answer met, for a line naming the server: refused, silent, or the reason."""
-    reason = getattr(e, "reason", e)
-    if isinstance(reason, ConnectionRefusedError):
-        return (
-            "was refused: nothing listens at that address and port (a vLLM server listens once its model is loaded: "
-            "start the run once its /health answers)"
-        )
-    if timed_out(e):
-        return (
-            f"got no answer within {timeout:.0f} s (something there takes connections and answers nothing, or too "
-            "slowly to finish, or the host drops them)"
-        )
-    return f"failed ({reason})"
-
-
-def server_address(url: str) -> tuple[str, urllib.parse.SplitResult]:
-    """The flag's words for `url` and its parts, or UserError: a port that is not one, or a path, query or fragment
-    (an OpenAI client's base URL ends in /v1: the run and the preflight call vLLM's routes themselves)."""
-    where, parts = f"--generator-urls {url}", urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise UserError(f"{where}: not a server's URL: give http://HOST:PORT (or https://), the scheme included")
-    try:
-        _ = parts.port  # urlsplit checks the port when it is read
-    except ValueError as e:
-        raise UserError(f"{where}: {e}") from None
-    if parts.path.strip("/") or parts.query or parts.fragment:
-        raise UserError(
-            f"{where}: a URL with a path ({url.split(parts.netloc, 1)[1]}); give the server's address alone, "
-            f"{parts.scheme}://{parts.netloc} (the run calls vLLM's routes, /v1/models among them, itself)"
-        )
-    return where, parts
-
-
-def reach(url: str, timeout: float = PROBE_SECONDS) -> dict:
-    """Refuse in one line (UserError, naming the URL) a server the run did not launch that it cannot use: a URL that
-    is not a server's address, a host that does not resolve, no answer within `timeout`, no vLLM at least
-    SERVER_VERSION_FLOOR (GET /version: the weight versions of every token), /health failing. What else a server
-    needs (its weight and token routes, its model and context) tools/check_servers.py diagnoses: the docs tell a
-    --generator-urls user to run it first; the run meets those faults at its first publish or request."""
-    where, parts = server_address(url)
-    more = f" (python tools/check_servers.py {url} diagnoses it)"
-    resolve(parts.hostname, where, timeout)
-    try:
-        status, text = http_request(url + "/version", "GET", None, timeout, PROBE_BYTES)
-    except (OSError, http.client.HTTPException) as e:
-        raise UserError(f"{where}: GET /version {failure(e, timeout)}") from None
-    try:
-        if status != 200 or unreadable(text):
-            raise ValueError
-        version = str(json.loads(text)["version"])
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{where}: GET /version answered HTTP {status}: {text[:SHOWN_BYTES]!r}{more}") from None
-    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < SERVER_VERSION_FLOOR:
-        floor = ".".join(map(str, SERVER_VERSION_FLOOR))
-        raise UserError(
-            f"{where}: vLLM {version} (GET /version); the run needs vLLM {floor} or later on its servers (the weight "
-            "versions of every generated token): upgrade it"
-        )
-    why = Server(url).health()
-    if why:
-        raise UserError(f"{where}: GET /health {why}")
-    return {"url": url, "version": version}
-
-
-def check_model(url: str, tok, model: str) -> None:
-    """Refuse a server the run did not launch that serves another model than the run's: its tokenizer reads
-    MODEL_PROBE_TEXT as other token ids (the ids sent to it would be other text)."""
-    where = f"--generator-urls {url}"
-    ids = list(tok.encode(MODEL_PROBE_TEXT, add_special_tokens=False))
-    body = {"prompt": MODEL_PROBE_TEXT, "add_special_tokens": False}
-    try:
-        served = Server(url).post("/tokenize", body, PROBE_SECONDS, parse=lambda a: [int(t) for t in a["tokens"]])
-    except ServerError as e:
-        raise UserError(f"{where}: {e}") from None
-    if served != ids:
-        raise UserError(
-            f"{where}: serves another model than the run's --model {model}: its tokenizer reads {MODEL_PROBE_TEXT!r} "
-            f"as token ids {served[:8]}..., where the run's gives {ids[:8]}...; the run publishes its weights to it, "
-            "but the token ids it sends would be other text"
-        )
-
-
-def server_gpus(W: int, T: int, n_gpus: int) -> list[str | None]:
-    """The CUDA_VISIBLE_DEVICES entry of each launched server: the GPUs after the T trainers' (W + T <= n_gpus), else
-    shared round-robin (one GPU: the trainer's); None without GPUs. Mapped through an inherited CUDA_VISIBLE_DEVICES
-    (SLURM, containers; ordinals, UUIDs or MIG names alike): a child reads its value as physical devices."""
-    if not n_gpus:
-        return [None] * W
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in inherited.split(",")] if inherited else [str(i) for i in range(n_gpus)]
-    return [visible[(T + i) % n_gpus] for i in range(W)]
-
-
-LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: never in a forked child
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
-    """Have the kernel send this process `sig` once the thread of `parent` that started it ends (Linux's
-    PR_SET_PDEATHSIG; a no-op elsewhere), as a child's preexec_fn or in a process itself: a parent killed by SIGKILL
-    (kill -9, the OOM killer) runs no cleanup, and a server it launched would go on holding its GPU and port. Sent at
-    once when `parent` is already gone (it died before the call)."""
-    if LIBC is None:
-        return
-    LIBC.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:
-        os.kill(os.getpid(), sig)
-
-
-def check_generator_host(host: str) -> None:
-    """Refuse in one line a --generator-host that does not resolve, or is not an address of this machine (the servers
-    launched here listen on it): the address is bound as free_port binds it."""
-    where = f"--generator-host {host}"
-    resolve(host, where, PROBE_SECONDS)
-    try:
-        free_port(host)
-    except OSError as e:
-        raise UserError(
-            f"{where}: not an address of this machine ({e.strerror or e}): the servers launched here listen on it; "
-            "give one of this machine's addresses (127.0.0.1, or its own on the network)"
-        ) from None
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def launch_servers(
-    cfg: AsyncArgs, folder: Path, max_model_len: int, gpus: list, log_dir: Path, memory: float = 0.9
-) -> list[Server]:
-    """W `python -m vllm.entrypoints.openai.api_server` processes on this node (the module entry point: the CPU
-    wheel's `vllm serve` script fails), one per entry of `gpus`, on free ports of --generator-host; each in its own
-    session so that Ctrl-C reaches the trainer first and stop_servers ends them, and sent SIGTERM by the kernel when
-    the thread that launched it ends (die_with_parent: a trainer killed by SIGKILL leaves none behind). The caller's
-    thread must live as long as the servers: the main thread, in the run and in the test suite's fixture."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    servers = []
-    try:
-        for i, gpu in enumerate(gpus):
-            port = free_port(cfg.generator_host)
-            env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /collective_rpc, /update_weight_version
-            if gpu is None:  # vLLM's CPU default ("auto") would take most of the RAM for its KV cache
-                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = gpu
-            log = log_dir / f"server{i}.log"
-            with open(log, "w") as out:  # the server writes to its own copy of the file descriptor
-                proc = subprocess.Popen(
-                    server_command(cfg, folder, max_model_len, port, cpu=gpu is None, memory=memory),
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
-                )
-            servers.append(Server(f"http://{cfg.generator_host}:{port}", proc, log))
-    except BaseException:  # a failed launch or Ctrl-C: the ones started live in their own sessions, so end them here
-        stop_servers(servers)
-        raise
-    return servers
-
-
-def server_command(cfg: AsyncArgs, folder, max_model_len: int, port, cpu: bool, memory: float = 0.9) -> list[str]:
-    """The launch line of one server (docs/async.md gives it for other nodes); `memory`: its share of its GPU."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    cmd += ["--host", cfg.generator_host, "--port", str(port), "--dtype", "float32" if cpu else "bfloat16"]
-    cmd += ["--max-model-len", str(max_model_len), "--seed", str(cfg.seed), "--generation-config", "vllm"]
-    cmd += ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"]  # log_softmax(logits / T); token ids in/out
-    cmd += ["--no-enable-prefix-caching"]  # a cached prompt's KV would be the older weights' after a publish
-    if cpu:  # whole prefills: the CPU runner fails on a seeded request cut in two ("CPU Generator does not use offset")
-        cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]  # vLLM then fits a step's tokens to max_model_len
-    else:
-        cmd += ["--gpu-memory-utilization", str(memory), "--weight-transfer-config", '{"backend": "nccl"}']
-    return cmd
-
-
-def wait_ready(servers: list[Server], timeout: float = READY_SECONDS) -> float:
-    """Wait until every server answers /health (a line every STARTING_LINE_SECONDS names the launched ones still
-    starting and for how long), then warm each up with a WARM_UP_TOKENS request, the first reference of its bounds;
-    seconds waited. A launched server that exits, or that is not healthy after `timeout`, is a ServerError with its
-    log's last lines; a server the run did not launch is up (probe): one whose /health fails is named at once, and its
-    warm-up has the bound of any request (Server.bound: REQUEST_FLOOR), a launched server's START_SECONDS."""
-    t0 = said = time.monotonic()
-    starting = list(servers)
-    while starting:
-        for s in list(starting):
-            why = s.health()
-            if why is None:
-                starting.remove(s)
-            elif s.died():
-                raise ServerError(f"vLLM server {s.url} did not start{s.died()}")
-            elif s.proc is None:
-                raise ServerError(f"vLLM server {s.url}: /health {why}")
-        now = time.monotonic()
-        if starting and now - t0 > timeout:
-            s = starting[0]
-            raise ServerError(
-                f"vLLM server {s.url} not healthy after {timeout:.0f} s"
-                + (f"; the end of {s.log}: {s.log_tail()}" if s.log else "")
-            )
-        if starting and now - said >= STARTING_LINE_SECONDS:
-            print(
-                f"vLLM servers still starting after {now - t0:.0f} s: {', '.join(s.url for s in starting)}", flush=True
-            )
-            said = now
-        if starting:
-            time.sleep(1.0)
-    for s in servers:
-        t1 = time.monotonic()
-        s.post(GENERATE, {"token_ids": [0], "sampling_params": {"max_tokens": WARM_UP_TOKENS}}, s.bound(WARM_UP_TOKENS))
-        s.answered(WARM_UP_TOKENS, time.monotonic() - t1)
-    return time.monotonic() - t0
-
-
-def stop_servers(servers: list[Server], timeout: float = 20.0) -> None:
-    """End the servers this run launched (their whole process groups: vLLM starts an engine process)."""
-    for s in servers:
-        if s.proc is not None and s.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGTERM)
-                os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server must see the SIGTERM
-    deadline = time.monotonic() + timeout
-    for s in servers:
-        if s.proc is None:
-            continue
-        try:
-            s.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            s.proc.wait()
-        with contextlib.suppress(ProcessLookupError):  # the engine process, if it outlived the server
-            os.killpg(s.proc.pid, signal.SIGKILL)
-
-
-def on_daemons(fn, n: int) -> list:
-    """[fn(0), ..., fn(n - 1)] run together on daemon threads, raising the first error: a thread blocked on a hung
-    server must not hold the process at its exit (an executor's threads are joined then)."""
-    results, errors = [None] * n, []
-
-    def call(i: int) -> None:
-        try:
-            results[i] = fn(i)
-        except Exception as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def on_servers(servers: list[Server], fn) -> list:
-    """[fn(server, i) for each server], all together (on_daemons)."""
-    return on_daemons(lambda i: fn(servers[i], i), len(servers))
-
-
-def start_generators(
-    cfg: AsyncArgs, run_dir: Path, model, tok, T: int, device: torch.device, probed=()
-) -> list[Server]:
-    """--generator-urls (`probed`: what reach found of each), refused if one serves another model (check_model), or W
-    servers launched on this node from a plain folder of the current policy (`model`: rank 0's host copy) under the
-    run folder; not yet waited for."""
-    if cfg.generator_urls:
-        for info in probed:
-            check_model(info["url"], tok, cfg.model)
-        return [Server(url.rstrip("/")) for url in cfg.generator_urls]
-    try:
-        rg.import_vllm()
-    except rg.VLLMUnavailable as e:
-        raise UserError(f"async_pipeline.py launches vLLM servers: {e}") from None
-    folder = rg.export_plain_folder(model, tok, str(run_dir / "served"))
-    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    gpus = server_gpus(cfg.num_generators, T, n_gpus)
-    own = cfg.num_generators + T <= n_gpus  # else a server shares its GPU: --vllm-gpu-memory-utilization of it
-    memory = 0.9 if own else cfg.vllm_gpu_memory_utilization
-    return launch_servers(cfg, Path(folder), rg.context_length(model), gpus, run_dir / "servers", memory=memory)
-
-
 # ===== Checks and main ===========================================================================
 
 
 def validate(cfg: AsyncArgs, argv: list[str] = ()) -> None:
-    """replay_grpo.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
-    rg.validate(cfg, argv)
+    """flag_checks.validate, then the system's own flags and what the synchronous loop allows but this one cannot."""
+    flag_checks.validate(cfg, argv)
 
     def need(ok, message):
         if not ok:
@@ -1836,10 +1322,8 @@ def run_async(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    return rg.run_command(run_async, argv)
+    return reporting.run_command(run_async, argv)
 
 
 if __name__ == "__main__":
-    import async_pipeline  # run as the module that the tests and tools import: one copy of every class
-
-    async_pipeline.main()
+    main()

@@ -30,6 +30,10 @@ for confident tokens: a common logit offset cancels exactly and 1 - p_y is never
 "eager" (the reference and the CPU default): the same math tile by tile in torch ops on [token chunk x vocab
 chunk] logits from cuBLAS with fp32 output; the backward accumulates dW and dH in fp32 and writes each once.
 "auto" picks triton on CUDA when Triton imports, else eager.
+
+Then a causal LM's log-probs of (prompt, completion) pairs through token_logprobs: completion_logprobs forwards a
+micro-batch packed by pack (each distinct prompt once, with --share-prompts), and prompt_order puts a batch's rollouts
+of one prompt into one micro-batch.
 """
 
 import contextlib
@@ -37,6 +41,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -781,3 +786,102 @@ def checkpoint_layers(model, enabled: bool) -> None:
     (torch.utils.checkpoint, non-reentrant), the same gradients for a second forward of each layer."""
     if enabled:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# ===== A causal LM's log-probs of (prompt, completion) pairs: packed, each prompt forwarded once ==================
+
+
+class Packed(NamedTuple):
+    """A micro-batch's ids for one forward, and where its completion tokens are predicted. Unshared: a row per rollout
+    (prompt + completion, right-padded), `mask` its padding. Shared: a row per distinct prompt, its prompt less the last
+    token then one segment per completion (the prompt's last token, which predicts the first completion token, and the
+    completion), `mask` [rows, 1, L, L] the keys each position attends to: a segment sees its row's prompt and itself,
+    at `positions` that go on from the prompt's, so each completion is computed as in its own unshared row."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    index: torch.Tensor  # each completion token's flat position (row x L + column), in rollout order
+    targets: torch.Tensor  # the completion tokens, in rollout order
+    positions: torch.Tensor | None = None  # shared: each position's position id
+
+
+def pack(seqs: list[tuple[list[int], list[int]]], pad_id: int, device, share_prompts: bool = True) -> Packed:
+    """The forward's ids for (prompt, completion) pairs; no prompt logits are ever built. With share_prompts, a prompt
+    that several completions of `seqs` share is forwarded once (when none is shared, or a prompt is a single token:
+    the rows, unshared)."""
+    prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))  # distinct, in first-seen order
+    shared = share_prompts and len(prompts) < len(seqs) and min(map(len, prompts)) > 1
+    spans = []  # (row, the column predicting a completion's first token, its tokens)
+    if not shared:
+        rows = [list(p) + list(c) for p, c in seqs]
+        spans = [(i, len(p) - 1, len(c)) for i, (p, c) in enumerate(seqs)]
+    else:  # segments: 0 the prompt, i the i-th completion, -1 padding; positions go on from the prompt's
+        row_of = {p: i for i, p in enumerate(prompts)}
+        rows = [list(p[:-1]) for p in prompts]
+        segment, positions = [[0] * len(row) for row in rows], [list(range(len(row))) for row in rows]
+        for i, (p, c) in enumerate(seqs, start=1):
+            r = row_of[tuple(p)]
+            spans.append((r, len(rows[r]), len(c)))
+            rows[r] += [p[-1], *c]
+            segment[r] += [i] * (len(c) + 1)
+            positions[r] += range(len(p) - 1, len(p) + len(c))
+    length = max(map(len, rows))
+    pads = [length - len(row) for row in rows]
+    ids = torch.tensor([row + [pad_id] * n for row, n in zip(rows, pads)])  # lists first: one tensor, not a row each
+    index = torch.tensor([r * length + start + j for r, start, n in spans for j in range(n)], dtype=torch.long)
+    targets = torch.tensor([t for _, c in seqs for t in c], dtype=torch.long)
+    if not shared:
+        mask = torch.tensor([[1] * len(row) + [0] * n for row, n in zip(rows, pads)])
+        return Packed(ids.to(device), mask.to(device), index.to(device), targets.to(device))
+    segment = torch.tensor([row + [-1] * n for row, n in zip(segment, pads)])
+    positions = torch.tensor([row + list(range(len(row), length)) for row in positions])
+    # a position sees the keys before it in its own segment and in the prompt (padding: its own padding, never none)
+    mask = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0) & (segment[:, :, None] >= 0)
+    mask &= torch.ones(length, length, dtype=torch.bool).tril()
+    return Packed(ids.to(device), mask[:, None].to(device), index.to(device), targets.to(device), positions.to(device))
+
+
+def completion_logprobs(model, seqs, pad_id, temperature, entropy=False, share_prompts=True):
+    """fp32 log-probs (and entropy) of every completion token, flattened in rollout order, through
+    token_logprobs on the final hidden states and the LM head: never [tokens x vocab] logits. With
+    share_prompts, each distinct prompt of `seqs` is forwarded once (see pack; attention implementations other than
+    sdpa and eager take no such mask and get the rows unshared). `model` is a causal LM, or a module computing them
+    in its own forward (async_pipeline's FSDP2 root)."""
+    share_prompts = share_prompts and model.config._attn_implementation in ("sdpa", "eager")
+    packed = pack(seqs, pad_id, next(model.parameters()).device, share_prompts)
+    if getattr(model, "computes_logprobs", False):
+        return model(packed, temperature, entropy)
+    return packed_logprobs(model, packed, temperature, entropy=entropy)
+
+
+def packed_logprobs(model, packed: Packed, temperature, entropy=False):
+    """completion_logprobs on a Packed micro-batch: one forward of the rows, the completion tokens' hidden states
+    gathered in rollout order."""
+    device, base = packed.ids.device, model.base_model
+    mask = packed.mask
+    if mask.dim() == 4 and base.config._attn_implementation == "eager":  # eager adds its mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    with autocast(device):
+        hidden = base(input_ids=packed.ids, attention_mask=mask, position_ids=packed.positions, use_cache=False)
+    hidden = hidden.last_hidden_state.flatten(0, 1)[packed.index]
+    head = model.get_output_embeddings().weight  # tied: the embedding, so its gradient reaches it
+    dtype = compute_dtype(device) if head.dtype == torch.float32 else head.dtype  # a generator's copy: as is
+    return token_logprobs(
+        hidden.to(dtype), head.to(dtype), packed.targets, temperature=temperature, return_entropy=entropy
+    )
+
+
+def prompt_order(batch: list, micro_batch_size: int) -> list:
+    """The batch reordered so that rollouts of one prompt share a micro-batch where they can: each micro-batch is
+    filled with whole groups (same prompt ids; the largest that fits first, equal sizes in the order drawn), then with
+    the start of the largest left, whose rest opens the next micro-batch. The same draw gives the same order."""
+    groups: dict[tuple, list] = {}
+    for r in batch:
+        groups.setdefault(tuple(r.prompt_ids), []).append(r)
+    pending = sorted(groups.values(), key=len, reverse=True)  # stable: equal sizes keep the order drawn
+    out, rest = [], []
+    while pending or rest:
+        room = micro_batch_size - len(out) % micro_batch_size
+        group = rest or pending.pop(next((i for i, g in enumerate(pending) if len(g) <= room), 0))
+        out, rest = out + group[:room], group[room:]
+    return out

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import replay_grpo as rg
-import warm_start
+from infra import evaluation, generation, models, reporting, run_folder, tasks, warm_start
 
 ROOT = Path(__file__).resolve().parent
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # xdist workers share the cores: torch's threads fight (4x slower)
@@ -199,15 +199,15 @@ def test_token_weights_sum_to_one_over_the_batch():
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     return model, tok
 
 
 def make_batch(tiny, n_prompts=3, G=4, seed=0):
     model, tok = tiny
     cfg = rg.Args(group_size=G, max_new_tokens=5, sft_warmup_steps=0)
-    task = rg.make_arith_task(cfg)
-    gen = rg.HFGenerator(model, tok)
+    task = tasks.make_arith_task(cfg)
+    gen = generation.HFGenerator(model, tok)
     torch.manual_seed(seed)
     rollouts, _ = rg.make_rollouts(gen, tok, task, task.sample(random.Random(seed), n_prompts), cfg, 0)
     return cfg, rollouts
@@ -392,7 +392,7 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
 def training_records(run_dir):
     """Every metrics record's training fields (not evaluation, not what the clock measured)."""
     return [
-        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or reporting.measured_on_this_machine(k))}
         for r in metrics(run_dir)
     ]
 
@@ -525,10 +525,12 @@ def test_a_flag_outside_the_warm_start_key_changes_nothing_in_the_warm_start(tmp
     assert warm_start.warm_start_key(other, cpu) == warm_start.warm_start_key(cfg, cpu)
     results = []
     for c in (cfg, other):
-        rg.run_folder.seed_everything(c.seed)
-        model, _, _, info = warm_start.train_and_cache(c, cpu, rg.make_task(c), tmp_path / c.out_dir / "cache")
+        run_folder.seed_everything(c.seed)
+        model, _, _, info = warm_start.train_and_cache(
+            c, cpu, tasks.make_task(c), tmp_path / c.out_dir / "cache", verifiers=rg.VERIFIERS
+        )
         info.pop("seconds")
-        results.append((model.state_dict(), info, rg.run_folder.rng_state()["torch"]))
+        results.append((model.state_dict(), info, run_folder.rng_state()["torch"]))
     (weights_a, info_a, rng_a), (weights_b, info_b, rng_b) = results
     assert info_a == info_b and info_a["pass@k"] is not None and torch.equal(rng_a, rng_b)  # the checks ran
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
@@ -571,9 +573,11 @@ def test_sft_imitation_trains_more_rounds_only_while_the_check_falls_short(tmp_p
     monkeypatch.setitem(rg.VERIFIERS, "numeric", lambda text, gold: True)
     for name, flags in (("off", []), ("met", ["--sft-imitation", "0.9"])):
         cfg = rg.parse_args(small_args(tmp_path / name, "--sft-warmup-steps", "4", "--sft-lr-decay", *flags))
-        rg.run_folder.seed_everything(cfg.seed)
-        model, _, _, info = warm_start.train_and_cache(cfg, cpu, rg.make_task(cfg), tmp_path / name / "cache")
-        results[name] = (model.state_dict(), rg.run_folder.rng_state()["torch"], info)
+        run_folder.seed_everything(cfg.seed)
+        model, _, _, info = warm_start.train_and_cache(
+            cfg, cpu, tasks.make_task(cfg), tmp_path / name / "cache", verifiers=rg.VERIFIERS
+        )
+        results[name] = (model.state_dict(), run_folder.rng_state()["torch"], info)
     (w_off, rng_off, info_off), (w_met, rng_met, info_met) = results["off"], results["met"]
     assert info_off["steps"] == info_met["steps"] == 4 and (info_off["imitation"], info_met["imitation"]) == ([], [1])
     assert torch.equal(rng_off, rng_met) and all(torch.equal(w_off[k], w_met[k]) for k in w_off)
@@ -592,7 +596,7 @@ def test_sft_imitation_trains_more_rounds_only_while_the_check_falls_short(tmp_p
     assert first["warmstart_steps"] == 4 + 2 * warm_start.SKILL_ROUNDS and first["warmstart_imitation"] == 0
     warm, rounds = [1e-3, 7.5e-4, 5e-4, 2.5e-4], [5e-4, 2.5e-4] * warm_start.SKILL_ROUNDS  # half of --sft-lr
     assert lrs[: 4 + 2 * warm_start.SKILL_ROUNDS] == pytest.approx(warm + rounds)
-    task = rg.make_task(rg.parse_args(args))
+    task = tasks.make_task(rg.parse_args(args))
     assert asked[: len(task.eval)] == [str(int(ex.answer) + 1) for ex in task.eval]  # its usual answer: error 0.75
     assert "below --sft-imitation 0.5" in capsys.readouterr().out
 
@@ -620,12 +624,12 @@ def test_sft_lr_decay_lowers_the_warm_start_lr_linearly_to_its_last_step(tmp_pat
 
 def test_arith_task_is_seeded_and_splits_are_disjoint():
     cfg = rg.Args(eval_size=50)
-    task = rg.make_arith_task(cfg)
+    task = tasks.make_arith_task(cfg)
     train = task.sample(random.Random(0), 2000)
     assert task.sample(random.Random(0), 5) == train[:5]
     assert not {e.prompt for e in train} & {e.prompt for e in task.eval}
     assert len(task.eval) == 50 and all(str(eval(e.prompt[:-1])) == e.answer for e in task.eval)
-    worked = rg.make_arith_task(rg.Args(arith_terms=3)).sample(random.Random(1), 3)
+    worked = tasks.make_arith_task(rg.Args(arith_terms=3)).sample(random.Random(1), 3)
     assert all(e.solution.count("=") == 2 and e.solution.endswith(e.answer) for e in worked)
 
 
@@ -645,16 +649,16 @@ def test_verifier_errors_and_timeouts_give_zero_and_are_counted():
         time.sleep(5)
         return True
 
-    assert rg.score(broken, "1", "1", 1.0) == (0.0, "error")
+    assert tasks.score(broken, "1", "1", 1.0) == (0.0, "error")
     t0 = time.time()
-    assert rg.score(slow, "1", "1", 0.2) == (0.0, "timeout") and time.time() - t0 < 2
-    assert rg.score(rg.numeric_match, "1", "1", 1.0) == (1.0, None)
+    assert tasks.score(slow, "1", "1", 0.2) == (0.0, "timeout") and time.time() - t0 < 2
+    assert tasks.score(rg.numeric_match, "1", "1", 1.0) == (1.0, None)
 
 
 def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     again = AutoTokenizer.from_pretrained(tmp_path)
@@ -664,12 +668,12 @@ def test_tiny_tokenizer_round_trips_through_autotokenizer(tmp_path):
 
 
 def test_prompts_use_the_chat_template():
-    _, tok = warm_start.build_tiny_model(0)
+    _, tok = models.build_tiny_model(0)
     tok.chat_template = (
         "{% for m in messages %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    ids = rg.render_prompt(tok, "1+1=")
+    ids = models.render_prompt(tok, "1+1=")
     assert tok.decode(ids) == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
@@ -678,7 +682,7 @@ def test_gsm8k_loads_from_a_local_copy(tmp_path):
     row = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"}
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
-    task = rg.make_task(rg.Args(task="gsm8k", data_path=str(tmp_path), eval_size=1))
+    task = tasks.make_task(rg.Args(task="gsm8k", data_path=str(tmp_path), eval_size=1))
     ex = task.eval[0]
     assert ex.answer == "7" and ex.prompt.startswith("Tom has") and "\\boxed{}" in ex.prompt
     assert rg.numeric_match("so \\boxed{7}", ex.answer) and "\\boxed{7}" in ex.solution
@@ -761,7 +765,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
     # is not finite, so those steps are skipped (weights untouched), counted, and the run stops.
     from unittest import mock
 
-    real = rg.HFGenerator._generate
+    real = generation.HFGenerator._generate
     calls = {"n": 0}
 
     def poisoned(self, *a, **kw):
@@ -775,7 +779,7 @@ def test_nonfinite_losses_are_skipped_counted_and_stop_the_run(tmp_path, capsys,
         return groups
 
     monkeypatch.setattr(rg, "MAX_NONFINITE_STEPS", 3)
-    with mock.patch.object(rg.HFGenerator, "_generate", poisoned):
+    with mock.patch.object(generation.HFGenerator, "_generate", poisoned):
         err = user_error(capsys, small_args(tmp_path, "--run-name", "nan", "--total-steps", "20", "--eval-every", "1"))
     assert "3 steps in a row had a NaN/inf loss" in err and f"the last checkpoint in {tmp_path / 'nan'} is kept" in err
     recs = metrics(tmp_path / "nan")
@@ -903,9 +907,9 @@ def test_samples_are_written_at_evaluations_and_every_sample_every_steps(tmp_pat
     evals = [r for r in rows if r["source"] == "eval (greedy)"]
     train = [r for r in rows if r["source"] == "train"]
     assert sorted({r["step"] for r in evals}) == [0, 2, 4]
-    assert all(len([e for e in evals if e["step"] == s]) == rg.SAMPLES for s in (0, 2, 4))
-    assert {r["step"] for r in train} == {3} and len(train) == rg.SAMPLES
-    task = rg.make_task(rg.parse_args(small_args(tmp_path)))
+    assert all(len([e for e in evals if e["step"] == s]) == evaluation.SAMPLES for s in (0, 2, 4))
+    assert {r["step"] for r in train} == {3} and len(train) == evaluation.SAMPLES
+    task = tasks.make_task(rg.parse_args(small_args(tmp_path)))
     golds = {ex.prompt: ex.answer for ex in task.eval}
     for r in evals:
         assert set(r) == {"step", "source", "prompt", "completion", "gold", "reward", "truncated"}

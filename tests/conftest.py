@@ -6,7 +6,7 @@ The servers also take `--weight-transfer-config {"backend": "nccl"}`, as launche
 stand-in for the NCCL data plane (tests/vllm_plugin) on their PYTHONPATH, so that the nccl route runs on a CPU.
 
 Nothing of the suite outlives a killed test run: the servers get SIGTERM from the kernel when the thread that launched
-them ends (async_pipeline.die_with_parent), their process groups are killed at the interpreter's exit, a SIGTERM
+them ends (serving.die_with_parent), their process groups are killed at the interpreter's exit, a SIGTERM
 stops the session as Ctrl-C does (the fixtures' teardown runs), and a pytest-xdist worker gets SIGTERM when its
 controller dies."""
 
@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import async_pipeline as ap
-import replay_grpo as rg
-import warm_start
+from infra import generation, models, serving
 
 SERVER_HOST = "127.0.0.2"
 PLUGIN = Path(__file__).resolve().parent / "vllm_plugin"
@@ -41,13 +39,13 @@ def pytest_configure(config):
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, interrupted)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        ap.die_with_parent(os.getppid())
+        serving.die_with_parent(os.getppid())
 
 
 @atexit.register
 def stop_launched() -> None:
     """The process group of every server still running, at the interpreter's exit (a session cut short)."""
-    ap.stop_servers(LAUNCHED, timeout=5.0)
+    serving.stop_servers(LAUNCHED, timeout=5.0)
 
 
 def pytest_collection_modifyitems(items):
@@ -63,7 +61,7 @@ def untied_tiny(seed: int):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    model, tok = warm_start.build_tiny_model(seed)
+    model, tok = models.build_tiny_model(seed)
     model.config.tie_word_embeddings = False
     torch.manual_seed(seed + 1)
     untied = Qwen2ForCausalLM(model.config)
@@ -86,20 +84,20 @@ def vllm_servers(tmp_path_factory):
     """{"tied": Server, "untied": Server}: each serving a tiny Qwen2 folder, launched by async_pipeline itself."""
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":
-            raise RuntimeError("vLLM is not installed: " + rg.VLLM_INSTALL)
-        pytest.skip("vLLM is not installed (" + rg.VLLM_INSTALL + ")")
+            raise RuntimeError("vLLM is not installed: " + generation.VLLM_INSTALL)
+        pytest.skip("vLLM is not installed (" + generation.VLLM_INSTALL + ")")
     root = tmp_path_factory.mktemp("servers")
     cfg = types.SimpleNamespace(generator_host=SERVER_HOST, seed=0)
-    servers, command = {}, ap.server_command
+    servers, command = {}, serving.server_command
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGIN), os.environ.get("PYTHONPATH")])))
-            mp.setattr(ap, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
-            for name, (model, tok) in (("tied", warm_start.build_tiny_model(0)), ("untied", untied_tiny(0))):
-                folder = rg.export_plain_folder(model, tok, str(root / name))
-                (servers[name],) = ap.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
+            mp.setattr(serving, "server_command", lambda *a, **k: command(*a, **k) + NCCL_CONFIG)
+            for name, (model, tok) in (("tied", models.build_tiny_model(0)), ("untied", untied_tiny(0))):
+                folder = models.export_plain_folder(model, tok, str(root / name))
+                (servers[name],) = serving.launch_servers(cfg, folder, 512, [None], root / f"{name}-log")
                 LAUNCHED.append(servers[name])
-        ap.wait_ready(list(servers.values()), timeout=600)
+        serving.wait_ready(list(servers.values()), timeout=600)
         yield servers
     finally:
-        ap.stop_servers(list(servers.values()))
+        serving.stop_servers(list(servers.values()))

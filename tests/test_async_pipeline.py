@@ -26,8 +26,9 @@ sys.path[:0] = PATH.split(os.pathsep)
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=PATH)
 
 import async_pipeline as ap  # noqa: E402
+import kernels  # noqa: E402
 import replay_grpo as rg  # noqa: E402
-import warm_start  # noqa: E402
+from infra import evaluation, generation, models, run_folder, serving, tasks, warm_start  # noqa: E402
 
 TINY = (
     "--preset cpu --sft-warmup-steps 0 --group-size 4 --prompts-per-step 2 --batch-size 8 "
@@ -99,13 +100,13 @@ def cmdline(pid: int) -> str:
 
 class Run:
     """A CLI run in its own session; remembers every process it ever had below it. It gets SIGTERM (a Ctrl-C to the
-    run) when the test process ends, SIGKILL included (async_pipeline.die_with_parent)."""
+    run) when the test process ends, SIGKILL included (serving.die_with_parent)."""
 
     def __init__(self, cmd: list[str], preexec_fn=None, env: dict | None = None):
         self.t0, self.seen, parent = time.time(), set(), os.getpid()
 
         def child() -> None:
-            ap.die_with_parent(parent)
+            serving.die_with_parent(parent)
             if preexec_fn is not None:
                 preexec_fn()
 
@@ -192,7 +193,7 @@ def test_two_ranks_write_rank_0s_trained_samples_every_sample_every_steps(two_ra
     run_dir, _ = two_rank_run
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["source"] == "train"]
-    assert sorted({r["step"] for r in train}) == [3, 6] and len(train) == 2 * rg.SAMPLES
+    assert sorted({r["step"] for r in train}) == [3, 6] and len(train) == 2 * evaluation.SAMPLES
     assert all(r["staleness"] >= 0 and r["gold"] and "advantage" in r for r in train)
 
 
@@ -354,7 +355,7 @@ def test_one_process_without_torchrun_and_ctrl_c(tmp_path):
 
 
 def prompts_of(tok, texts=("12+7=", "3+45=", "99+1=")) -> list[list[int]]:
-    return [rg.render_prompt(tok, t) for t in texts]
+    return [models.render_prompt(tok, t) for t in texts]
 
 
 def served_and_trained(
@@ -367,13 +368,13 @@ def served_and_trained(
         count = publisher.count
         publisher.publish(model.state_dict(), version, wait=True)
         assert publisher.error is None and publisher.count == count + 1
-    generator = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0))
+    generator = ap.ServerGenerator(server, generation.stop_token_ids(model, tok), random.Random(0))
     prompts = prompts_of(tok)
     groups = generator.generate(prompts, 4, 8, temperature=1.0)
     samples = [s for g in groups for s in g]
     pairs = [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)]
     with torch.no_grad():
-        trained = rg.completion_logprobs(model, pairs, tok.pad_token_id, 1.0)
+        trained = kernels.completion_logprobs(model, pairs, tok.pad_token_id, 1.0)
     return samples, torch.cat([s.logprobs for s in samples]), trained
 
 
@@ -389,7 +390,7 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
 
     for name, function in cpu_data_plane().items():
         monkeypatch.setattr(nccl_engine, name, function)
-    build = warm_start.build_tiny_model if head == "tied" else untied_tiny
+    build = models.build_tiny_model if head == "tied" else untied_tiny
     server = vllm_servers[head]
     (a, tok), (b, _) = build(11), build(12)
     tied, cpu = head == "tied", torch.device("cpu")
@@ -404,7 +405,7 @@ def test_a_publish_changes_the_served_logprobs_to_the_new_weights(vllm_servers, 
     assert how == "disk" or not (tmp_path / "model.safetensors").exists()  # the weights went over the group
     pairs = [(p, s.completion_ids) for p, s in zip([q for q in prompts_of(tok) for _ in range(4)], samples)]
     with torch.no_grad():
-        old = rg.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
+        old = kernels.completion_logprobs(a, pairs, tok.pad_token_id, 1.0)
     assert (old - served).abs().max() > 1e-2  # the two policies differ where the server was scored
 
 
@@ -434,7 +435,7 @@ def test_one_broadcast_reaches_every_server(vllm_servers, tmp_path, monkeypatch)
     publisher = ap.Publisher(servers, "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
     try:
         for version, seed in ((41, 41), (42, 42)):
-            model, tok = warm_start.build_tiny_model(seed)
+            model, tok = models.build_tiny_model(seed)
             for i, server in enumerate(servers):  # one publish, then each server sampled
                 samples, served, trained = served_and_trained(publisher, server, model, tok, version, publish=i == 0)
                 assert torch.allclose(served, trained, atol=1e-4), (server.url, (served - trained).abs().max())
@@ -468,10 +469,10 @@ def test_a_publish_that_loads_other_weights_is_named_with_its_server_and_version
     match the trainer's at that version; a reload made to load other weights (another model's; the old weights
     under the new version, as a reload that silently did nothing) stops the publisher with one line naming the
     server and the version."""
-    model, tok = warm_start.build_tiny_model(21)
-    other, _ = warm_start.build_tiny_model(22)
+    model, tok = models.build_tiny_model(21)
+    other, _ = models.build_tiny_model(22)
     server = vllm_servers["tied"]
-    pairs = ap.probe_pairs(rg.make_task(rg.parse_args([])), tok)
+    pairs = ap.probe_pairs(tasks.make_task(rg.parse_args([])), tok)
     probe = (pairs, ap.trainer_logprobs(model, pairs, tok))
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 30, wait=True, check=probe)
@@ -503,24 +504,24 @@ def test_the_evaluation_on_a_server_is_the_hf_evaluation(vllm_servers, tmp_path)
     """async_pipeline.py evaluates on a server holding the published weights: its greedy completions of the held-out
     prompts are HF generate's token for token, the greedy accuracy is the same, and the record names the version;
     an answer from other weights than the version evaluated is one line naming the server."""
-    model, tok = warm_start.build_tiny_model(51)
+    model, tok = models.build_tiny_model(51)
     server = vllm_servers["tied"]
     cfg = ap.parse_args(TINY + ["--max-new-tokens", "12", "--eval-size", "16"])
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="127.0.0.1")
     publisher.publish(model.state_dict(), 51, wait=True)
     publisher.close()
     assert publisher.error is None
-    eos = rg.stop_token_ids(model, tok)
-    on_server, hf = ap.ServerEvaluator(server, eos, policy_version=51, seed=0), rg.HFGenerator(model, tok)
+    eos = generation.stop_token_ids(model, tok)
+    on_server, hf = ap.ServerEvaluator(server, eos, policy_version=51, seed=0), generation.HFGenerator(model, tok)
     hf.policy_version = 51
-    prompts = [rg.render_prompt(tok, ex.prompt) for ex in task.eval]
+    prompts = [models.render_prompt(tok, ex.prompt) for ex in task.eval]
     greedy = [[s.completion_ids for s in g] for g in (hf.generate(prompts, 1, 12, 0.0, logprobs=False))]
     assert [[s.completion_ids for s in g] for g in on_server.generate(prompts, 1, 12, 0.0)] == greedy
-    metrics, _ = rg.evaluate(on_server, tok, task, cfg)
-    reference, _ = rg.evaluate(hf, tok, task, cfg)
+    metrics, _ = evaluation.evaluate(on_server, tok, task, cfg, verifiers=rg.VERIFIERS)
+    reference, _ = evaluation.evaluate(hf, tok, task, cfg, verifiers=rg.VERIFIERS)
     assert metrics["eval/policy_version"] == 51 and metrics["eval/greedy_acc"] == reference["eval/greedy_acc"]
-    with pytest.raises(ap.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
+    with pytest.raises(serving.ServerError, match=f"^vLLM server {server.url}: the evaluation of version 52 came back"):
         ap.ServerEvaluator(server, eos, policy_version=52, seed=0).generate(prompts[:2], 1, 4, 0.0)
 
 
@@ -539,7 +540,7 @@ def test_closing_the_nccl_publisher_waits_for_the_broadcast_under_way(vllm_serve
     for name, function in plane.items():
         monkeypatch.setattr(nccl_engine, name, function)
     monkeypatch.setattr(nccl_engine, "packed_nccl_broadcast_producer", slow_producer)
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     server, cpu = vllm_servers["tied"], torch.device("cpu")
     publisher = ap.Publisher([server], "nccl", tmp_path, torch.float32, tied=True, address="127.0.0.1", device=cpu)
     publisher.publish(model.state_dict(), 3)
@@ -560,7 +561,7 @@ def generated_tokens(server) -> float:
 def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_servers, tmp_path):
     """A long request is paused (its tokens kept), the weights change, it resumes: its tokens carry both versions,
     and make_rollouts counts it as mixed with the oldest version as its policy_version."""
-    model, tok = warm_start.build_tiny_model(13)
+    model, tok = models.build_tiny_model(13)
     server = vllm_servers["tied"]
     publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 20, wait=True)
@@ -589,7 +590,7 @@ def test_requests_in_flight_across_a_publish_come_back_with_version_spans(vllm_s
             return [samples[:n]]
 
     cfg = rg.parse_args(["--group-size", "4"])
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     rollouts, counts = rg.make_rollouts(Served(), tok, task, task.sample(random.Random(0), 1), cfg, 0)
     assert counts["mixed_version_rollouts"] == 4 and {r.policy_version for r in rollouts} == {20}
 
@@ -612,30 +613,32 @@ def test_the_rollout_loop_hands_out_the_freshest_first_within_its_slots():
     assert [m["id"] for m in loop.receive(wait=0, limit=None)] == [3] and loop.depth() == 0
     loop.ready = [{"id": 4, "passed": 0}]
     assert loop.receive(wait=0, limit=0) == [] and loop.ready[0]["passed"] == 0  # nothing taken, none passed over
-    loop.errors.append(ap.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
+    loop.errors.append(serving.ServerError("vLLM server http://x: /inference/v1/generate failed (timed out)"))
     assert loop.failure() == "vLLM server http://x: /inference/v1/generate failed (timed out)"
 
 
 def test_a_server_error_is_one_line_naming_the_server(vllm_servers):
     server = vllm_servers["tied"]
-    with pytest.raises(ap.ServerError) as e:
+    with pytest.raises(serving.ServerError) as e:
         server.post("/collective_rpc", {"method": "no_such_method"})
     assert str(e.value).startswith(f"vLLM server {server.url}: /collective_rpc answered 500") and "\n" not in str(
         e.value
     )
-    with pytest.raises(ap.ServerError, match=r"^vLLM server http://127.0.0.2:1: /health failed \("):
-        ap.Server("http://127.0.0.2:1").post("/health", timeout=5)
+    with pytest.raises(serving.ServerError, match=r"^vLLM server http://127.0.0.2:1: /health failed \("):
+        serving.Server("http://127.0.0.2:1").post("/health", timeout=5)
 
 
 def test_more_prompt_tokens_in_flight_than_a_step_prefills_come_back_from_a_cpu_server(vllm_servers, tmp_path):
     """Ten prompts of 300 tokens, more than one step of vLLM's CPU server prefills (2,048): each is prefilled whole,
     as a seeded request cut in two stops the CPU runner ('CPU Generator does not use offset', a 500 for every one)."""
-    model, tok = warm_start.build_tiny_model(0)
-    prompts = [rg.render_prompt(tok, f"{i}+{i}=" * 100)[:300] for i in range(10)]
+    model, tok = models.build_tiny_model(0)
+    prompts = [models.render_prompt(tok, f"{i}+{i}=" * 100)[:300] for i in range(10)]
     assert sum(map(len, prompts)) == 3000
     server = vllm_servers["tied"]
     ap.Publisher([server], "disk", tmp_path, torch.float32, True, "127.0.0.1").publish(model.state_dict(), 1, wait=True)
-    groups = ap.ServerGenerator(server, rg.stop_token_ids(model, tok), random.Random(0)).generate(prompts, 2, 4, 1.0)
+    groups = ap.ServerGenerator(server, generation.stop_token_ids(model, tok), random.Random(0)).generate(
+        prompts, 2, 4, 1.0
+    )
     assert [len(g) for g in groups] == [2] * 10 and all(1 <= len(s.completion_ids) <= 4 for g in groups for s in g)
 
 
@@ -645,12 +648,12 @@ def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
 
     cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
     (tmp_path / "empty").mkdir()
-    servers = ap.launch_servers(cfg, tmp_path / "empty", 512, [None], tmp_path / "log")
+    servers = serving.launch_servers(cfg, tmp_path / "empty", 512, [None], tmp_path / "log")
     try:
-        with pytest.raises(ap.ServerError) as e:
-            ap.wait_ready(servers, timeout=600)
+        with pytest.raises(serving.ServerError) as e:
+            serving.wait_ready(servers, timeout=600)
     finally:
-        ap.stop_servers(servers)
+        serving.stop_servers(servers)
     line = str(e.value)
     assert line.startswith(f"vLLM server {servers[0].url} did not start; the server exited with code 1")
     assert f"the end of {tmp_path / 'log' / 'server0.log'}: " in line and "\n" not in line, line
@@ -659,7 +662,7 @@ def test_a_server_that_does_not_start_is_one_line_with_its_log(tmp_path):
 def test_the_weight_transfer_is_nccl_only_where_every_server_has_its_own_gpu(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert ap.weight_transfer(ap.parse_args(TINY), cpu, 1) == "disk"
-    with pytest.raises(rg.UserError, match="^--weight-transfer nccl needs CUDA"):
+    with pytest.raises(run_folder.UserError, match="^--weight-transfer nccl needs CUDA"):
         ap.weight_transfer(ap.parse_args(TINY + ["--weight-transfer", "nccl"]), cpu, 1)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     five = ap.parse_args(TINY + ["--num-generators", "5"])
@@ -680,14 +683,14 @@ def test_where_the_servers_are_does_not_change_the_warm_start():
 def test_launched_servers_take_the_gpus_after_the_trainers(tmp_path, monkeypatch):
     """One server per GPU after the trainers' (round-robin when fewer), each seeing only its own; CPU servers run
     eager with a bounded KV cache. The launch lines only (Popen recorded): no GPU here."""
-    assert ap.server_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
-    assert ap.server_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
-    assert ap.server_gpus(2, 1, 0) == [None, None]  # CPU
+    assert serving.server_gpus(5, 3, 8) == ["3", "4", "5", "6", "7"]  # (W, T) = (5, 3) on one 8-GPU node
+    assert serving.server_gpus(1, 1, 1) == ["0"]  # one GPU: shared with the trainer
+    assert serving.server_gpus(2, 1, 0) == [None, None]  # CPU
     launched = []
-    monkeypatch.setattr(ap.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
+    monkeypatch.setattr(serving.subprocess, "Popen", lambda cmd, env, **kw: launched.append((cmd, env)))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     cfg = ap.parse_args(TINY)
-    ap.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
+    serving.launch_servers(cfg, tmp_path, 512, ["2", "3", None], tmp_path)
     (gpu2, env2), (gpu3, env3), (cpu, env_cpu) = launched
     assert env2["CUDA_VISIBLE_DEVICES"] == "2" and env3["CUDA_VISIBLE_DEVICES"] == "3"
     assert '{"backend": "nccl"}' in gpu2 and "--enforce-eager" not in gpu2
@@ -706,10 +709,10 @@ def test_servers_launched_before_a_failed_launch_are_stopped(tmp_path, monkeypat
         started.append(real(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(ap.subprocess, "Popen", popen)
+    monkeypatch.setattr(serving.subprocess, "Popen", popen)
     cfg = types.SimpleNamespace(generator_host="127.0.0.2", seed=0)
     with pytest.raises(KeyboardInterrupt):
-        ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+        serving.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
     assert len(started) == 1 and started[0].poll() is not None
 
 
@@ -748,7 +751,7 @@ def fsdp_check(agg: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = rg.parse_args(["--loss", "asymre", "--loss-agg", agg, "--micro-batch-size", "2", "--lr", "1e-2"])
-    model, tok = warm_start.build_tiny_model(0)  # tied embeddings: the head is the embedding
+    model, tok = models.build_tiny_model(0)  # tied embeddings: the head is the embedding
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (3 + i,), generator=g).tolist() for i in range(3)]  # each rank gets one twice
     batch = []
@@ -771,21 +774,21 @@ def fsdp_check(agg: str) -> None:
     model_init = copy.deepcopy(model.state_dict())
     ref_stats = rg.train_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), batch, cfg, tok.pad_token_id, 0)
     shares = []  # the ranks' micro-batches forward a shared prompt once, through FSDP2's root and blocks
-    pack = rg.pack
+    pack = kernels.pack
 
     def counting_pack(*args, **kwargs):
         packed = pack(*args, **kwargs)
         shares.append(packed.positions is not None)
         return packed
 
-    rg.pack = counting_pack
+    kernels.pack = counting_pack
     policy = ap.LogprobPolicy(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     stats = rg.train_step(policy, optimizer, batch[4 * rank : 4 * rank + 4], cfg, tok.pad_token_id, 0)
-    rg.pack = pack
+    kernels.pack = pack
     assert any(shares), shares
     grads = {n.removeprefix("policy."): p.grad.full_tensor() for n, p in policy.named_parameters()}
     losses = [None, None]
@@ -883,8 +886,6 @@ def test_an_async_checkpoints_config_states_the_dtype_of_its_weights(tmp_path, m
     """Rank 0 saves the gathered fp32 masters through its copy in the compute dtype (bf16 on GPUs, simulated
     here): config.json says float32, so from_pretrained loads what the file holds."""
     from safetensors.torch import load_file
-
-    import kernels
 
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     ap.main(tiny + ["--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "d"])

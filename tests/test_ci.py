@@ -4,8 +4,6 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,21 +28,43 @@ def test_the_source_check_names_each_kind_of_violation():
     assert check.violations(Path("README.md"), f"see {other}\n", {other}) == []
 
 
-@pytest.mark.parametrize("name", ["replay_grpo.py", "async_pipeline.py"])
-def test_the_source_check_keeps_the_method_and_the_system_first(name):
-    """replay_grpo.py's marked method end and async_pipeline.py's train_async before their lines, each with 40 lines
-    of room at least: the real files pass; pushed down, or without the line, they fail in one line each."""
+def test_the_source_check_fails_on_a_module_beneath_the_entries_that_imports_one():
+    """infra/ and kernels.py import neither entry: an import of one, at the top or inside a function, plain or from,
+    fails in one line; a tool may import the method; the real folder and kernels.py pass."""
     check = load_check()
-    path, (start, limit) = Path(name), check.POSITIONS[name]
-    text = (ROOT / path).read_text()
-    assert check.violations(path, text, set()) == []
-    at = next(i + 1 for i, line in enumerate(text.splitlines()) if line.startswith(start))
-    assert at <= limit - 40, f"{name}: {start!r} at line {at}, less than 40 lines before its limit {limit}"
-    found = check.violations(path, "\n" * (limit - at) + text, set())  # pushed down to its limit
-    assert found == [f"{name}:{limit}: {start!r} must start before line {limit} (the method or system first)"]
-    assert check.violations(path, text.replace(start, "# gone"), set()) == [
-        f"{name}:-: {start!r} must start before line {limit} (the method or system first)"
+    why = "an entry: infra/ and kernels.py lie beneath both entries and import neither (pass what they need of the "
+    why += "method in)"
+    code = "import os\nimport replay_grpo as rg\n\n\ndef f():\n    from async_pipeline import AsyncArgs\n"
+    assert check.violations(Path("infra/tasks.py"), code, set()) == [
+        f"infra/tasks.py:2: imports replay_grpo, {why}",
+        f"infra/tasks.py:6: imports async_pipeline, {why}",
     ]
+    assert check.violations(Path("kernels.py"), "import replay_grpo.x\n", set()) == [
+        f"kernels.py:1: imports replay_grpo, {why}"
+    ]
+    assert check.violations(Path("tools/sweep.py"), "import replay_grpo\n", set()) == []
+    for path in [ROOT / "kernels.py", *sorted((ROOT / "infra").glob("*.py"))]:
+        assert check.violations(path.relative_to(ROOT), path.read_text(), set()) == [], path
+
+
+def test_the_source_check_finds_an_import_circle(tmp_path, capsys):
+    """Modules that import one another, a function's import included, are a circle, named in one line through its
+    modules; the real tree has none."""
+    check = load_check()
+    sources = {"a": "import b\n", "b": "from infra import c\n", "infra": "", "infra.c": "def f():\n    import a\n"}
+    assert check.import_circles(sources) == [["a", "b", "infra.c", "a"]]
+    assert check.import_circles(sources | {"infra.c": "import os\n"}) == []
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "infra").mkdir()
+    (tmp_path / "replay_grpo.py").write_text("from infra import warm_start\n")
+    (tmp_path / "infra" / "warm_start.py").write_text("def load():\n    import replay_grpo\n")
+    subprocess.run(["git", "add", "--intent-to-add", "replay_grpo.py", "infra/warm_start.py"], cwd=tmp_path, check=True)
+    assert check.main(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "-: an import circle: infra.warm_start -> replay_grpo -> infra.warm_start" in out, out
+    assert "infra/warm_start.py:2: imports replay_grpo, an entry" in out, out
+    assert check.main(ROOT) == 0
+    assert "replay_grpo.py: " in capsys.readouterr().out  # its size, reported
 
 
 def test_the_source_check_fails_on_a_tracked_tree_over_its_size_limit(tmp_path, capsys):

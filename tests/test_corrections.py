@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+import kernels
 import replay_grpo as rg
-import warm_start
+from infra import models
 from test_replay_grpo import metrics, small_args
 
 CFG = dataclasses.replace(rg.PRESETS["cpu"], sft_warmup_steps=0)
@@ -120,14 +121,14 @@ def test_train_step_gradient_is_the_hand_written_loss_of_each_correction(correct
     rollouts whose behaviour log-probs are off the policy by amounts that make every correction act."""
     knobs = dict(seq_mask=(0.9, 1.1), m2po_tau=0.1, tis_cap=1.3, decoupled_cap=1.5)  # each acts on this batch
     c = cfg(correction=correction, grad_clip=0.0, micro_batch_size=64, **knobs)
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     torch.manual_seed(1)
     batch = []
     for i in range(6):
         completion = torch.randint(3, 200, (3 + i % 3,)).tolist()
         batch.append(rg.Rollout([5, 6, 7], completion, None, 0.0, (-1.0) ** i * (1 + i / 5), 0.0, 0, i))
     with torch.no_grad():
-        logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+        logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     for r, lp in zip(batch, logp.split([len(r.completion_ids) for r in batch])):
         r.behaviour_logprobs = lp - torch.randn(len(lp)) * 0.4  # r = pi / behaviour around e^{+-0.4}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -136,7 +137,7 @@ def test_train_step_gradient_is_the_hand_written_loss_of_each_correction(correct
 
     model.zero_grad()
     lengths = [len(r.completion_ids) for r in batch]
-    logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+    logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     behaviour = torch.cat([r.behaviour_logprobs for r in batch])
     adv = torch.cat([torch.full((n,), r.advantage) for r, n in zip(batch, lengths)])
     loss = hand_loss(correction, logp, behaviour, adv, lengths, c).sum() / sum(lengths)
@@ -159,18 +160,18 @@ def stats_tokens(stats, bucket):
 def test_none_is_the_paper_loss_bit_for_bit():
     """--correction none: the same numbers as the loss without the correction machinery (token_loss on the stored
     behaviour log-probs), to the bit."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     torch.manual_seed(2)
     batch = [rg.Rollout([5, 6], [9, 10, 11], None, 1.0, 0.7 - i, 0.0, 0, i) for i in range(4)]
     with torch.no_grad():
-        logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+        logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     for r, lp in zip(batch, logp.split(3)):
         r.behaviour_logprobs = lp - torch.randn(3) * 0.3
     c = cfg(grad_clip=0.0)
     rg.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, c, pad_id=0, version=0)
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logp = rg.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
+    logp = kernels.completion_logprobs(model, [(r.prompt_ids, r.completion_ids) for r in batch], 0, 1.0)
     repeats = torch.tensor([3] * 4)
     tok_loss, _, _ = rg.token_loss(
         loss="grpo",
@@ -192,7 +193,7 @@ def test_none_is_the_paper_loss_bit_for_bit():
 
 
 def test_the_lagged_proximal_policy_is_the_weights_lag_versions_back_for_older_rollouts_only():
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     lagged = rg.LaggedPolicy(model, lag=1)
     versions = {}
     for v in range(3):  # version v's weights, pushed before its step, then changed by "the step"
@@ -204,10 +205,10 @@ def test_the_lagged_proximal_policy_is_the_weights_lag_versions_back_for_older_r
     assert [v for v, _ in lagged.copies] == [1, 2]  # at version 2, lag 1: version 1 is the proximal policy
     old, new = (rg.Rollout([5, 6], [9, 10], torch.zeros(2), 0.0, 1.0, 0.0, v, v) for v in (0, 1))
     proximal = lagged.logprobs([old, new], torch.zeros(4), torch.tensor([2, 2]), CFG, pad_id=0)
-    reference, _ = warm_start.build_tiny_model(0)
+    reference, _ = models.build_tiny_model(0)
     reference.load_state_dict(versions[1])
     with torch.no_grad():
-        expected = rg.completion_logprobs(reference, [([5, 6], [9, 10])], 0, 1.0)
+        expected = kernels.completion_logprobs(reference, [([5, 6], [9, 10])], 0, 1.0)
     assert torch.allclose(proximal[:2], expected, atol=1e-6)  # made by version 0 < 1: version 1's log-probs
     assert torch.equal(proximal[2:], torch.zeros(2))  # made by version 1: its own behaviour log-probs
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels
 import replay_grpo as rg
-import warm_start
+from infra import reporting, warm_start
 
 PAIRS = [([5, 6, 7], [8, 9]), ([5, 6, 7], [10, 11, 12]), ([13, 14], [15]), ([16], [17, 18])]
 OFFSETS = [[0.1, -0.2], [0.3, 0.0, -0.1], [0.5], [-0.05, 0.05]]  # log(pi_theta / behaviour) of each token
@@ -77,7 +78,7 @@ def test_the_eviction_counts_survive_a_checkpoint():
 def tiny_batch(model, tok, advantages):
     """Rollouts of PAIRS whose behaviour log-probs are the model's own less OFFSETS: log r is OFFSETS exactly."""
     with torch.no_grad():
-        logp = rg.completion_logprobs(model, PAIRS, tok.pad_token_id, 1.0, share_prompts=False).double()
+        logp = kernels.completion_logprobs(model, PAIRS, tok.pad_token_id, 1.0, share_prompts=False).double()
     rollouts, start = [], 0
     for i, ((prompt, completion), offsets, advantage) in enumerate(zip(PAIRS, OFFSETS, advantages)):
         behaviour = logp[start : start + len(completion)] - torch.tensor(offsets, dtype=torch.float64)
@@ -153,7 +154,7 @@ def test_the_gate_at_a_value_it_never_reaches_leaves_the_records_unchanged(tmp_p
     off, never, tight = (records(tmp_path / name) for name in ("off", "never", "tight"))
     assert never[0]["rule"] == off[0]["rule"] | {"max_drift": 1e9}
     for a, b in zip(off, never):
-        keys = {k for k in a.keys() | b.keys() if not rg.measured_on_this_machine(k)} - {"rule"}
+        keys = {k for k in a.keys() | b.keys() if not reporting.measured_on_this_machine(k)} - {"rule"}
         assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
     assert never[-1]["evicted"] == off[-1]["evicted"] and "drift" not in off[-1]["evicted"]
     assert off[-1]["total_trained_tokens"] and off[-2]["grad_norm"] > 0  # it trained: the comparison means something

@@ -31,8 +31,7 @@ from test_async_pipeline import Run, metrics  # a CLI run in its own session, wa
 
 import async_pipeline as ap
 import replay_grpo as rg
-import run_folder
-import warm_start
+from infra import flag_checks, generation, models, reporting, run_folder, serving, tasks, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = 20.0  # the runs' REPLAY_GRPO_REQUEST_FLOOR: a hung server is named after 20 s here, not the default 60
@@ -280,7 +279,7 @@ def test_a_fresh_start_never_appends_to_a_killed_runs_records(tmp_path, capsys, 
     def killed(*args, **kwargs):  # killed before its first checkpoint
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(rg.run_folder, "save_checkpoint", killed)
+    monkeypatch.setattr(run_folder, "save_checkpoint", killed)
     with pytest.raises(SystemExit):
         rg.main(small_args(tmp_path, "--run-name", "k"))
     monkeypatch.undo()
@@ -475,10 +474,10 @@ def test_a_presets_own_value_or_a_flag_that_turns_a_feature_off_passes_without_w
     nothing: no refusal. Typed at any other value, the default included, an owned flag is refused."""
     for extra in ([], ["--sft-imitation", "0"], ["--sft-imitation=0", "--no-sft-lr-decay", "--arith-demo-error", "0"]):
         argv = ["--preset", "cpu", "--sft-warmup-steps", "0", *extra]
-        rg.validate(rg.parse_args(argv), argv)
+        flag_checks.validate(rg.parse_args(argv), argv)
     argv = ["--preset", "gsm8k-qwen2.5-0.5b", "--tis-cap", "2"]
-    with pytest.raises(rg.UserError, match="^--tis-cap 2.0: only --correction tis reads it"):
-        rg.validate(rg.parse_args(argv), argv)
+    with pytest.raises(run_folder.UserError, match="^--tis-cap 2.0: only --correction tis reads it"):
+        flag_checks.validate(rg.parse_args(argv), argv)
 
 
 def test_a_priority_exponent_or_decay_beyond_float_range_is_computed_safely(tmp_path, monkeypatch):
@@ -745,7 +744,7 @@ def test_a_read_only_run_folder_is_named_not_the_out_dir(tmp_path, capsys):
 
 def records_without_timing(run_dir: Path) -> list[dict]:
     return [
-        {k: v for k, v in json.loads(line).items() if not rg.measured_on_this_machine(k)}
+        {k: v for k, v in json.loads(line).items() if not reporting.measured_on_this_machine(k)}
         for line in lines(run_dir / "metrics.jsonl")
     ]
 
@@ -847,8 +846,6 @@ def test_runs_started_together_wait_for_one_warm_start(tmp_path):
     loads it (trained once), and both runs are the same."""
     import fcntl
 
-    import warm_start
-
     args = small_args(tmp_path, "--sft-warmup-steps", "3", "--total-steps", "1")
     key = warm_start.warm_start_key(rg.parse_args(args), torch.device("cpu"))
     (tmp_path / ".warmstart").mkdir()
@@ -919,14 +916,14 @@ def test_servers_held_back_by_a_full_channel_are_not_taken_for_hung(tmp_path, vl
     """A slow trainer: the rollout loop's slots fill and its threads wait far longer than a request may take, while
     the trainer takes nothing (--sampling queue, no room). That wait is the trainer's: no request is started, none
     times out, and the loop delivers again once the trainer takes."""
-    monkeypatch.setattr(ap, "REQUEST_FLOOR", 1.0)
-    monkeypatch.setattr(ap, "START_SECONDS", 60.0)
+    monkeypatch.setattr(serving, "REQUEST_FLOOR", 1.0)
+    monkeypatch.setattr(serving, "START_SECONDS", 60.0)
     cfg = ap.parse_args(small_args(tmp_path, "--generator-urls", vllm_servers["tied"].url))
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     server = vllm_servers["tied"]
     publisher = ap.Publisher([server], "disk", tmp_path / "p", torch.float32, True, "127.0.0.1")
     publisher.publish(model.state_dict(), 0, wait=True)
-    loop = ap.RolloutLoop(cfg, [server], rg.make_task(cfg), tok, rg.stop_token_ids(model, tok), 0)
+    loop = ap.RolloutLoop(cfg, [server], tasks.make_task(cfg), tok, generation.stop_token_ids(model, tok), 0)
     try:
         deadline = time.time() + 120
         while loop.depth() < loop.capacity and time.time() < deadline:
@@ -964,7 +961,7 @@ def test_a_verifier_scored_off_the_main_thread_is_refused_and_leaves_the_time_li
     def score_until_stopped():
         while not stop.is_set():
             try:
-                rg.score(rg.numeric_match, "1", "1")
+                tasks.score(rg.numeric_match, "1", "1")
             except ValueError as e:
                 refused.append(e)
 
@@ -972,7 +969,7 @@ def test_a_verifier_scored_off_the_main_thread_is_refused_and_leaves_the_time_li
     thread.start()
     t0 = time.time()
     try:
-        reward, failure = rg.score(sleeps_10_s, "1", "1", timeout=1.0)
+        reward, failure = tasks.score(sleeps_10_s, "1", "1", timeout=1.0)
     finally:
         stop.set()
         thread.join()
@@ -1009,7 +1006,7 @@ def test_a_request_blocked_on_a_hung_server_does_not_hold_the_process_at_exit():
     code = (
         "import random, threading, time, socket, async_pipeline as ap\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
-        "server = ap.Server(f'http://127.0.0.1:{s.getsockname()[1]}')\n"
+        "server = serving.Server(f'http://127.0.0.1:{s.getsockname()[1]}')\n"
         "gen = ap.ServerGenerator(server, [0], random.Random(0))\n"
         "threading.Thread(target=gen.generate, args=([[1, 2], [3]], 2, 4, 1.0), daemon=True).start()\n"
         "time.sleep(2)\n"
@@ -1024,8 +1021,8 @@ def test_a_publish_awaited_by_the_queue_returns_when_the_run_must_stop(tmp_path)
     """--sampling queue waits for each publish; a server that hangs in the middle of one must not hold the trainer
     beyond the moment the rollout loop knows why the run stops."""
     listener, url = silent_server()
-    publisher = ap.Publisher([ap.Server(url)], "disk", tmp_path, torch.float32, tied=True, address="")
-    model, _ = warm_start.build_tiny_model(0)
+    publisher = ap.Publisher([serving.Server(url)], "disk", tmp_path, torch.float32, tied=True, address="")
+    model, _ = models.build_tiny_model(0)
     t0, reason = time.time(), []
     threading.Timer(2.0, lambda: reason.append("a rollout thread failed")).start()
     publisher.publish(model.state_dict(), 1, wait=True, failure=lambda: reason and reason[0])
@@ -1072,7 +1069,7 @@ def encode(text: str) -> list[int]:
 
 @functools.cache
 def tiny_tokenizer():
-    return warm_start.build_tiny_model(0)[1]
+    return models.build_tiny_model(0)[1]
 
 
 def async_args(out_dir: Path, url: str, *extra) -> list[str]:
@@ -1091,7 +1088,7 @@ DIAGNOSED = {  # how the server is made, and what tools/check_servers.py's one l
     "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port"),
     "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved"),
     "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved"),
-    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s"),
+    "silent": (Silent, f"GET /version got no answer within {serving.PROBE_SECONDS:.0f} s"),
     "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server'),
     "a plain http.server": (lambda: StandIn("static"), "not a vLLM server: GET /version answered 404"),
     "no model list": (lambda: StandIn(missing=("/v1/models",)), "not a vLLM server: GET /v1/models answered 404"),
@@ -1143,7 +1140,7 @@ START_FAULTS = {  # how the server is made, what the run's one line says, its ex
     "refused": (lambda: at(closed_port()), "GET /version was refused: nothing listens at that address and port", 2, 0),
     "unresolvable": (lambda: at("http://no-such-host.invalid:8000"), "no-such-host.invalid cannot be resolved", 2, 0),
     "a host name no resolver takes": (lambda: at(f"http://{'a' * 64}.invalid:8000"), "cannot be resolved", 2, 0),
-    "silent": (Silent, f"GET /version got no answer within {ap.PROBE_SECONDS:.0f} s", 2, 0),
+    "silent": (Silent, f"GET /version got no answer within {serving.PROBE_SECONDS:.0f} s", 2, 0),
     "HTTP 500": (lambda: StandIn("500"), 'GET /version answered HTTP 500: b\'{"detail": "Internal Server', 2, 0),
     "a plain http.server": (lambda: StandIn("static"), "GET /version answered HTTP 404: ", 2, 0),
     "a version below the floor": (
@@ -1204,7 +1201,7 @@ MID_RUN_FAULTS = {  # the stand-in's fault, the endpoint named, what the line sa
         {"hang": ("/pause",)},
         "/pause?mode=keep&clear_cache=false",
         "failed (timed out): no answer in ",
-        ap.CONTROL_FACTOR * FLOOR,
+        serving.CONTROL_FACTOR * FLOOR,
     ),
 }
 
@@ -1274,13 +1271,13 @@ def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, m
     warm-up's (WARM_UP_TOKENS) for the first rollout request, then the longest rollout request's. A publish's control
     requests have CONTROL_FACTOR x the generate bound, its reload as much or more as the weights' size grows. The floor
     is lowered here so that the scaling shows within seconds."""
-    monkeypatch.setattr(ap, "REQUEST_FLOOR", 0.5)
+    monkeypatch.setattr(serving, "REQUEST_FLOOR", 0.5)
     with StandIn(encode=encode, delay=0.3) as stand_in:
-        server = ap.Server(stand_in.url)
-        ap.wait_ready([server])
+        server = serving.Server(stand_in.url)
+        serving.wait_ready([server])
         tokens, seconds = server.reference
-        assert tokens == ap.WARM_UP_TOKENS and 0.3 <= seconds < 3, server.reference
-        assert server.bound(8) == pytest.approx(10 * seconds * 8 / ap.WARM_UP_TOKENS)
+        assert tokens == serving.WARM_UP_TOKENS and 0.3 <= seconds < 3, server.reference
+        assert server.bound(8) == pytest.approx(10 * seconds * 8 / serving.WARM_UP_TOKENS)
         stand_in.delay = 4 * seconds  # above 10 x the warm-up: a bound blind to sizes would give up on it
         generator = ap.ServerGenerator(server, [0], random.Random(0))
         groups = generator.generate([[1, 2], [3]], 2, 8, temperature=1.0)
@@ -1288,18 +1285,18 @@ def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, m
         assert server.bound(8) == pytest.approx(10 * server.reference[1]) and server.reference[1] >= 4 * seconds
         control = server.control_bound()
         assert control == pytest.approx(2 * server.bound(8))
-        timeouts, real = [], ap.Server.post
+        timeouts, real = [], serving.Server.post
 
         def post(self, path, body=None, timeout=None, parse=None):
             timeouts.append((path.split("?")[0], timeout))
             return real(self, path, body, timeout, parse)
 
-        monkeypatch.setattr(ap.Server, "post", post)
+        monkeypatch.setattr(serving.Server, "post", post)
         publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="")
-        model, _ = warm_start.build_tiny_model(0)
+        model, _ = models.build_tiny_model(0)
         publisher.publish(model.state_dict(), 1, wait=True)
     assert publisher.error is None and publisher.done_version == 1
-    load = max(control, (tmp_path / "model.safetensors").stat().st_size / ap.LOAD_BYTES_PER_SECOND)
+    load = max(control, (tmp_path / "model.safetensors").stat().st_size / serving.LOAD_BYTES_PER_SECOND)
     assert timeouts == [
         ("/pause", None),
         ("/collective_rpc", load),
@@ -1311,19 +1308,19 @@ def test_a_requests_bound_fits_its_size_once_its_server_has_answered(tmp_path, m
 def test_launched_servers_still_starting_are_named_every_minute(tmp_path, monkeypatch, capsys):
     """While launched servers load, a line every STARTING_LINE_SECONDS (a second here) names those still starting and
     for how long. The servers are stand-ins that listen after 4 s, launched as the run launches vLLM."""
-    monkeypatch.setattr(ap, "STARTING_LINE_SECONDS", 1.0)
+    monkeypatch.setattr(serving, "STARTING_LINE_SECONDS", 1.0)
     script = str(Path(__file__).with_name("misbehaving_server.py"))
 
     def command(cfg, folder, max_model_len, port, cpu, memory=0.9) -> list[str]:
         return [sys.executable, script, cfg.generator_host, str(port), "4"]
 
-    monkeypatch.setattr(ap, "server_command", command)
+    monkeypatch.setattr(serving, "server_command", command)
     cfg = types.SimpleNamespace(generator_host=HOST, seed=0)
-    servers = ap.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
+    servers = serving.launch_servers(cfg, tmp_path, 512, [None, None], tmp_path / "logs")
     try:
-        seconds = ap.wait_ready(servers, timeout=60)
+        seconds = serving.wait_ready(servers, timeout=60)
     finally:
-        ap.stop_servers(servers)
+        serving.stop_servers(servers)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("vLLM servers still starting")]
     urls = ", ".join(s.url for s in servers)
     assert len(said) >= 2 and said[0].endswith(f" s: {urls}"), said
@@ -1338,10 +1335,10 @@ def test_each_servers_rank_offset_follows_the_world_sizes_of_the_servers_before_
     naming the server and the route."""
     with StandIn() as a, StandIn() as b, StandIn() as c:
         a.world_size, b.world_size, c.world_size = 2, 1, 4
-        assert ap.nccl_world([ap.Server(s.url) for s in (a, b, c)]) == [1, 3, 4, 8]  # offsets, then the world size
+        assert ap.nccl_world([serving.Server(s.url) for s in (a, b, c)]) == [1, 3, 4, 8]  # offsets, then the world size
         b.world_size = "two"
-        with pytest.raises(ap.ServerError) as e:
-            ap.nccl_world([ap.Server(s.url) for s in (a, b)])
+        with pytest.raises(serving.ServerError) as e:
+            ap.nccl_world([serving.Server(s.url) for s in (a, b)])
     assert str(e.value) == (
         f"vLLM server {b.url}: /get_world_size answered without what the run reads (ValueError: world_size 'two' is "
         f'not a number of workers): b\'{{"world_size": "two"}}\''
@@ -1611,18 +1608,18 @@ def test_a_reasoning_gym_gold_is_json_data_and_a_pickled_one_is_never_unpickled(
     import reasoning_gym
 
     cfg = rg.Args(task="reasoning-gym", rg_dataset="graph_color", rg_config='{"size": 3}', eval_size=2)
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     own = {e["question"]: e for e in reasoning_gym.create_dataset("graph_color", size=3, seed=cfg.seed)}
     for ex in task.train:
         gold = json.loads(ex.answer)
-        entry = own[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
-        assert isinstance(gold["entry"], dict) and rg.from_gold_data(gold["entry"]) == entry
+        entry = own[ex.prompt.removesuffix(tasks.RG_INSTRUCTION)]
+        assert isinstance(gold["entry"], dict) and tasks.from_gold_data(gold["entry"]) == entry
         coloring = json.dumps(entry["metadata"]["possible_answer"])  # a right answer: its scorer reads integer keys
-        assert rg.score(rg.rg_match, f"<answer>{coloring}</answer>", ex.answer) == (1.0, None)
+        assert tasks.score(rg.rg_match, f"<answer>{coloring}</answer>", ex.answer) == (1.0, None)
     marker = tmp_path / "ran"
     payload = base64.b64encode(pickle.dumps(RunsCode(marker))).decode()
     crafted = json.dumps({**json.loads(task.train[0].answer), "entry": payload})
-    assert rg.score(rg.rg_match, "<answer>1</answer>", crafted)[0] == 0.0  # a gold it cannot use: 0
+    assert tasks.score(rg.rg_match, "<answer>1</answer>", crafted)[0] == 0.0  # a gold it cannot use: 0
     assert not marker.exists()
 
 

@@ -74,10 +74,10 @@ def test_without_vllm_the_async_check_is_skipped_not_failed(monkeypatch, tmp_pat
     import gpu_check
 
     def unavailable():
-        raise gpu_check.rg.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
+        raise gpu_check.generation.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
 
     monkeypatch.setattr(gpu_check, "ROWS", [])
-    monkeypatch.setattr(gpu_check.rg, "import_vllm", unavailable)
+    monkeypatch.setattr(gpu_check.generation, "import_vllm", unavailable)
     gpu_check.check_async(tmp_path, smoke=True)
     assert [(r[0], r[3]) for r in gpu_check.ROWS] == [("async", "skipped")], gpu_check.ROWS
     assert not any(tmp_path.iterdir())  # no run was started

@@ -26,7 +26,7 @@ import torch
 import async_pipeline as ap
 import kernels
 import replay_grpo as rg
-import warm_start
+from infra import generation, loading, models, reporting, serving, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(
@@ -54,7 +54,7 @@ def metrics(run_dir):
 
 def training_records(run_dir):
     return [
-        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))}
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or reporting.measured_on_this_machine(k))}
         for r in metrics(run_dir)
     ]
 
@@ -94,10 +94,10 @@ def test_bf16_compute_on_fp32_masters_moves_every_weight_at_the_gpu_presets_lr(b
     the masters are fp32 and >= 99% of the weights move. The same steps on pure bf16 weights move ~2%."""
     cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", "1e-6", "--micro-batch-size", "8"])
     device = torch.device("cpu")
-    model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
+    model, tok, _, _ = loading.load_policy(cfg, device, tasks.make_task(cfg), verifiers=rg.VERIFIERS)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert rg.HFGenerator(model, tok).model.dtype == torch.bfloat16  # the generator's copy computes in bf16
-    pure = warm_start.build_tiny_model(cfg.seed)[0].to(torch.bfloat16)
+    assert generation.HFGenerator(model, tok).model.dtype == torch.bfloat16  # the generator's copy computes in bf16
+    pure = models.build_tiny_model(cfg.seed)[0].to(torch.bfloat16)
     moved = {}
     for name, m in (("masters", model), ("pure bf16", pure)):
         before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -130,13 +130,13 @@ def test_a_checkpoint_holds_the_fp32_masters_and_resume_continues_exactly(bf16, 
 @pytest.fixture
 def numpy_seeded_sampling(monkeypatch):
     """HF generate seeded per request from numpy's global RNG, as vLLM's GPU model runner seeds its requests."""
-    real = rg.HFGenerator.generate
+    real = generation.HFGenerator.generate
 
     def generate(self, *args, **kwargs):
         torch.manual_seed(int(np.random.randint(2**31)))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(rg.HFGenerator, "generate", generate)
+    monkeypatch.setattr(generation.HFGenerator, "generate", generate)
 
 
 def test_evaluating_never_changes_training_when_sampling_draws_from_numpy(numpy_seeded_sampling, tmp_path):
@@ -158,9 +158,9 @@ def test_resume_restores_numpy_stream(numpy_seeded_sampling, tmp_path):
 
 def test_server_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert ap.server_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
+    assert serving.server_gpus(4, 3, 4) == ["7", "4", "5", "6"]  # after the trainers' 4, 5, 6, then round-robin
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,MIG-bb")
-    assert ap.server_gpus(1, 1, 2) == ["MIG-bb"]
+    assert serving.server_gpus(1, 1, 2) == ["MIG-bb"]
 
 
 # --- defect: every rank read the full optimizer state on resume -----------------------------------
@@ -174,7 +174,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = rg.parse_args(["--loss", "asymre", "--micro-batch-size", "4", "--lr", "1e-2"])
 device = torch.device("cpu")
-model, tok = warm_start.build_tiny_model(0)
+model, tok = models.build_tiny_model(0)
 policy = ap.shard_policy(model, device)
 opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
 for step in range(2):
@@ -187,7 +187,7 @@ box = [weights]
 dist.broadcast_object_list(box, src=0)  # every rank loads the checkpoint's model
 rg.train_step(policy, opt, random_batch(n=8, seed=10 + rank), cfg, tok.pad_token_id, 2)
 uninterrupted = ap.full_weights(policy)
-resumed_model = warm_start.build_tiny_model(1)[0]
+resumed_model = models.build_tiny_model(1)[0]
 resumed_model.load_state_dict(box[0])
 resumed = ap.shard_policy(resumed_model, device)
 opt2 = torch.optim.AdamW(resumed.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -243,8 +243,8 @@ def test_a_warm_start_is_not_shared_between_precisions(tmp_path, monkeypatch, ca
 
 
 def test_the_generation_benchmark_uses_the_run_precision(bf16):
-    model, tok = warm_start.build_tiny_model(0)
-    prompts = [rg.render_prompt(tok, f"{i}+1=") for i in range(4)]
+    model, tok = models.build_tiny_model(0)
+    prompts = [models.render_prompt(tok, f"{i}+1=") for i in range(4)]
     rows = bench_generation.bench(
         "tiny", model, tok, None, prompts, group=2, tokens=4, threads=None, train_threads=None, vllm=False
     )
@@ -362,10 +362,10 @@ class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 def test_the_hf_copy_is_cast_from_the_masters_without_an_fp32_copy(bf16):
     """On a GPU an fp32 copy of the policy, even a passing one, takes 4 bytes a parameter more than the bf16 copy:
     every weight of the copy is made in the compute dtype straight from its master (the tied head once)."""
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     big = {p.numel() for p in model.parameters() if p.numel() >= 1000}
     with Allocations() as seen:
-        gen = rg.HFGenerator(model, tok)
+        gen = generation.HFGenerator(model, tok)
     assert not [m for m in seen.made if m[0] == torch.float32 and m[1] in big], seen.made
     assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
     assert gen.model.get_output_embeddings().weight is gen.model.get_input_embeddings().weight  # still tied
@@ -378,7 +378,7 @@ def test_the_disk_publish_writes_the_compute_dtype_once_with_the_head(tmp_path):
     head written as its own lm_head.weight (a folder reload keeps the old head otherwise). No server: the file."""
     from safetensors.torch import load_file
 
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     publisher = ap.Publisher([], "disk", tmp_path, torch.bfloat16, tied=True, address="127.0.0.1")
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     publisher.publish(weights, 3)  # the step goes on at once, and may save a checkpoint that empties the dict
@@ -402,7 +402,7 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
     import gc
     import weakref
 
-    built, live, real_init, real_step = weakref.WeakSet(), [], rg.HFGenerator.__init__, rg.train_step
+    built, live, real_init, real_step = weakref.WeakSet(), [], generation.HFGenerator.__init__, rg.train_step
 
     def init(self, *args, **kwargs):  # only this run's generators: earlier tests' may still await collection
         built.add(self)
@@ -413,7 +413,7 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
         live.append(sum(g.model is not None for g in built))
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(rg.HFGenerator, "__init__", init)
+    monkeypatch.setattr(generation.HFGenerator, "__init__", init)
     monkeypatch.setattr(rg, "train_step", train_step)
     argv = SMALL + ["--generator-urls", vllm_servers["tied"].url, "--eval-every", "2"]
     out = ap.main(argv + ["--out-dir", str(tmp_path), "--run-name", "a"])
@@ -427,9 +427,9 @@ def test_rank_0_holds_no_evaluator_on_its_device_between_evaluations(tmp_path, m
 
 def test_the_generation_benchmark_measures_hf_alone_without_vllm(monkeypatch, capsys):
     def unavailable():
-        raise rg.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
+        raise generation.VLLMUnavailable("--generator vllm needs vLLM (ImportError: no vllm)")
 
-    monkeypatch.setattr(rg, "import_vllm", unavailable)
+    monkeypatch.setattr(generation, "import_vllm", unavailable)
     argv = "--tiny-prompts 4 --tiny-group 2 --tiny-tokens 4 --skip-smol".split()
     monkeypatch.setattr(sys, "argv", ["bench_generation.py", *argv])
     bench_generation.main()

@@ -1,5 +1,6 @@
-"""The memory plan (rg.plan_memory, printed and checked before the first step) against measurement on this CPU,
---activation-checkpointing, and the GPU presets' plans on simulated devices (REPLAY_GRPO_DEVICE_GIB, a test hook)."""
+"""The memory plan (device_memory.plan_memory, printed and checked before the first step) against measurement on this
+CPU, --activation-checkpointing, and the GPU presets' plans on simulated devices (REPLAY_GRPO_DEVICE_GIB, a test
+hook)."""
 
 import ast
 import copy
@@ -20,7 +21,7 @@ import memory_plan
 import async_pipeline as ap
 import kernels
 import replay_grpo as rg
-import warm_start
+from infra import device_memory, flag_checks, models, run_folder, serving, tasks
 
 ARGS = ["--preset", "cpu", "--sft-warmup-steps", "0", "--group-size", "4", "--prompts-per-step", "2"]
 ARGS += ["--batch-size", "8", "--buffer-size", "16", "--max-new-tokens", "4", "--eval-size", "8", "--pass-k", "2"]
@@ -61,13 +62,13 @@ def saved_bytes(model, rollouts) -> int:
 
     pairs = [(r.prompt_ids, r.completion_ids) for r in rollouts]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rg.completion_logprobs(model, pairs, 0, 1.0, entropy=True)
+        kernels.completion_logprobs(model, pairs, 0, 1.0, entropy=True)
     return sum(seen.values())
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_parameter_gradient_and_adam_bytes_are_exact(width):
-    model, tok = warm_start.build_tiny_model(0, **WIDTHS[width])
+    model, tok = models.build_tiny_model(0, **WIDTHS[width])
     cfg = rg.parse_args(ARGS + ["--micro-batch-size", "3"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model.train()
@@ -76,8 +77,8 @@ def test_parameter_gradient_and_adam_bytes_are_exact(width):
     rg.train_step(model, opt, batch(), cfg, tok.pad_token_id, version=0)
     for hook in hooks:
         hook.remove()
-    rows = rg.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
-    assert rows[rg.FRESH_GRADIENT_ROW] == max(fresh)
+    rows = device_memory.plan_memory(model, cfg, 10, device_total=2**40, compute_bytes=4)["rows"]
+    assert rows[device_memory.FRESH_GRADIENT_ROW] == max(fresh)
     assert rows["fp32 masters"] == sum(p.nbytes for p in model.parameters())
     assert rows["fp32 gradients"] == sum(p.grad.nbytes for p in model.parameters())
     moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
@@ -90,15 +91,15 @@ def test_activation_bytes_are_what_autograd_saves_within_25_percent(width, dtype
     """The estimate from the model's config against the tensors autograd keeps for the backward, in the GPU's
     compute dtype (bf16, simulated) and in fp32."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, dtype)
-    model, _ = warm_start.build_tiny_model(0, **WIDTHS[width])
+    model, _ = models.build_tiny_model(0, **WIDTHS[width])
     measured = saved_bytes(model.train(), batch())
-    estimate = rg.activation_bytes(model.config, 300, compute_bytes=2 if dtype == "bfloat16" else 4)
+    estimate = device_memory.activation_bytes(model.config, 300, compute_bytes=2 if dtype == "bfloat16" else 4)
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients_from_fewer_saved_bytes():
     """fp32 on this CPU: each decoder layer checkpointed (non-reentrant) recomputes exactly what it dropped."""
-    model, tok = warm_start.build_tiny_model(0, layers=3)
+    model, tok = models.build_tiny_model(0, layers=3)
     cfg = rg.parse_args(ARGS + ["--micro-batch-size", "3"])
     runs = {}
     for ac in (False, True):
@@ -108,7 +109,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients_from_fewer_s
         runs[ac] = stats["loss"], {n: p.grad.clone() for n, p in m.named_parameters()}, saved_bytes(m, batch())
     (loss, grads, saved), (loss_ac, grads_ac, saved_ac) = runs[False], runs[True]
     assert abs(loss - loss_ac) <= 1e-6 and max((grads[n] - g).abs().max().item() for n, g in grads_ac.items()) <= 1e-6
-    est = [rg.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
+    est = [device_memory.activation_bytes(model.config, 300, compute_bytes=4, checkpointing=ac) for ac in (False, True)]
     assert saved_ac < 0.7 * saved and est[1] < 0.7 * est[0], (saved, saved_ac, est)
 
 
@@ -116,20 +117,20 @@ def test_shared_prompts_are_planned_once_a_group_within_25_percent_of_what_autog
     """On-policy (groups whole in the batch), micro-batches of 8 rollouts, G = 4: two 100-token prompts forwarded
     once each, with their 8 completions of 10 tokens; the plan's activations and mask against the tensors autograd
     keeps, and against the unshared plan (--no-share-prompts): the prompts' activations are counted once."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     flags = ["--group-size", "4", "--prompts-per-step", "2", "--batch-size", "8", "--buffer-size", "8"]
     cfg = rg.parse_args(flags + ["--micro-batch-size", "8", "--max-new-tokens", "10"])
     rollouts = batch(n=8, prompt=100, completion=10)
     for i, r in enumerate(rollouts):
         r.prompt_ids = rollouts[i % 2].prompt_ids
     measured = saved_bytes(model.train(), rollouts)
-    rows = rg.plan_memory(model, cfg, 100, device_total=2**40, compute_bytes=4)["rows"]
+    rows = device_memory.plan_memory(model, cfg, 100, device_total=2**40, compute_bytes=4)["rows"]
     tokens = 2 * 99 + 8 * 11
-    estimate = rows[f"activations ({tokens} tokens)"] + rows[rg.SHARED_MASK_ROW]
+    estimate = rows[f"activations ({tokens} tokens)"] + rows[device_memory.SHARED_MASK_ROW]
     assert abs(estimate / measured - 1) < 0.25, (estimate, measured)
-    unshared = rg.plan_memory(model, dataclasses.replace(cfg, share_prompts=False), 100, 2**40, 4)["rows"]
-    assert unshared[f"activations ({8 * 110} tokens)"] > 2 * estimate and rg.SHARED_MASK_ROW not in unshared
-    replay = rg.plan_memory(model, dataclasses.replace(cfg, buffer_size=32), 100, 2**40, 4)["rows"]
+    unshared = device_memory.plan_memory(model, dataclasses.replace(cfg, share_prompts=False), 100, 2**40, 4)["rows"]
+    assert unshared[f"activations ({8 * 110} tokens)"] > 2 * estimate and device_memory.SHARED_MASK_ROW not in unshared
+    replay = device_memory.plan_memory(model, dataclasses.replace(cfg, buffer_size=32), 100, 2**40, 4)["rows"]
     assert f"activations ({8 * 110} tokens)" in replay  # a replay batch may hold a rollout of each of 8 groups
 
 
@@ -145,21 +146,21 @@ def test_the_small_gpu_presets_fit_one_h200_beside_the_engine(preset, capsys, mo
 def test_a_plan_leaves_the_process_computing_in_its_own_dtype(monkeypatch, capsys):
     """The plan is made for a bf16 GPU of a given size; a run in the same process afterwards (on this CPU: fp32)
     must not inherit either, or its generation and log-probs silently change precision."""
-    for name in (kernels.COMPUTE_DTYPE_ENV, rg.DEVICE_GIB_ENV):
+    for name in (kernels.COMPUTE_DTYPE_ENV, device_memory.DEVICE_GIB_ENV):
         monkeypatch.delenv(name, raising=False)
     before = kernels.compute_dtype(torch.device("cpu"))
     memory_plan.plan(["--preset", "gsm8k-qwen2.5-0.5b"], memory_plan.H200_GIB)
     assert "memory plan per trainer rank" in capsys.readouterr().out
     assert kernels.compute_dtype(torch.device("cpu")) == before == torch.float32
-    assert kernels.COMPUTE_DTYPE_ENV not in os.environ and rg.DEVICE_GIB_ENV not in os.environ
+    assert kernels.COMPUTE_DTYPE_ENV not in os.environ and device_memory.DEVICE_GIB_ENV not in os.environ
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "float32")  # a value set by the user is kept, and restored
     memory_plan.plan(["--preset", "gsm8k-qwen2.5-0.5b"], memory_plan.H200_GIB)
-    assert os.environ[kernels.COMPUTE_DTYPE_ENV] == "float32" and rg.DEVICE_GIB_ENV not in os.environ
+    assert os.environ[kernels.COMPUTE_DTYPE_ENV] == "float32" and device_memory.DEVICE_GIB_ENV not in os.environ
 
 
 def test_the_7b_preset_is_refused_in_sync_mode_with_the_torchrun_command(monkeypatch):
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
-    with pytest.raises(rg.UserError) as refused:
+    with pytest.raises(run_folder.UserError) as refused:
         memory_plan.plan(["--preset", "math-qwen2.5-7b"], memory_plan.H200_GIB)
     message = str(refused.value)
     assert "\n" not in message and "torchrun --standalone --nproc_per_node" in message, message
@@ -180,10 +181,10 @@ def test_the_readmes_7b_async_command_fits_80_gb_ranks_at_the_presets_prompt_bou
     plans = memory_plan.plan(README_7B, memory_plan.H100_GIB, trainers=3, gpus=8)
     assert max(p["peak"] for p in plans) <= memory_plan.H100_GIB * 2**30
     assert [p["prompt_tokens"] for p in plans] == [(1024, 1024)] * 3 and plans[0]["route"] == "nccl"
-    assert rg.PUBLISHER_ROW in plans[0]["rows"] and "activations (8192 tokens)" in plans[0]["rows"]
+    assert device_memory.PUBLISHER_ROW in plans[0]["rows"] and "activations (8192 tokens)" in plans[0]["rows"]
     out = capsys.readouterr().out
     assert "longest prompt 1024 tokens in training, 1024 in evaluation; weights to the servers by nccl" in out, out
-    with pytest.raises(rg.UserError, match="it fits with --activation-checkpointing$"):  # the preset's setting
+    with pytest.raises(run_folder.UserError, match="it fits with --activation-checkpointing$"):  # the preset's setting
         memory_plan.plan(README_7B + ["--no-activation-checkpointing"], memory_plan.H100_GIB, trainers=3, gpus=8)
 
 
@@ -203,7 +204,7 @@ def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
     model = memory_plan.meta_model(cfg.model)
 
     def plan(train, evaluation):
-        return rg.plan_memory(model, cfg, (train, evaluation), device_total=80 * 2**30, compute_bytes=2)
+        return device_memory.plan_memory(model, cfg, (train, evaluation), device_total=80 * 2**30, compute_bytes=2)
 
     short, long_eval, long_train = plan(100, 100), plan(100, 1100), plan(1100, 100)
     assert long_eval["rows"][EVALUATION] - short["rows"][EVALUATION] == 1000 * kv_bytes_per_token(model, cfg, 2)
@@ -214,11 +215,13 @@ def test_the_sync_evaluators_kv_cache_follows_the_longest_evaluation_prompt():
 def test_async_rank_0_holds_no_evaluator_since_a_server_evaluates():
     cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    servers = rg.Layout(servers=5)
-    plans = [rg.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r, layout=servers) for r in range(3)]
+    servers = device_memory.Layout(servers=5)
+    plans = [
+        device_memory.plan_memory(model, cfg, 1024, 80 * 2**30, 2, trainers=3, rank=r, layout=servers) for r in range(3)
+    ]
     assert all(p["rows"][EVALUATION] == 0 for p in plans)
     rows = plans[0]["rows"]
-    after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[rg.RESERVE_ROW]
+    after = rows["fp32 masters"] + rows["Adam moments (fp32)"] + rows[device_memory.RESERVE_ROW]
     assert plans[0]["evaluation"] == after < plans[0]["train"]
 
 
@@ -228,19 +231,23 @@ def test_the_nccl_publisher_is_planned_on_rank_0_only_and_only_for_nccl():
     P = sum(p.numel() for p in model.parameters())
 
     def plans(route):
-        kw = dict(device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, layout=rg.Layout(5, route=route))
-        return [rg.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
+        kw = dict(
+            device_total=80 * 2**30, compute_bytes=2, trainers=3, n_gpus=8, layout=device_memory.Layout(5, route=route)
+        )
+        return [device_memory.plan_memory(model, cfg, 1024, rank=r, **kw) for r in range(3)]
 
     nccl, disk = plans("nccl"), plans("disk")
-    assert nccl[0]["rows"][rg.PUBLISHER_ROW] == 2 * P + rg.PACKED_BROADCAST_BYTES  # bf16 gather + buffers
-    assert all(rg.PUBLISHER_ROW not in p["rows"] for p in nccl[1:] + disk)
-    extra = nccl[0]["rows"][rg.RESERVE_ROW] - disk[0]["rows"][rg.RESERVE_ROW]
-    assert extra == 5 * rg.NCCL_COMMUNICATOR_BYTES  # a communicator per server
+    # bf16 gather + buffers
+    assert nccl[0]["rows"][device_memory.PUBLISHER_ROW] == 2 * P + device_memory.PACKED_BROADCAST_BYTES
+    assert all(device_memory.PUBLISHER_ROW not in p["rows"] for p in nccl[1:] + disk)
+    extra = nccl[0]["rows"][device_memory.RESERVE_ROW] - disk[0]["rows"][device_memory.RESERVE_ROW]
+    assert extra == 5 * device_memory.NCCL_COMMUNICATOR_BYTES  # a communicator per server
     assert nccl[1]["rows"] == disk[1]["rows"]
 
 
 def test_the_packed_broadcast_buffers_are_vllms_own():
-    """rg.PACKED_BROADCAST_BYTES against the installed vLLM's defaults, read from its source (not imported)."""
+    """device_memory.PACKED_BROADCAST_BYTES against the installed vLLM's defaults, read from its source (not
+    imported)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None:
         pytest.skip("vLLM is not installed")
@@ -250,17 +257,17 @@ def test_the_packed_broadcast_buffers_are_vllms_own():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "").startswith("DEFAULT_PACKED_"):
             names[node.targets[0].id] = eval(compile(ast.Expression(node.value), str(path), "eval"))
     packed = names["DEFAULT_PACKED_BUFFER_SIZE_BYTES"] * names["DEFAULT_PACKED_NUM_BUFFERS"]
-    assert rg.PACKED_BROADCAST_BYTES == packed
+    assert device_memory.PACKED_BROADCAST_BYTES == packed
 
 
 def test_a_server_sharing_a_trainers_gpu_is_counted_on_that_ranks_device(capsys, monkeypatch):
-    """(W, T) = (3, 3) on 4 GPUs: async_pipeline.server_gpus puts the servers on GPUs 3, 0 and 1, each with its
+    """(W, T) = (3, 3) on 4 GPUs: serving.server_gpus puts the servers on GPUs 3, 0 and 1, each with its
     --vllm-gpu-memory-utilization of the device; ranks 0 and 1 hold one, rank 2 none."""
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", "3"]
     plans = memory_plan.plan(argv, memory_plan.H100_GIB, trainers=3, gpus=4)
-    gpus = ap.server_gpus(3, 3, 4)
+    gpus = serving.server_gpus(3, 3, 4)
     share = int(0.3 * memory_plan.H100_GIB * 2**30)
     assert [p["rows"]["generator (resident)"] for p in plans] == [gpus.count(str(r)) * share for r in range(3)]
     assert gpus.count("0") == gpus.count("1") == 1 and plans[2]["rows"]["generator (resident)"] == 0
@@ -283,11 +290,11 @@ def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch
     monkeypatch.setenv(kernels.COMPUTE_DTYPE_ENV, "bfloat16")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     argv = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(W)]
-    with pytest.raises(rg.UserError) as refused:
+    with pytest.raises(run_folder.UserError) as refused:
         memory_plan.plan(argv, gib, trainers=T, gpus=8)
     message = str(refused.value)
     w, t = advised_layout(message, W, T)
-    assert "fits" in message and not set(ap.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
+    assert "fits" in message and not set(serving.server_gpus(w, t, 8)) & {str(r) for r in range(t)}, message
     advised = ["async_pipeline.py", "--preset", "math-qwen2.5-7b", "--num-generators", str(w)]
     for flag in ("--micro-batch-size", "--activation-checkpointing"):
         advised += re.findall(rf"{flag}(?: \d+)?", message)
@@ -295,37 +302,37 @@ def test_the_advice_never_puts_a_server_on_a_trainers_gpu(W, T, gib, monkeypatch
 
 
 def test_prompts_longer_than_max_prompt_tokens_are_skipped_counted_and_bound_the_plan(capsys):
-    tok = warm_start.byte_tokenizer()
-    model, _ = warm_start.build_tiny_model(0)
-    train = [rg.Example("1+" * n + "1=", str(n + 1)) for n in (2, 5, 20, 30)]
-    held_out = [rg.Example("2+" * n + "2=", str(2 * n + 2)) for n in (3, 25)]
-    lengths = {ex.prompt: len(rg.render_prompt(tok, ex.prompt)) for ex in train + held_out}
+    tok = models.byte_tokenizer()
+    model, _ = models.build_tiny_model(0)
+    train = [tasks.Example("1+" * n + "1=", str(n + 1)) for n in (2, 5, 20, 30)]
+    held_out = [tasks.Example("2+" * n + "2=", str(2 * n + 2)) for n in (3, 25)]
+    lengths = {ex.prompt: len(models.render_prompt(tok, ex.prompt)) for ex in train + held_out}
     bound = lengths[train[1].prompt] + 1  # between the second prompt and the third
     assert bound < lengths[held_out[1].prompt] and lengths[held_out[0].prompt] <= bound
     cfg = rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", str(bound)])
-    task = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
-    rg.fit_to_context(cfg, task, tok, model)
+    task = tasks.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    models.fit_to_context(cfg, task, tok, model)
     assert task.train == train[:2] and task.eval == held_out[:1]
     assert (task.longest_prompt, task.longest_eval_prompt) == (lengths[train[1].prompt], lengths[held_out[0].prompt])
     out = capsys.readouterr().out
     assert f"prompts longer than --max-prompt-tokens {bound} are skipped: 1 eval, 2 train" in out, out
-    unbounded = rg.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
-    rg.fit_to_context(rg.parse_args(["--preset", "cpu"]), unbounded, tok, model)  # the context alone keeps all
+    unbounded = tasks.Task("rows", draw=None, eval=list(held_out), verifier="numeric", train=list(train))
+    models.fit_to_context(rg.parse_args(["--preset", "cpu"]), unbounded, tok, model)  # the context alone keeps all
     assert unbounded.train == train and unbounded.longest_eval_prompt == lengths[held_out[1].prompt]
-    with pytest.raises(rg.UserError, match="^--max-prompt-tokens 0: must be >= 1$"):
-        rg.validate(rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", "0"]))
+    with pytest.raises(run_folder.UserError, match="^--max-prompt-tokens 0: must be >= 1$"):
+        flag_checks.validate(rg.parse_args(["--preset", "cpu", "--max-prompt-tokens", "0"]))
 
 
 def test_a_run_that_cannot_fit_is_refused_before_its_first_step_naming_the_flag(tmp_path, capsys, monkeypatch):
     """Through main(): the plan is printed, and a device too small for the activations (simulated) refuses the run
     in one line naming --activation-checkpointing, before any step; with it, the same device runs."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     cfg = rg.parse_args(ARGS)
-    task = rg.make_task(cfg)
-    longest = max(len(rg.render_prompt(warm_start.byte_tokenizer(), ex.prompt)) for ex in task.eval)
-    plan = rg.plan_memory(model, cfg, longest, device_total=2**30, compute_bytes=4)
+    task = tasks.make_task(cfg)
+    longest = max(len(models.render_prompt(models.byte_tokenizer(), ex.prompt)) for ex in task.eval)
+    plan = device_memory.plan_memory(model, cfg, longest, device_total=2**30, compute_bytes=4)
     activations = next(v for k, v in plan["rows"].items() if k.startswith("activations"))
-    monkeypatch.setenv(rg.DEVICE_GIB_ENV, str((plan["peak"] - activations / 4) / 2**30))
+    monkeypatch.setenv(device_memory.DEVICE_GIB_ENV, str((plan["peak"] - activations / 4) / 2**30))
     argv = ARGS + ["--out-dir", str(tmp_path)]
     with pytest.raises(SystemExit) as refused:
         rg.main(argv + ["--run-name", "big"])
@@ -342,7 +349,9 @@ def test_the_log_prob_workspace_row_is_what_the_triton_backward_allocates_for_th
     micro-batch of 4 x (4096 + 1024) tokens at d = 3584)."""
     cfg = ap.parse_args(README_7B[1:])
     model = memory_plan.meta_model(cfg.model)
-    plan = rg.plan_memory(model, cfg, 4096, 80 * 2**30, 2, trainers=8, layout=rg.Layout(servers=5))
+    plan = device_memory.plan_memory(
+        model, cfg, 4096, 80 * 2**30, 2, trainers=8, layout=device_memory.Layout(servers=5)
+    )
     tokens, h, V = cfg.micro_batch_size * (4096 + cfg.max_new_tokens), model.config.hidden_size, model.config.vocab_size
     Vs = kernels.vocab_split(tokens, h, V, 2)
     assert plan["rows"]["log-prob workspace"] == tokens * Vs * 2 + 4 * tokens * h > 2**28

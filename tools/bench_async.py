@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import async_pipeline as ap
-import replay_grpo as rg
-import warm_start
+from infra import models, serving
 
 
 def run(cmd: list[str], cwd: Path) -> float:
@@ -86,16 +85,16 @@ def main() -> None:
     entry = ["async_pipeline.py"] if own_entry else ["replay_grpo.py", "--mode", "async"]
     old_seconds = run([sys.executable, *entry, *flags, "--run-name", f"old-{stamp}"], old_tree)
 
-    model, tok = warm_start.build_tiny_model(0)  # the architecture; each run publishes its own weights first
-    folder = rg.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
+    model, tok = models.build_tiny_model(0)  # the architecture; each run publishes its own weights first
+    folder = models.export_plain_folder(model, tok, str(out / f"served-{stamp}"))
     cfg = ap.parse_args(["--generator-host", "127.0.0.1", "--seed", str(a.seed)])
-    servers = ap.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
+    servers = serving.launch_servers(cfg, Path(folder), 512, [None, None], out / f"servers-{stamp}")
     try:
-        start_seconds = ap.wait_ready(servers)
+        start_seconds = serving.wait_ready(servers)
         urls = ["--generator-urls", *[s.url for s in servers]]
         new_seconds = run([sys.executable, "async_pipeline.py", *flags, *urls, "--run-name", f"new-{stamp}"], ROOT)
     finally:
-        ap.stop_servers(servers)
+        serving.stop_servers(servers)
 
     old, new = summary(out / f"old-{stamp}"), summary(out / f"new-{stamp}")
     print(f"{a.rev} (its run, starting its own generators): {old_seconds:.1f} s wall, {old}")

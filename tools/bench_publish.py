@@ -35,6 +35,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]  # the meth
 import torch
 import torch.distributed as dist
 
+from infra import serving
+
 GB = 1e9
 PLUGIN = ROOT / "tests" / "vllm_plugin"
 
@@ -131,9 +133,9 @@ def instrumented(counts: Counts):
 
 def count_publish(ap, servers, folder: Path) -> dict:
     """One publish of the tiny model's weights as `ap`'s train_async makes it, counted."""
-    import warm_start
+    from infra import models
 
-    model, _ = warm_start.build_tiny_model(0)
+    model, _ = models.build_tiny_model(0)
     P = sum(p.numel() for p in model.parameters())
     policy = ap.shard_policy(model, torch.device("cpu"))
     bf16, cpu = torch.bfloat16, torch.device("cpu")
@@ -163,18 +165,16 @@ def count_publish(ap, servers, folder: Path) -> dict:
 
 def launch(n: int, root: Path):
     """n vLLM CPU servers of the tiny model with the nccl weight transfer and the data plane's stand-in."""
-    import async_pipeline as ap
-    import replay_grpo as rg
-    import warm_start
+    from infra import models
 
-    model, tok = warm_start.build_tiny_model(0)
-    folder = rg.export_plain_folder(model, tok, str(root / "model"))
+    model, tok = models.build_tiny_model(0)
+    folder = models.export_plain_folder(model, tok, str(root / "model"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN), str(ROOT), os.environ.get("PYTHONPATH")]))
-    command = ap.server_command
-    ap.server_command = lambda *a, **k: command(*a, **k) + ["--weight-transfer-config", '{"backend": "nccl"}']
+    command = serving.server_command
+    serving.server_command = lambda *a, **k: command(*a, **k) + ["--weight-transfer-config", '{"backend": "nccl"}']
     cfg = types.SimpleNamespace(generator_host="127.0.0.1", seed=0, num_generators=n)
-    servers = ap.launch_servers(cfg, folder, 512, [None] * n, root / "logs")
-    ap.wait_ready(servers, timeout=900)
+    servers = serving.launch_servers(cfg, folder, 512, [None] * n, root / "logs")
+    serving.wait_ready(servers, timeout=900)
     return servers
 
 
@@ -220,13 +220,15 @@ def main() -> int:
     if args.model not in memory_plan.PRESET_MODELS:
         raise SystemExit(f"--model {args.model}: not one of {', '.join(memory_plan.PRESET_MODELS)}")
     ap = load_pipeline(args.rev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ap.free_port('127.0.0.1')}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{serving.free_port('127.0.0.1')}", rank=0, world_size=1
+    )
     with tempfile.TemporaryDirectory() as tmp:
         servers = launch(args.counted_servers, Path(tmp))
         try:
             counted = count_publish(ap, servers, Path(tmp) / "published")
         finally:
-            ap.stop_servers(servers)
+            serving.stop_servers(servers)
     dist.destroy_process_group()
     P = sum(p.numel() for p in memory_plan.meta_model(args.model).parameters())
     terms = estimate(counted, args, P)

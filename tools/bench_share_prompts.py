@@ -32,13 +32,15 @@ sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
 import torch
 
+import kernels
 import replay_grpo as rg
-import run_folder
+from infra import run_folder, tasks
+from infra.models import load_base_policy, render_prompt
 
 RECORDS = ROOT / "docs/study/real_model/lr1e5/records.json.xz"  # the answers SmolLM2 gave, first and last evaluation
 
 
-def completion_texts(cfg: rg.Args, task: rg.Task, rng: random.Random) -> list[str]:
+def completion_texts(cfg: rg.Args, task: tasks.Task, rng: random.Random) -> list[str]:
     """What the preset's completions look like: recorded answers of SmolLM2 for cpu-smollm2, gold answers else."""
     if cfg.preset == "cpu-smollm2":
         runs = json.loads(lzma.decompress(RECORDS.read_bytes()))["runs"]
@@ -46,7 +48,7 @@ def completion_texts(cfg: rg.Args, task: rg.Task, rng: random.Random) -> list[st
     return [ex.answer for ex in task.sample(rng, 64)]
 
 
-def make_batch(cfg: rg.Args, tok, task: rg.Task, seed: int) -> list[rg.Rollout]:
+def make_batch(cfg: rg.Args, tok, task: tasks.Task, seed: int) -> list[rg.Rollout]:
     """B rollouts drawn from a buffer holding R fresh ones, as a step of the preset draws them."""
     rng = random.Random(seed)
     texts = completion_texts(cfg, task, rng)
@@ -54,7 +56,7 @@ def make_batch(cfg: rg.Args, tok, task: rg.Task, seed: int) -> list[rg.Rollout]:
     group_id = 0
     while not buffer.ready(cfg.batch_size, 0):
         for ex in task.sample(rng, cfg.prompts_per_step):
-            prompt = rg.render_prompt(tok, ex.prompt, task.shots)
+            prompt = render_prompt(tok, ex.prompt, task.shots)
             rollouts = []
             for _ in range(cfg.group_size):
                 ids = tok(rng.choice(texts), add_special_tokens=False)["input_ids"][: cfg.max_new_tokens - 1]
@@ -78,12 +80,13 @@ def make_batch(cfg: rg.Args, tok, task: rg.Task, seed: int) -> list[rg.Rollout]:
 
 
 def forwarded(batch: list[rg.Rollout], cfg: rg.Args, share: bool, pad_id: int) -> tuple[int, int]:
-    """Tokens a step forwards and positions (rows x padded length, as rg.pack lays them out), over its micro-batches."""
-    batch = rg.prompt_order(batch, cfg.micro_batch_size) if share else batch
+    """Tokens a step forwards and positions (rows x padded length, as kernels.pack lays them out), over its
+    micro-batches."""
+    batch = kernels.prompt_order(batch, cfg.micro_batch_size) if share else batch
     tokens = positions = 0
     for i in range(0, len(batch), cfg.micro_batch_size):
         seqs = [(r.prompt_ids, r.completion_ids) for r in batch[i : i + cfg.micro_batch_size]]
-        positions += rg.pack(seqs, pad_id, "cpu", share).ids.numel()
+        positions += kernels.pack(seqs, pad_id, "cpu", share).ids.numel()
         distinct = {tuple(p) for p, _ in seqs}
         if share and len(distinct) < len(seqs):  # each prompt less its last token, then that token + each completion
             tokens += sum(len(p) - 1 for p in distinct) + sum(len(c) + 1 for _, c in seqs)
@@ -95,8 +98,8 @@ def forwarded(batch: list[rg.Rollout], cfg: rg.Args, share: bool, pad_id: int) -
 def bench(preset: str, repeats: int, seed: int) -> dict:
     cfg = rg.parse_args(["--preset", preset, "--seed", str(seed)])
     t0 = time.perf_counter()
-    model, tok = rg.load_base_policy(cfg, torch.device("cpu"))
-    task = rg.make_task(cfg)
+    model, tok = load_base_policy(cfg, torch.device("cpu"))
+    task = tasks.make_task(cfg)
     load = time.perf_counter() - t0
     batch = make_batch(cfg, tok, task, seed)
     arms = {share: dataclasses.replace(cfg, share_prompts=share) for share in (False, True)}

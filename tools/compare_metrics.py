@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
-import replay_grpo
+from infra import reporting
 
 # seeded CPU runs of the cpu preset: warm start, replay (N > B > R), both losses; each in its own --out-dir, so each
 # trains its warm start (a run's records depend on its flags and seed only, cached warm start or not). The task,
@@ -35,7 +35,7 @@ COMMANDS = [REPLAY.split(), (REPLAY + " --loss asymre --positive-bias 0.25").spl
 
 
 def timing(key: str) -> bool:
-    return replay_grpo.measured_on_this_machine(key)
+    return reporting.measured_on_this_machine(key)
 
 
 def fail(line: str):

@@ -57,8 +57,7 @@ from bench_kernels import measure, targets_met, time_target
 
 import kernels
 import replay_grpo as rg
-import run_folder
-import warm_start
+from infra import device_memory, generation, loading, models, reporting, run_folder, tasks
 
 ROWS = []  # (check, measured, target, verdict)
 MISSED = "missed"  # a row's `ok` when only a speed or memory target was not reached
@@ -74,8 +73,8 @@ def row(check: str, measured: str, target: str, ok: bool | str | None) -> None:
 def without_vllm(check: str) -> bool:
     """True, with a skipped row for `check`, where vLLM does not import (the checks that need an engine or a server)."""
     try:
-        rg.import_vllm()
-    except rg.VLLMUnavailable as e:
+        generation.import_vllm()
+    except generation.VLLMUnavailable as e:
         row(check, f"skipped: vLLM not installed or unusable here ({str(e).splitlines()[0][:80]})", "", None)
         return True
     return False
@@ -127,7 +126,8 @@ def check_kernels(dev: str, smoke: bool) -> None:
 def training_records(run_dir: Path) -> list[dict]:
     records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return [
-        {k: v for k, v in r.items() if not (k.startswith("eval/") or rg.measured_on_this_machine(k))} for r in records
+        {k: v for k, v in r.items() if not (k.startswith("eval/") or reporting.measured_on_this_machine(k))}
+        for r in records
     ]
 
 
@@ -195,11 +195,11 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
 
     # replay steps on a model at Qwen2.5-0.5B's width, Triton log-probs, bf16 compute. A random model over the
     # byte tokenizer earns reward 0 (ids past 258 decode to nothing): AsymRE's gradient is nonzero even then.
-    real_build = warm_start.build_tiny_model
+    real_build = models.build_tiny_model
     shape = dict(hidden_size=896, layers=24, vocab_size=151936)
     if smoke:
         shape = dict(hidden_size=128, layers=2, vocab_size=1024)
-    warm_start.build_tiny_model = lambda seed: real_build(seed, **shape)
+    models.build_tiny_model = lambda seed: real_build(seed, **shape)
     try:
         with simulated_bf16():
             argv = [
@@ -218,7 +218,7 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
             start = real_build(0, **shape)[0].state_dict()
             c = kernels.compute_dtype(torch.device(dev)).itemsize
     finally:
-        warm_start.build_tiny_model = real_build
+        models.build_tiny_model = real_build
     from safetensors.torch import load_file
 
     final = load_file(out / "qwen" / "checkpoint" / "model.safetensors")
@@ -234,17 +234,17 @@ def check_trainer(out: Path, smoke: bool, dev: str = "cpu") -> None:
         f"train step {step_ms:.0f} ms ({recs[-1]['trained_tokens']} tokens), peak {peak:.1f} GiB, mismatch "
         f"{mismatch:.1e}, min grad norm {grad:.2e}, {100 * moved:.1f}% of weights moved, "
         f"{'no' if finite else 'some'} NaN/inf steps",
-        f"mismatch < {rg.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
-        finite and mismatch < rg.MISMATCH_WARN and grad > 0 and moved > 0.5,
+        f"mismatch < {reporting.MISMATCH_WARN}, grad norm > 0, weights moved, no NaN",
+        finite and mismatch < reporting.MISMATCH_WARN and grad > 0 and moved > 0.5,
     )
     # the memory plan of that run (what it printed before its first step) against its steps' own measured peaks
     cfg = rg.parse_args(argv)
     model, tok = real_build(0, **shape)
-    task = rg.make_task(cfg)
-    longest = max(len(rg.render_prompt(tok, ex.prompt, task.shots)) for ex in task.eval)
-    plan = rg.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
+    task = tasks.make_task(cfg)
+    longest = max(len(models.render_prompt(tok, ex.prompt, task.shots)) for ex in task.eval)
+    plan = device_memory.plan_memory(model, cfg, longest, device_total=2**40, compute_bytes=c)
     rows = plan["rows"]  # the generator's share is apart, and the reserve is what the allocator does not count
-    planned = (plan["train"] - rows["generator (resident)"] - rows[rg.RESERVE_ROW]) / 2**30
+    planned = (plan["train"] - rows["generator (resident)"] - rows[device_memory.RESERVE_ROW]) / 2**30
     row(
         "memory plan: qwen-0.5b's train step",
         f"measured peak {peak:.2f} GiB, planned {planned:.2f} GiB",
@@ -285,8 +285,8 @@ def check_precision(dev: str, smoke: bool) -> None:
     for lr in (1e-6, 6e-8):
         cfg = rg.parse_args(["--sft-warmup-steps", "0", "--loss", "asymre", "--lr", str(lr), "--micro-batch-size", "8"])
         with simulated_bf16():
-            model, tok, _, _ = rg.load_policy(cfg, device, rg.make_task(cfg))
-            compute = rg.HFGenerator(model, tok).model.dtype  # what the generators and the autocast forward use
+            model, tok, _, _ = loading.load_policy(cfg, device, tasks.make_task(cfg), verifiers=rg.VERIFIERS)
+            compute = generation.HFGenerator(model, tok).model.dtype  # what the generators and the autocast forward use
         start = copy.deepcopy(model.state_dict())
         moved = {}
         for name, policy in (("policy", simulated_bf16()), ("fp32", compute_dtype_forced("float32"))):
@@ -405,9 +405,9 @@ def check_vllm(out: Path, smoke: bool) -> None:
     # the training configuration: a tied Qwen2 built in code, fp32 masters, the engine in the compute dtype (bf16
     # on GPUs), sleep level 2 (what a colocated engine published every step uses)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     model = model.to(device)
-    folder = rg.export_plain_folder(model, tok, str(out / "vllm_model"))
+    folder = models.export_plain_folder(model, tok, str(out / "vllm_model"))
     dtype = str(kernels.compute_dtype(device)).removeprefix("torch.")
     gen = rg.VLLMGenerator(
         model=model,
@@ -420,14 +420,14 @@ def check_vllm(out: Path, smoke: bool) -> None:
         sleep_level=2,
         cpu_threads=1,
     )
-    prompts = [rg.render_prompt(tok, f"{a}+{b}=") for a, b in [(1, 2), (12, 7), (30, 4), (44, 44)]]
+    prompts = [models.render_prompt(tok, f"{a}+{b}=") for a, b in [(1, 2), (12, 7), (30, 4), (44, 44)]]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     seqs = []
     for p in prompts:  # the right answer to each
         answer = str(sum(map(int, tok.decode(p)[:-1].split("+"))))
         seqs.append((p, tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
     for _ in range(30):  # move the weights so that a missed sync would show
-        loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
+        loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -440,13 +440,13 @@ def check_vllm(out: Path, smoke: bool) -> None:
     asleep = free()
     gen.load_weights(model.state_dict(), 1)
     woken = free()
-    hf = [g[0].completion_ids for g in rg.HFGenerator(model, tok).generate(prompts, 1, 8, 0.0, logprobs=False)]
+    hf = [g[0].completion_ids for g in generation.HFGenerator(model, tok).generate(prompts, 1, 8, 0.0, logprobs=False)]
     eng = [g[0].completion_ids for g in gen.generate(prompts, 1, 8, 0.0, logprobs=False)]
     row("vllm-sync: greedy after a publish", "equal to HF's" if hf == eng else "DIFFERS from HF's", "equal", hf == eng)
     samples = [s for g in gen.generate(prompts, 4, 16, 1.0) for s in g]
     with torch.no_grad():
         ref = (
-            rg.completion_logprobs(
+            kernels.completion_logprobs(
                 model, [(prompts[i // 4], s.completion_ids) for i, s in enumerate(samples)], tok.pad_token_id, 1.0
             )
             .float()
@@ -456,8 +456,8 @@ def check_vllm(out: Path, smoke: bool) -> None:
     row(
         "vllm-logprobs: engine vs trainer",
         f"mean |d logp| {diff:.1e}",
-        f"< {rg.MISMATCH_WARN}",
-        diff < rg.MISMATCH_WARN,
+        f"< {reporting.MISMATCH_WARN}",
+        diff < reporting.MISMATCH_WARN,
     )
     released, regained = asleep - awake, asleep - woken
     row(
@@ -472,7 +472,7 @@ def check_shared_prompts(dev: str, smoke: bool) -> None:
     """--share-prompts against --no-share-prompts on one micro-batch of a group: agreement, time and peak memory."""
     width = dict(hidden_size=128, layers=2) if smoke else dict(hidden_size=896, layers=4, vocab_size=151936)
     prompt_len, completion_len, G = (48, 8, 4) if smoke else (512, 64, 16)
-    model, tok = warm_start.build_tiny_model(0, **width)
+    model, tok = models.build_tiny_model(0, **width)
     model = model.to(dev).train()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 256, (prompt_len,), generator=g).tolist()
@@ -485,7 +485,7 @@ def check_shared_prompts(dev: str, smoke: bool) -> None:
             torch.cuda.reset_peak_memory_stats()
         sync()
         t = time.perf_counter()
-        logp = rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=share)
+        logp = kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=share)
         logp.mean().backward()
         sync()
         seconds = time.perf_counter() - t
@@ -497,9 +497,9 @@ def check_shared_prompts(dev: str, smoke: bool) -> None:
     cosine = torch.nn.functional.cosine_similarity(g_a, g_b, dim=0).item()
     row(
         "shared-prompts: agreement",
-        f"mean |d logp| {lp_diff:.1e}, gradient cosine {cosine:.6f} ({rg.kernels.compute_dtype(torch.device(dev))})",
-        f"< {rg.MISMATCH_WARN}, > 0.999",
-        lp_diff < rg.MISMATCH_WARN and cosine > 0.999,
+        f"mean |d logp| {lp_diff:.1e}, gradient cosine {cosine:.6f} ({kernels.compute_dtype(torch.device(dev))})",
+        f"< {reporting.MISMATCH_WARN}, > 0.999",
+        lp_diff < reporting.MISMATCH_WARN and cosine > 0.999,
     )
     row(
         "shared-prompts: forward + backward",

@@ -24,7 +24,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
-import run_folder
+from infra import device_memory, run_folder, tasks
 
 PROMPT_TOKENS = 512  # the longest prompt assumed where --max-prompt-tokens is not set
 ASYNC = (5, 3, 8)  # the paper's headline (W, T) on one node of 8 GPUs
@@ -52,10 +52,10 @@ CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
 
 def generated_prompt_bound(cfg) -> tuple[int, int]:
     """The longest (training, evaluation) prompt of a reasoning-gym task in tokens, bounded from every prompt the
-    run would generate (replay_grpo.make_task, in Qwen2.5's chat template): the PRESET_MODELS' tokenizers are byte-level
+    run would generate (tasks.make_task, in Qwen2.5's chat template): the PRESET_MODELS' tokenizers are byte-level
     BPEs (no model is downloaded here), which spend at most one token per byte of text, a marker one token. A run
-    measures its prompts with the model's own tokenizer (replay_grpo.fit_to_context) and plans with those."""
-    task = rg.make_task(cfg)
+    measures its prompts with the model's own tokenizer (models.fit_to_context) and plans with those."""
+    task = tasks.make_task(cfg)
     shots = "".join(QWEN_TURN.format(r, c) for q, a in task.shots for r, c in (("user", q), ("assistant", a)))
 
     def tokens(prompt: str) -> int:  # --rg-shots' turns, then the prompt
@@ -79,8 +79,9 @@ def meta_model(name: str):
 
 def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None = None) -> list[dict]:
     """Print the plan of `argv` (replay_grpo.py flags, or async_pipeline.py and its flags) on a node of `gpus` GPUs
-    (default: one each for the trainers and the servers) and return it; raises rg.UserError when it does not fit."""
-    layout = rg.Layout()
+    (default: one each for the trainers and the servers) and return it; raises run_folder.UserError when it does not
+    fit."""
+    layout = device_memory.Layout()
     if argv[:1] == ["async_pipeline.py"]:
         import async_pipeline
 
@@ -90,7 +91,7 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
         # async_pipeline.weight_transfer's auto: nccl when every server has a GPU of its own
         own = bool(cfg.generator_urls) or W + trainers <= gpus
         route = cfg.weight_transfer if cfg.weight_transfer != "auto" else ("nccl" if own else "disk")
-        layout = rg.Layout(W, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
+        layout = device_memory.Layout(W, not cfg.generator_urls, route=route, asked=cfg.weight_transfer)
     else:
         cfg = rg.parse_args(argv)
         gpus = gpus or trainers
@@ -101,8 +102,8 @@ def plan(argv: list[str], device_gib: float, trainers: int = 1, gpus: int | None
     # the device's size and a bf16 GPU's dtype for this plan only: a caller in the same process (a test, then a
     # real fp32 run on the CPU) must not inherit them
     dtype = os.environ.get(kernels.COMPUTE_DTYPE_ENV, "bfloat16")  # a bf16 GPU's, unless the user set one
-    with run_folder.environ({rg.DEVICE_GIB_ENV: str(device_gib), kernels.COMPUTE_DTYPE_ENV: dtype}):
-        return rg.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
+    with run_folder.environ({device_memory.DEVICE_GIB_ENV: str(device_gib), kernels.COMPUTE_DTYPE_ENV: dtype}):
+        return device_memory.check_memory_plan(cfg, model, prompts, cpu, trainers, n_gpus=gpus, layout=layout)
 
 
 def main() -> int:
@@ -126,7 +127,7 @@ def main() -> int:
         print(f"\n{' '.join(argv)}, {trainers} trainer rank(s), {device_gib} GiB, {gpus or 'W + T'} GPU(s):")
         try:
             plan(argv, device_gib, trainers, gpus)
-        except rg.UserError as e:
+        except run_folder.UserError as e:
             print(f"refused: {e}")
     return 0
 

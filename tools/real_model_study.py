@@ -39,19 +39,20 @@ def held_out_answers(config: str, weights: str) -> list[dict]:
     import torch
 
     import replay_grpo as rg
+    from infra import generation, models, tasks
 
     cfg = json.loads(config) | {"rg_credit": "partial"}  # the data set's own score, whichever the run was rewarded by
     args = rg.Args(**{f.name: cfg[f.name] for f in dataclasses.fields(rg.Args) if f.name in cfg})
-    task = rg.make_task(args)
-    model, tok = rg.load_pretrained(weights, torch.float32)
-    prompts = [rg.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
+    task = tasks.make_task(args)
+    model, tok = models.load_pretrained(weights, torch.float32)
+    prompts = [models.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
     with torch.no_grad():
-        groups = rg.HFGenerator(model, tok).generate(prompts, 1, args.max_new_tokens, 0.0, logprobs=False)
+        groups = generation.HFGenerator(model, tok).generate(prompts, 1, args.max_new_tokens, 0.0, logprobs=False)
     texts = [tok.decode(g[0].completion_ids, skip_special_tokens=True) for g in groups]
     verifier = rg.VERIFIERS[task.verifier]
     return [
         {"question": ex.prompt.splitlines()[0], "gold": json.loads(ex.answer)["answer"], "completion": text}
-        | {"score": rg.score(verifier, text, ex.answer)[0]}
+        | {"score": tasks.score(verifier, text, ex.answer)[0]}
         for ex, text in zip(task.eval, texts)
     ]
 

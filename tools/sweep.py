@@ -151,6 +151,7 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
     """Every (configuration, variant, seed) of the grid as runner.execute's run. seeds: default --tune-seeds, or
     --seeds without them. picks: only the picked variant of each configuration ({config: variant tag})."""
     import replay_grpo
+    from infra.run_folder import UserError
 
     base, entries = GRIDS[args.grid]
     seeds = seeds if seeds is not None else (args.tune_seeds or args.seeds)
@@ -160,7 +161,7 @@ def plan_runs(args: RunArgs, seeds: list[int] | None = None, picks: dict | None 
             argv = base + list(args.extra) + flags(fixed) + flags(varied)
             try:
                 cfg = replay_grpo.parse_args(argv)
-            except replay_grpo.UserError as e:  # a bad --extra flag: one line, as the trainer says it
+            except UserError as e:  # a bad --extra flag: one line, as the trainer says it
                 raise SystemExit(f"error: {e}") from None
             config = entry.get("name") or config_name(vars(cfg))
             if args.only and not any(s in config for s in args.only):

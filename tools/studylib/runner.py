@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the method's modules live at the root
 
-import run_folder
+from infra import run_folder
 
 TRAINER = ROOT / "replay_grpo.py"
 # The cpu preset as the first, Pareto and compute studies ran it (sums of 0..99, 2000 warm-start steps and no check

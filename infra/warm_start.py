@@ -1,5 +1,5 @@
-"""warm_start.py: the toy (--model tiny: a Qwen2 built in code on a byte-level tokenizer) and the supervised warm
-start that replay_grpo.py runs before RL when --sft-warmup-steps > 0.
+"""warm_start.py: the supervised warm start that both entries run before RL when --sft-warmup-steps > 0, and its
+cache.
 
 A model built in code knows nothing, and RL from it earns no reward. Teacher forcing on gold solutions
 gives it the skill; with a demonstrator that is wrong by one in --arith-demo-error of the solutions, it
@@ -32,9 +32,8 @@ from pathlib import Path
 import torch
 
 import kernels
-import replay_grpo as rg
-import run_folder
-from run_folder import UserError
+from infra import evaluation, generation, models, reporting, run_folder, tasks
+from infra.run_folder import UserError
 
 BATCH_SIZE = 128  # examples per supervised step
 CHECK_EVERY = 100  # steps between two checks of --sft-target
@@ -66,56 +65,7 @@ WARM_START_FLAGS = (
 )
 
 
-def byte_tokenizer():
-    """Byte-level BPE with no merges (id = byte value) and 3 special tokens: unlike a char vocabulary, it reloads
-    through AutoTokenizer (and vLLM) with identical ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    # GPT-2's reversible byte -> printable character map, what ByteLevel pre-tokenizers use
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    chars = bs[:] + [256 + n for n in range(256 - len(bs))]
-    bs += [b for b in range(256) if b not in bs]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {chr(c): b for b, c in zip(bs, chars)} | {s: 256 + i for i, s in enumerate(specials)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt '12+7=' as it is
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=template
-    )
-
-
-def build_tiny_model(seed: int, hidden_size: int = 128, layers: int = 2, vocab_size: int = 0):
-    """A Qwen2 built in code: by default 0.5M parameters (hidden 128, 2 layers, head_dim 64, vLLM-compatible
-    shapes) on the byte tokenizer's 259 tokens; vocab_size pads the vocabulary (e.g. 151936, Qwen's)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = byte_tokenizer()
-    config = Qwen2Config(
-        vocab_size=max(vocab_size, len(tok)),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden_size // 64,
-        num_key_value_heads=hidden_size // 64,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = tok.eos_token_id
-    return model, tok
-
-
-def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
+def warm_start_key(cfg, device: torch.device) -> str:
     """The flags the warm start reads, and the compute dtype it trains in (a CPU's fp32 warm start is another model
     than a GPU's bf16 one)."""
     fields = {k: getattr(cfg, k) for k in WARM_START_FLAGS}
@@ -127,14 +77,15 @@ def warm_start_key(cfg: rg.Args, device: torch.device) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
+def supervised_warm_start(model, tok, task: tasks.Task, cfg, *, verifiers: dict) -> dict:
     """Teacher forcing on gold solutions (at --sft-lr, decaying with --sft-lr-decay) until held-out pass@k reaches
     --sft-target, if set; then, with --sft-imitation, SKILL_ROUNDS more rounds while the held-out greedy answers
-    fall short of the demonstrator's. Returns what it reached."""
+    fall short of the demonstrator's (scored by `verifiers`, the reward functions by name). Returns what it reached."""
     rng = random.Random(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
     info = {"steps": 0, "target": cfg.sft_target, "pass@k": None, "k": cfg.pass_k, "imitation": []}
-    checker = rg.HFGenerator(model, tok) if cfg.sft_target or cfg.sft_imitation else None  # weights: at each check
+    # its weights are loaded at each check
+    checker = generation.HFGenerator(model, tok) if cfg.sft_target or cfg.sft_imitation else None
     streak = 0  # checks in a row at the target
     since, since_step = time.perf_counter(), 0  # without a terminal: a progress line at least this often
     model.train()
@@ -142,7 +93,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     @functools.cache  # a few thousand distinct problems, drawn again and again: each tokenized once
     def encode(prompt: str, solution: str) -> tuple[list[int], list[int]]:
         solution_ids = tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        return rg.render_prompt(tok, prompt, task.shots), solution_ids
+        return models.render_prompt(tok, prompt, task.shots), solution_ids
 
     def train_steps(steps: int, lr: float):
         """`steps` supervised steps at `lr` (decaying linearly to lr / steps with --sft-lr-decay), one at a time."""
@@ -153,13 +104,13 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
                 group["lr"] = lr * (1 - done / steps) if cfg.sft_lr_decay else lr
             seqs = [encode(ex.prompt, ex.solution) for ex in task.sample(rng, BATCH_SIZE)]
             # unshared: a batch of problems drawn one by one, not groups, and the cache key holds no --share-prompts
-            loss = -rg.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=False).mean()
+            loss = -kernels.completion_logprobs(model, seqs, tok.pad_token_id, 1.0, share_prompts=False).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             info["steps"] += 1
             seconds = time.perf_counter() - since
-            if not sys.stdout.isatty() and seconds >= rg.PROGRESS_SECONDS:
+            if not sys.stdout.isatty() and seconds >= reporting.PROGRESS_SECONDS:
                 print(
                     f"warm start: step {info['steps']}/{last}, loss {loss.item():.3f}, "
                     f"{seconds / (info['steps'] - since_step):.2f} s/step",
@@ -171,8 +122,15 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     for step in train_steps(cfg.sft_warmup_steps, cfg.sft_lr):
         if cfg.sft_target and (step % CHECK_EVERY == 0 or step == cfg.sft_warmup_steps):
             checker.load_weights(model.state_dict(), step)
-            check, _ = rg.evaluate(
-                checker, tok, task, cfg, seed=cfg.seed + step, pass_k_only=True, pass_k_prompts=cfg.sft_check_prompts
+            check, _ = evaluation.evaluate(
+                checker,
+                tok,
+                task,
+                cfg,
+                seed=cfg.seed + step,
+                pass_k_only=True,
+                pass_k_prompts=cfg.sft_check_prompts,
+                verifiers=verifiers,
             )
             model.train()
             info["pass@k"] = check[f"eval/pass@{cfg.pass_k}"]
@@ -187,7 +145,7 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     info["reached"] = not cfg.sft_target or streak >= cfg.sft_patience
     for round_ in range(SKILL_ROUNDS + 1 if cfg.sft_imitation else 0):
         checker.load_weights(model.state_dict(), info["steps"])
-        info["imitation"].append(imitation(checker, tok, task, cfg))
+        info["imitation"].append(imitation(checker, tok, task, cfg, verifiers=verifiers))
         model.train()
         print(
             f"warm start: step {info['steps']}, held-out greedy answers that are the demonstrator's: "
@@ -201,23 +159,23 @@ def supervised_warm_start(model, tok, task: rg.Task, cfg: rg.Args) -> dict:
     return info
 
 
-def imitation(generator, tok, task: rg.Task, cfg: rg.Args) -> float:
+def imitation(generator, tok, task: tasks.Task, cfg, *, verifiers: dict) -> float:
     """The share of held-out problems whose greedy answer is the one the demonstrator gives most often: the gold + 1
     when the arith task's --arith-demo-error is above 0.5, else the gold. On forked random streams, as an
     evaluation: checking changes no later draw."""
-    verifier = rg.VERIFIERS[task.verifier]
+    verifier = verifiers[task.verifier]
     with run_folder.forked_rng(cfg.seed):
-        prompts = [rg.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
+        prompts = [models.render_prompt(tok, ex.prompt, task.shots) for ex in task.eval]
         groups = generator.generate(prompts, 1, cfg.max_new_tokens, 0.0, logprobs=False)
     hits = 0
     for group, ex in zip(groups, task.eval):
         text = tok.decode(group[0].completion_ids, skip_special_tokens=True)
         usual = str(int(ex.answer) + 1) if cfg.task == "arith" and cfg.arith_demo_error > 0.5 else ex.answer
-        hits += rg.score(verifier, text, usual)[0]
+        hits += tasks.score(verifier, text, usual)[0]
     return hits / len(task.eval)
 
 
-def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
+def load_or_train(cfg, device: torch.device, task: tasks.Task, *, verifiers: dict):
     """The warm-started policy, its tokenizer, its cache folder and the warm start's record: from the cache,
     or trained from --model and cached. Either way the random streams leave here as a cold start leaves them
     (the cache holds their state at the warm start's end): a run's records depend on its flags and seed only. A
@@ -239,7 +197,7 @@ def load_or_train(cfg: rg.Args, device: torch.device, task: rg.Task):
             elif e.args:  # absent says nothing
                 print(f"warm start: the cache {cache} is damaged ({e}): training it again to replace it", flush=True)
         run_folder.set_rng_state(before)
-        train_and_cache(cfg, device, task, cache)
+        train_and_cache(cfg, device, task, cache, verifiers=verifiers)
         return read_cache(cache, device)  # the loaded copy: a run computes alike whether it trained the cache or not
 
 
@@ -336,17 +294,17 @@ def remove_leftovers(root: Path) -> None:
         print(f"warm start: removed {tmp}, left by a process killed while writing the cache", flush=True)
 
 
-def train_and_cache(cfg: rg.Args, device: torch.device, task: rg.Task, cache: Path):
+def train_and_cache(cfg, device: torch.device, task: tasks.Task, cache: Path, *, verifiers: dict):
     """The warm start trained from --model, written to `cache` whole (a temporary folder, renamed) with the random
     streams' state at its end. The caller holds the cache's lock."""
-    model, tok = rg.load_base_policy(cfg, device)
-    t0, info = time.time(), supervised_warm_start(model, tok, task, cfg)
+    model, tok = models.load_base_policy(cfg, device)
+    t0, info = time.time(), supervised_warm_start(model, tok, task, cfg, verifiers=verifiers)
     streams = run_folder.rng_state()  # at the warm start's end: a run that loads the cache goes on from here
     info["seconds"], info["threads"] = round(time.time() - t0, 1), torch.get_num_threads()  # what it trained with
     info["machine"] = run_folder.machine()  # a cache made elsewhere holds that machine's rounding
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")  # written whole, then renamed: readers never see half
     try:
-        rg.export_plain_folder(model, tok, str(tmp))
+        models.export_plain_folder(model, tok, str(tmp))
         torch.save(streams, tmp / STREAMS)
         (tmp / "warmstart.json").write_text(json.dumps(info))
     except Exception as e:

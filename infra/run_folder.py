@@ -1,6 +1,6 @@
-"""run_folder.py: a run folder for replay_grpo.py: creating it, its checkpoints and its records (metrics.jsonl,
-samples.jsonl, wandb), and its safety: one process at a time, the saved configuration as the truth on resume,
-whole-or-nothing writes, and damaged files or a full disk said in one line (UserError)."""
+"""run_folder.py: a run folder for both entries (replay_grpo.py, async_pipeline.py): creating it, its checkpoints
+and its records (metrics.jsonl, samples.jsonl, wandb), and its safety: one process at a time, the saved configuration
+as the truth on resume, whole-or-nothing writes, and damaged files or a full disk said in one line (UserError)."""
 
 import contextlib
 import dataclasses

@@ -1,0 +1,1 @@
+"""What both entries (replay_grpo.py, async_pipeline.py) run on; nothing here imports either of them."""
