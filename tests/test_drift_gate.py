@@ -12,7 +12,7 @@ import torch
 
 import kernels
 import replay_grpo as rg
-from infra import reporting, warm_start
+from infra import models, reporting
 
 PAIRS = [([5, 6, 7], [8, 9]), ([5, 6, 7], [10, 11, 12]), ([13, 14], [15]), ([16], [17, 18])]
 OFFSETS = [[0.1, -0.2], [0.3, 0.0, -0.1], [0.5], [-0.05, 0.05]]  # log(pi_theta / behaviour) of each token
@@ -99,7 +99,7 @@ def tiny_batch(model, tok, advantages):
 
 
 def tiny_run():
-    model, tok = warm_start.build_tiny_model(0)
+    model, tok = models.build_tiny_model(0)
     cfg = dataclasses.replace(rg.PRESETS["cpu"], batch_size=len(PAIRS), micro_batch_size=3, lr=1e-2)
     return model, tok, cfg, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
 
