@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class Task:
     longest_prompt: int = 0  # tokens of the longest training prompt kept (fit_to_context), for the memory plan
     longest_eval_prompt: int = 0  # and of the longest held-out one
     shots: tuple = ()  # (question, reply) pairs shown as earlier chat turns before every prompt (render_prompt)
+    untwinned: tuple | None = None  # held-out indices with no twin in `train` (twin_key), where some have one
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -409,7 +411,24 @@ def make_rg_task(cfg) -> Task:
         return train[rng.randrange(len(train))]
 
     repeats = len(training) - len(train)
-    return Task("reasoning-gym", draw, test, "reasoning-gym", train=train, repeats=repeats, shots=tuple(shots.items()))
+    trained = {twin_key(e) for e in training if e["question"] not in held_out}
+    untwinned = tuple(i for i, e in enumerate(held_out.values()) if twin_key(e) not in trained)
+    return Task(
+        "reasoning-gym",
+        draw,
+        test,
+        "reasoning-gym",
+        train=train,
+        repeats=repeats,
+        shots=tuple(shots.items()),
+        untwinned=untwinned if len(untwinned) < len(test) else None,
+    )
+
+
+def twin_key(entry: dict) -> tuple:
+    """What a question shares with its twin: its numbers, in order of size, and its answer (b + a is a + b's twin;
+    so are the other orders of a commutative question's numbers)."""
+    return tuple(sorted(int(n) for n in re.findall(r"\d+", entry["question"]))), str(entry["answer"])
 
 
 def make_task(cfg) -> Task:

@@ -18,7 +18,7 @@ from reasoning_gym.utils import extract_answer
 
 import async_pipeline as ap
 import replay_grpo as rg
-from infra import generation, models, run_folder, tasks, warm_start
+from infra import evaluation, generation, models, run_folder, tasks, warm_start
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "--preset cpu --sft-warmup-steps 0 --sft-imitation 0 --group-size 4 --prompts-per-step 2 --batch-size 8"
@@ -353,3 +353,32 @@ def test_full_credit_scores_one_for_the_scorers_full_score_and_zero_below_in_thi
     finally:
         scorer.close()
     assert any(0 < s < 1 for s in seen) and 1.0 in seen  # partial credit was there to remove
+
+
+def test_the_held_out_sums_without_a_commuted_twin_are_those_whose_mirror_is_never_trained():
+    """cpu-smollm2's 50 held-out sums `a + b`: those whose `b + a` is among the training questions are half
+    remembered; the task names the others, found here by mirroring each question's text."""
+    task = tasks.make_task(rg.parse_args(["--preset", "cpu-smollm2"]))
+    trained = {ex.prompt for ex in task.train}
+    mirrored = []
+    for ex in task.eval:
+        a, b = re.search(r"(\d+) \+ (\d+)", ex.prompt).groups()
+        mirrored.append(ex.prompt.replace(f"{a} + {b}", f"{b} + {a}", 1) in trained)
+    assert task.untwinned == tuple(i for i, twin in enumerate(mirrored) if not twin)
+    assert len(task.untwinned) == 24
+
+
+def test_the_evaluation_reports_greedy_accuracy_on_the_untwinned_questions_beside_the_whole():
+    model, tok = models.build_tiny_model(0)
+    prompts = [f"{a}+{b}=" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    hf = generation.HFGenerator(model, tok)
+    greedy = [g[0] for g in hf.generate([models.render_prompt(tok, p) for p in prompts], 1, 6, 0.0, logprobs=False)]
+    golds = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in greedy[:3]] + ["never said"]
+    task = tasks.Task("t", None, [tasks.Example(p, g) for p, g in zip(prompts, golds)], "exact", untwinned=(0, 3))
+    cfg = dataclasses.replace(rg.PRESETS["cpu"], max_new_tokens=6, pass_k=2)
+    metrics, _ = evaluation.evaluate(hf, tok, task, cfg, verifiers={"exact": lambda text, gold: float(text == gold)})
+    assert metrics["eval/greedy_acc"] == 0.75 and metrics["eval/greedy_acc_untwinned"] == 0.5
+    metrics, _ = evaluation.evaluate(
+        hf, tok, dataclasses.replace(task, untwinned=None), cfg, verifiers={"exact": lambda text, gold: 1.0}
+    )
+    assert "eval/greedy_acc_untwinned" not in metrics  # a task without twins records the whole only
