@@ -1001,6 +1001,7 @@ def test_a_request_blocked_on_a_hung_server_does_not_hold_the_process_at_exit():
     (Ctrl-C on a run whose servers were started elsewhere), not when the request's time is up."""
     code = (
         "import random, threading, time, socket, async_pipeline as ap\n"
+        "from infra import serving\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
         "server = serving.Server(f'http://127.0.0.1:{s.getsockname()[1]}')\n"
         "gen = ap.ServerGenerator(server, [0], random.Random(0))\n"

@@ -167,7 +167,8 @@ def test_server_gpus_map_through_an_inherited_cuda_visible_devices(monkeypatch):
 
 OPTIMIZER_BROADCAST = r"""
 import copy, os, torch, torch.distributed as dist
-import async_pipeline as ap, replay_grpo as rg, warm_start
+import async_pipeline as ap, replay_grpo as rg
+from infra import models
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from test_gpu_path import random_batch
 dist.init_process_group("gloo")
