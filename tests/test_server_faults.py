@@ -219,7 +219,7 @@ HOLDER = """
     import os, sys, time, types
     from pathlib import Path
 
-    import async_pipeline as ap
+    from infra import serving
 
     def test_holds_a_launched_server(tmp_path):
         script = {script!r}
