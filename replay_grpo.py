@@ -559,16 +559,6 @@ def rules(cfg: Args) -> dict:
     return {k: getattr(cfg, k) for k in (*BUFFER_FLAGS, "ratio_level")}
 
 
-def measure_drift(rollouts: list[Rollout], log_ratio: torch.Tensor, lengths: torch.Tensor, version: int) -> None:
-    """Each rollout's drift at this use (the gate's input): M2 = mean (log r)^2 and k3 = mean (r - 1 - log r) over
-    its tokens, r = pi_theta / behaviour, with pi_theta the weights of `version` (before this step's update)."""
-    token_of = torch.repeat_interleave(torch.arange(len(rollouts), device=log_ratio.device), lengths)
-    terms = torch.stack([log_ratio.square(), torch.exp(log_ratio) - 1 - log_ratio]).double()
-    means = terms.new_zeros(2, len(rollouts)).index_add(1, token_of, terms) / lengths.clamp(min=1)
-    for r, (m2, k3) in zip(rollouts, means.T.tolist()):
-        r.drift_m2, r.drift_k3, r.drift_version = m2, k3, version
-
-
 # ===== Losses, the stale-data corrections and the train step ======================================
 
 
@@ -781,7 +771,6 @@ def train_step(model, optimizer, batch: list[Rollout], cfg: Args, pad_id: int, v
             break
         loss.backward()
         loss_sum += loss.item()
-        measure_drift(mb, logp.detach() - behaviour, repeats, version)
         parts.append(
             TrainedMicroBatch(
                 rollouts=mb,
@@ -884,7 +873,8 @@ class BucketSums(NamedTuple):
 
 
 def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, clipped, corrected, log_ratio) -> None:
-    """The batch's rollouts into `sums`, staleness bucket -> BucketSums."""
+    """The batch's rollouts into `sums`, staleness bucket -> BucketSums; and each rollout's drift at this use (the
+    gate's input: mean (log r)^2 and mean (r - 1 - log r) over its tokens, r = pi_theta / behaviour, at `version`)."""
     lengths = torch.tensor([len(r.completion_ids) for r in batch], device=ratio.device)
     rollout_of_token = torch.repeat_interleave(torch.arange(len(batch), device=ratio.device), lengths)
     k3 = torch.exp(log_ratio) - 1 - log_ratio
@@ -893,6 +883,7 @@ def add_staleness_sums(sums: dict, batch: list[Rollout], version: int, ratio, cl
     per_rollout = torch.zeros(len(per_token), len(batch), device=ratio.device, dtype=ratio.dtype)
     per_rollout = per_rollout.index_add(1, rollout_of_token, per_token).T.tolist()  # one device sync a micro-batch
     for r, n, (n_clipped, abs_log, w, w2, n_corrected, m2, kl) in zip(batch, lengths.tolist(), per_rollout):
+        r.drift_m2, r.drift_k3, r.drift_version = m2 / max(n, 1), kl / max(n, 1), version
         bucket = staleness_bucket(version - r.policy_version)
         rollout = BucketSums(
             rollouts=1,

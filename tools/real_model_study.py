@@ -252,13 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     source.add_argument("--records", type=Path, help="a records.json.xz this tool wrote")
     ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
     args = ap.parse_args(argv)
-    if args.runs:
-        try:
-            records = collect(args.runs)
-        except runner.Damaged as e:  # a run folder's file cut or damaged: one line naming it
-            raise SystemExit(f"error: --runs {e}") from None
-    else:
-        records = runner.read_records(args.records, keys=("arm", "seed", "evals"), check=problem)
+    records = runner.runs_or_records(args.runs, args.records, collect=collect, check=problem)
     summary = analyse(records)
     args.report_dir.mkdir(parents=True, exist_ok=True)
     runner.write_records(args.report_dir / runner.RECORDS, records, "--report-dir")

@@ -608,13 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
     ap.add_argument("--replicates", type=int, default=REPLICATES, help="bootstrap resamples (the rule's: 10,000)")
     args = ap.parse_args(argv)
-    if args.runs:
-        try:
-            records = collect(args.runs)
-        except runner.Damaged as e:  # a run folder's file cut or damaged: one line naming it
-            raise SystemExit(f"error: --runs {e}") from None
-    else:
-        records = runner.read_records(args.records, keys=("arm", "seed", "evals"), check=problem)
+    records = runner.runs_or_records(args.runs, args.records, collect=collect, check=problem)
     s = with_seed_curves(analyse(records, args.replicates), records)
     report.write_report(args.report_dir, s, private="seed_curves", table_md=table_md, plot=plot, records=records)
     return s

@@ -465,6 +465,17 @@ def refuse_non_finite(runs: list[dict], where) -> None:
             )
 
 
+def runs_or_records(runs: Path | None, records: Path | None, *, collect, check) -> dict:
+    """A per-seed study's records (arm, seed, evals per run): collect(runs) from its run folders (a file cut or
+    damaged stops it, one line naming it), or read from the records file it wrote."""
+    if runs:
+        try:
+            return collect(runs)
+        except Damaged as e:
+            raise SystemExit(f"error: --runs {e}") from None
+    return read_records(records, keys=("arm", "seed", "evals"), check=check)
+
+
 def read_records(path: Path, keys=RUN_KEYS, flag: str = "--records", check=run_problem) -> dict:
     """A study's records file ({"runs": [...]}, each run holding keys; xz, gzip or plain JSON), read by the trainer's
     bounded reader; a damaged file stops with one line naming it and the flag that gave it. A run that is not as
