@@ -54,8 +54,10 @@ def evaluate(
             _, pass1 = generate_and_score(n=1, temperature=0.1, top_p=0.95, count=len(prompts))
             out["eval/policy_version"] = generator.policy_version  # the weights evaluated (a server's: published)
             out["eval/greedy_acc"] = sum(r[0] for r in greedy) / len(greedy)
-            if task.untwinned:  # a held-out question whose twin is trained on is half remembered
-                out["eval/greedy_acc_untwinned"] = sum(greedy[i][0] for i in task.untwinned) / len(task.untwinned)
+            # a held-out question whose twin is trained on is half remembered
+            untwinned = [r[0] for ex, r in zip(task.eval, greedy) if ex.prompt in (task.untwinned or ())]
+            if untwinned:
+                out["eval/greedy_acc_untwinned"] = sum(untwinned) / len(untwinned)
             out["eval/pass@1"] = sum(r[0] for r in pass1) / len(pass1)
         _, passk = generate_and_score(n=cfg.pass_k, temperature=1.0, top_p=0.95, count=pass_k_prompts)
         out[f"eval/pass@{cfg.pass_k}"] = sum(max(g) for g in passk) / len(passk)

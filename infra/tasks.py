@@ -43,7 +43,7 @@ class Task:
     longest_prompt: int = 0  # tokens of the longest training prompt kept (fit_to_context), for the memory plan
     longest_eval_prompt: int = 0  # and of the longest held-out one
     shots: tuple = ()  # (question, reply) pairs shown as earlier chat turns before every prompt (render_prompt)
-    untwinned: tuple | None = None  # held-out indices with no twin in `train` (twin_key), where some have one
+    untwinned: frozenset | None = None  # held-out prompts with no twin in `train` (twin_key), where some have one
 
     def sample(self, rng: random.Random, n: int) -> list[Example]:
         return [self.draw(rng) for _ in range(n)]
@@ -412,7 +412,8 @@ def make_rg_task(cfg) -> Task:
 
     repeats = len(training) - len(train)
     trained = {twin_key(e) for e in training if e["question"] not in held_out}
-    untwinned = tuple(i for i, e in enumerate(held_out.values()) if twin_key(e) not in trained)
+    # prompts, not positions: fit_to_context may drop held-out rows, moving the ones after them
+    untwinned = frozenset(ex.prompt for ex, e in zip(test, held_out.values()) if twin_key(e) not in trained)
     return Task(
         "reasoning-gym",
         draw,
