@@ -352,8 +352,10 @@ class Rollout:
 
 
 def group_advantages(rewards: list[float]) -> tuple[list[float], float]:
-    """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give 0."""
+    """GRPO advantages (reward - mean) / (std + 1e-6), population std; all-equal groups give exactly 0."""
     r = torch.tensor(rewards, dtype=torch.float64)
+    if len(set(rewards)) == 1:  # the float mean of 7 x 0.1 is a rounding step off 0.1: no signal is exactly none
+        return [0.0] * len(rewards), float(r.mean())
     return ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist(), float(r.mean())
 
 

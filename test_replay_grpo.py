@@ -147,6 +147,8 @@ def test_group_advantages_are_z_scores():
     assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
     adv, mean = rg.group_advantages([1.0, 1.0, 1.0])
     assert adv == [0.0, 0.0, 0.0] and mean == 1.0
+    for partial in (0.1, 0.7):  # equal partial credits whose float mean is a rounding step off them
+        assert rg.group_advantages([partial] * 7)[0] == [0.0] * 7
 
 
 def test_grpo_loss_clips_on_both_sides_by_hand():
