@@ -185,6 +185,13 @@ def validate_rules(cfg, need) -> None:
         f"--max-drift {cfg.max_drift}: must be above 0 (a mean squared log-ratio; 0.04 is the clip width squared)",
     )
     need(math.isfinite(cfg.lr_reuse_exponent), f"--lr-reuse-exponent {cfg.lr_reuse_exponent}: must be finite")
+    reuse, beta = cfg.rollouts_per_step / cfg.batch_size, cfg.lr_reuse_exponent
+    log_lr = math.log(cfg.lr) + beta * math.log(reuse)  # the trained lr, --lr x (R / B)^beta: below 1, as --lr is
+    need(
+        log_lr < 0,
+        f"--lr-reuse-exponent {beta}: scales --lr {cfg.lr} by (R / B = {reuse:g})^{beta} to "
+        f"{math.exp(log_lr) if log_lr < 700 else math.inf:g}: must stay below 1",
+    )
     need(
         not cfg.skip_zero_signal or cfg.loss == "grpo",
         "--skip-zero-signal: only --loss grpo has no gradient when every advantage is 0 (asymre's baseline has one)",

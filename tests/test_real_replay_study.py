@@ -135,6 +135,18 @@ def test_the_bootstrap_is_deterministic():
     assert low < high  # resamples that differ, drawn the same way twice
 
 
+def test_a_run_at_a_reuse_scaled_learning_rate_is_reported_at_the_rate_it_trained_at():
+    recs = records([ONE_JUMP] * 2, [ONE_JUMP] * 2)
+    scaled = {"lr": 1e-5, "lr_reuse_exponent": 1.0, "prompts_per_step": 2, "group_size": 8, "batch_size": 32}
+    for r in recs["runs"][2:]:
+        r["cfg"] = dict(scaled)
+    s = rrs.analyse(recs)
+    assert s["arms"]["replay"]["lrs"] == [pytest.approx(5e-6)] and s["runs"]["replay"][0]["lr"] == pytest.approx(5e-6)
+    assert s["arms"]["on-policy"]["lrs"] == [1e-5]
+    del scaled["batch_size"]
+    assert "batch_size" in rrs.problem(recs["runs"][0] | {"cfg": scaled})
+
+
 def write_run(folder, arm_seed: tuple, steps: int, every: int, per_step: tuple) -> None:
     """A run folder as replay_grpo.py writes one: step 0 evaluated before any count, R generated and B trained a step,
     accuracy rising by 0.1 an evaluation; a step's M2 0.01 on 100 tokens of bucket 0 (even steps: 0.04 on 300, and

@@ -336,6 +336,10 @@ def test_train_step_reports_every_trained_rollout_in_its_staleness_bucket(tmp_pa
         (["--sampling", "queue", "--max-drift", "0.04"], "--max-age, --max-uses and --max-drift do not apply"),
         (["--max-drift", "0"], "--max-drift 0.0: must be above 0"),
         (["--lr-reuse-exponent", "inf"], "--lr-reuse-exponent inf: must be finite"),
+        (
+            ["--batch-size", "16", "--lr", "0.3", "--lr-reuse-exponent", "-2"],
+            "--lr-reuse-exponent -2.0: scales --lr 0.3 by (R / B = 0.5)^-2.0 to 1.2: must stay below 1",
+        ),
         (["--skip-zero-signal", "--loss", "asymre"], "--skip-zero-signal: only --loss grpo has no gradient"),
         (["--sampling", "queue", "--batch-size", "12"], "--batch-size 12 must be a multiple of R = 8"),
         (

@@ -50,6 +50,7 @@ CONFIG_KEYS = (
     "max_drift",
     "lr_reuse_exponent",
 )
+SIZES = ("prompts_per_step", "group_size", "batch_size")  # R and B, which --lr-reuse-exponent scales the lr by
 COUNTS = ("mu", "zero_signal_steps", "zero_signal_skipped_steps", "evicted")  # read from a run's last record
 EVAL_KEYS = ("step", "generated_rollouts", "trained_rollouts", "total_generated_tokens", "greedy_acc")
 FIGURE = "accuracy_vs_compute.png"
@@ -135,6 +136,8 @@ def problem(run: dict) -> str | None:
         return f"no arm of {', '.join(ARMS)} or no integer seed"
     if not isinstance(run.get("cfg"), dict) or not runner.is_number(run["cfg"].get("lr")):
         return "no settings with a learning rate"
+    if run["cfg"].get("lr_reuse_exponent") and not all(runner.is_number(run["cfg"].get(k)) for k in SIZES):
+        return f"a reuse-scaled learning rate without {', '.join(SIZES)}, which scale it"
     evals = run.get("evals")
     if not isinstance(evals, list) or not evals or not all(isinstance(e, dict) for e in evals):
         return "no evaluations"
@@ -299,6 +302,14 @@ def by_arm(records: dict) -> dict[str, list[dict]]:
     return arms
 
 
+def trained_lr(cfg: dict) -> float:
+    """The learning rate a run trained at, the trainer's learning_rate: --lr x (R / B)^--lr-reuse-exponent."""
+    beta = cfg.get("lr_reuse_exponent") or 0
+    if not beta:
+        return cfg["lr"]
+    return cfg["lr"] * (cfg["prompts_per_step"] * cfg["group_size"] / cfg["batch_size"]) ** beta
+
+
 def seed_row(run: dict, s: dict, levels: np.ndarray, budget: dict) -> dict:
     """One seed's row of the per-seed table: accuracy at each evaluation, cost to each level at PAPER_MU ("never" when
     not reached), its end, area to the budget, wall time and the counts."""
@@ -309,7 +320,7 @@ def seed_row(run: dict, s: dict, levels: np.ndarray, budget: dict) -> dict:
     last = run["evals"][-1]
     return {
         "seed": run["seed"],
-        "lr": run["cfg"]["lr"],
+        "lr": trained_lr(run["cfg"]),
         "acc": {str(e["step"]): e["greedy_acc"] for e in run["evals"]},
         "untwinned": {str(e["step"]): e["greedy_acc_untwinned"] for e in run["evals"] if "greedy_acc_untwinned" in e},
         "cost": {n: float(c) if ok else float("inf") for n, c, ok in zip(LEVEL_NAMES, cost, reached)},
@@ -369,7 +380,7 @@ def analyse(records: dict, replicates: int = REPLICATES) -> dict:
         mus = [r["mu"] for r in runs if r.get("mu") is not None]
         per_arm[arm] = {
             "seeds": [r["seed"] for r in runs],
-            "lrs": sorted({r["cfg"]["lr"] for r in runs}),
+            "lrs": sorted({trained_lr(r["cfg"]) for r in runs}),
             "end": float(np.mean([row["end"] for row in rows[arm]])),
             "end_untwinned": mean_or_none([row["end_untwinned"] for row in rows[arm]]),
             "end_untwinned_seeds": sum(row["end_untwinned"] is not None for row in rows[arm]),
