@@ -303,11 +303,12 @@ def by_arm(records: dict) -> dict[str, list[dict]]:
 
 
 def trained_lr(cfg: dict) -> float:
-    """The learning rate a run trained at, the trainer's learning_rate: --lr x (R / B)^--lr-reuse-exponent."""
-    beta = cfg.get("lr_reuse_exponent") or 0
-    if not beta:
+    """The learning rate a run trained at: the trainer's learning_rate of its settings (--lr when not reuse-scaled)."""
+    if not cfg.get("lr_reuse_exponent"):
         return cfg["lr"]
-    return cfg["lr"] * (cfg["prompts_per_step"] * cfg["group_size"] / cfg["batch_size"]) ** beta
+    import replay_grpo as rg
+
+    return rg.learning_rate(rg.Args(**{k: cfg[k] for k in ("lr", "lr_reuse_exponent", *SIZES)}))
 
 
 def seed_row(run: dict, s: dict, levels: np.ndarray, budget: dict) -> dict:
