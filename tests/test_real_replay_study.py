@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import real_replay_study as rrs
+import sweep
 from studylib import runner
 
 MU = rrs.PAPER_MU
@@ -207,6 +208,8 @@ def test_the_run_folders_are_read_and_their_records_give_the_same_report_byte_fo
     for name in ("table.md", "summary.json"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), name
     assert (tmp_path / "b" / rrs.FIGURE).stat().st_size > 0
+    sweep.render(tmp_path / "a" / "summary.json", tmp_path / "rendered.md")  # the summary names its study
+    assert (tmp_path / "rendered.md").read_bytes() == (tmp_path / "a" / "table.md").read_bytes()
 
 
 def test_a_damaged_recorded_run_is_left_out_and_a_damaged_run_folder_or_a_missing_arm_stops_the_report(

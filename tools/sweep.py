@@ -23,8 +23,10 @@ from typing import Literal
 
 import compute_study
 import corrections_study
+import failed_replay_study
 import pareto
 import real_model_study
+import real_replay_study
 import replay_study
 import tyro
 from replay_study import BUCKET_PANELS, is_on_policy, pick_variants
@@ -244,7 +246,7 @@ def render(summary_path: Path, table_path: Path) -> None:
     except Damaged as e:
         raise SystemExit(f"error: {e}") from None
     by_key = {"comparisons": corrections_study, "aa": compute_study, "interval_90": pareto}  # a key of its own
-    by_key["real_model"] = real_model_study
+    by_key |= {"real_model": real_model_study, "real_replay": real_replay_study, "failed_replay": failed_replay_study}
     study = next((module for key, module in by_key.items() if key in summary), replay_study)
     try:
         table_path.write_text(study.table_md(summary))
