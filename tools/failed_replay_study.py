@@ -27,6 +27,8 @@ from studylib import fmt, report, runner
 
 VARIANTS = ("baseline", "skip-zero-signal", "max-drift", "lr-reuse-exponent")
 BASELINE = "baseline"
+FLAGS = {"skip-zero-signal": "skip_zero_signal", "max-drift": "max_drift", "lr-reuse-exponent": "lr_reuse_exponent"}
+SEEDS = (7, 8, 9)  # the rule's, paired seed by seed with the committed runs
 HOLD_GAIN, HOLD_FALL = 0.10, 0.10  # the rule's 10 points, each way
 TOL = 1e-9  # an accuracy difference equal to a bound up to float rounding meets it
 EARLY_LATE = 10  # entropy: the mean over the first and over the last this many steps
@@ -41,22 +43,33 @@ def weight_distance(run_dir: Path, cfg: dict, base_cache: dict) -> float:
     trainer loads it (the tiny model built from its seed, or the pretrained one), theta_end the checkpoint's weights.
     The net displacement, not the path length: steps that undo each other do not add to it."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from infra.models import load_base_policy
+    from infra.run_folder import UserError
 
     if cfg.get("sft_warmup_steps"):
         raise runner.Damaged(f"{run_dir}: a warm-started run starts from its warm start, not --model")
+    if not isinstance(cfg.get("model"), str) or (cfg["model"] == "tiny" and type(cfg.get("seed")) is not int):
+        raise runner.Damaged(f"{run_dir}/config.json: no --model (and for the tiny model, no integer seed)")
     key = (cfg["model"], cfg.get("seed") if cfg["model"] == "tiny" else None)
     if key not in base_cache:
-        model, _ = load_base_policy(argparse.Namespace(model=key[0], seed=key[1]), torch.device("cpu"))
+        try:
+            model, _ = load_base_policy(argparse.Namespace(model=key[0], seed=key[1]), torch.device("cpu"))
+        except UserError as e:
+            raise runner.Damaged(f"{run_dir}: {e}") from None
         base_cache[key] = model.state_dict()
     base, files = base_cache[key], sorted((run_dir / "checkpoint").glob("*.safetensors"))
     if not files:
         raise runner.Damaged(f"{run_dir}: no checkpoint/*.safetensors, the final weights the distance is measured on")
     total = 0.0
     for path in files:
-        for name, tensor in load_file(path).items():
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError) as e:
+            raise runner.Damaged(f"{path}: not a whole safetensors file ({e})") from None
+        for name, tensor in tensors.items():
             if name not in base or base[name].shape != tensor.shape:
                 raise runner.Damaged(f"{path}: {name} is not a tensor of --model {cfg['model']} of that shape")
             total += float(((tensor.float() - base[name].float()) ** 2).sum())
@@ -70,12 +83,15 @@ def compact(run_dir: Path, variant: str, seed: int, seconds: float, base_cache: 
     cfg = runner.read_json(run_dir / "config.json")
     entropy = [r["entropy"] for r in records if runner.is_number(r.get("entropy"))]
     clip = [r["clip_frac"] for r in records if runner.is_number(r.get("clip_frac"))]
-    return rrs.compact(run_dir, variant, seed, seconds) | {
+    run = rrs.compact(run_dir, variant, seed, seconds) | {
         "entropy": [mean(entropy[:EARLY_LATE]), mean(entropy[-EARLY_LATE:])],
         "clip_frac": mean(clip),
         "evicted_age_mean": records[-1].get("evicted_age_mean") if records else None,
-        "distance": weight_distance(run_dir, cfg, base_cache),
+        "distance": 0.0,
     }
+    if why := problem(run):  # what --records would leave out stops the report here: a folder to mend
+        raise SystemExit(f"error: --runs {run_dir}: {why}")
+    return run | {"distance": weight_distance(run_dir, cfg, base_cache)}
 
 
 def mean(values: list) -> float | None:
@@ -96,8 +112,6 @@ def collect(runs: Path) -> dict:
                 print(f"report: {variant} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
                 continue
             out.append(compact(folder / str(seed) / "run", variant, seed, times[str(seed)], base_cache))
-            if why := problem(out[-1]):
-                raise SystemExit(f"error: --runs {folder / str(seed) / 'run'}: {why}")
     runner.refuse_non_finite(out, lambda run, i: f"--runs {runs}: {run['arm']} seed {run['seed']}")
     return {"runs": out}
 
@@ -110,6 +124,10 @@ def problem(run: dict) -> str | None:
         return why
     if not runner.is_number(run.get("distance")) or run["distance"] < 0:
         return "no distance the weights moved"
+    if not run["evals"][-1]["generated_rollouts"] > 0:
+        return "no generated rollouts at its last evaluation"
+    if any(run.get(k) is not None and type(run[k]) is not int for k in rrs.COUNTS[1:3]):
+        return f"one of {', '.join(rrs.COUNTS[1:3])} is not a whole number"
     entropy = run.get("entropy")
     if not (isinstance(entropy, list) and len(entropy) == 2 and all(e is None or runner.is_number(e) for e in entropy)):
         return "no entropy early and late"
@@ -130,22 +148,24 @@ def seed_row(run: dict, baseline: dict | None) -> dict:
     acc = [e["greedy_acc"] for e in run["evals"]]
     generated = run["evals"][-1]["generated_rollouts"]
     evicted = run.get("evicted") or {}
+    base_end = None if baseline is None else baseline["evals"][-1]["greedy_acc"]
     return {
         "seed": run["seed"],
         "lr": rrs.trained_lr(run["cfg"]),
         "acc": {str(e["step"]): e["greedy_acc"] for e in run["evals"]},
         "end": acc[-1],
-        "end_over_baseline": None if baseline is None else acc[-1] - baseline["evals"][-1]["greedy_acc"],
+        "baseline_end": base_end,
+        "end_over_baseline": None if baseline is None else acc[-1] - base_end,
         "largest_fall": largest_fall(acc),
         "zero_signal_steps": run.get("zero_signal_steps"),
         "zero_signal_skipped_steps": run.get("zero_signal_skipped_steps"),
         "evicted": run.get("evicted"),
-        "evicted_by_drift": evicted.get("drift", 0),
+        "evicted_by_drift": None if run.get("evicted") is None else evicted.get("drift", 0),
         "evicted_age_mean": run.get("evicted_age_mean"),
         "entropy": run["entropy"],
         "clip_frac": run.get("clip_frac"),
         "distance": run["distance"],
-        "distance_per_generated": run["distance"] / generated if generated else None,
+        "distance_per_generated": run["distance"] / generated,
         "minutes": run["wall_seconds"] / 60,
         "made": run.get("made"),
         "max_drift": run["cfg"].get("max_drift"),
@@ -153,12 +173,31 @@ def seed_row(run: dict, baseline: dict | None) -> dict:
 
 
 def holds(rows: list[dict], baseline_seeds: list[int]) -> dict:
-    """The rule's verdict on a variant: every baseline seed run, each ending HOLD_GAIN above its baseline, none
-    falling HOLD_FALL between evaluations."""
-    missing = sorted(set(baseline_seeds) - {r["seed"] for r in rows})
-    gains = all(r["end_over_baseline"] is not None and r["end_over_baseline"] >= HOLD_GAIN - TOL for r in rows)
+    """The rule's verdict on a variant: each of SEEDS run both as the variant and as the baseline, each ending
+    HOLD_GAIN above its baseline, none falling HOLD_FALL between evaluations. A seed not run leaves it undecided."""
+    missing = sorted(set(SEEDS) - ({r["seed"] for r in rows} & set(baseline_seeds)))
+    paired = [r for r in rows if r["end_over_baseline"] is not None]
+    gains = all(r["end_over_baseline"] >= HOLD_GAIN - TOL for r in paired)
     steady = all(r["largest_fall"] < HOLD_FALL - TOL for r in rows)
     return {"holds": not missing and gains and steady, "missing_seeds": missing, "gains": gains, "steady": steady}
+
+
+def settings_problem(run: dict, baseline: dict | None) -> str | None:
+    """Why a run is not its variant of the baseline seed's settings (None: it is): its own flag set, the other
+    variants' flags off, every other setting the baseline's."""
+    own = FLAGS.get(run["arm"])
+    if any(bool(run["cfg"].get(flag)) != (flag == own) for flag in FLAGS.values()):
+        wanted = f"only {own} set" if own else f"none of {', '.join(FLAGS.values())} set"
+        return f"its settings are not the {run['arm']} variant's ({wanted})"
+    if baseline is not None:
+        differ = sorted(
+            k
+            for k in {*run["cfg"], *baseline["cfg"]} - set(FLAGS.values())
+            if run["cfg"].get(k) != baseline["cfg"].get(k)
+        )
+        if differ:
+            return f"its settings differ from baseline seed {run['seed']}'s in {', '.join(differ)}"
+    return None
 
 
 def analyse(records: dict) -> dict:
@@ -170,6 +209,10 @@ def analyse(records: dict) -> dict:
     if not runs[BASELINE]:
         raise SystemExit("error: the baseline has no finished run: every variant is read against it")
     base = {r["seed"]: r for r in runs[BASELINE]}
+    for variant, rs in runs.items():
+        for r in rs:
+            if why := settings_problem(r, base.get(r["seed"]) if variant != BASELINE else None):
+                raise SystemExit(f"error: {variant} seed {r['seed']}: {why}")
     rows = {v: [seed_row(r, base.get(r["seed"]) if v != BASELINE else None) for r in rs] for v, rs in runs.items()}
     variants = {}
     for variant, rs in rows.items():
@@ -231,16 +274,18 @@ def table_md(s: dict) -> str:
     ]
     for variant, rows in s["runs"].items():
         steps = sorted({t for r in rows for t in r["acc"]}, key=int)
-        head = ["seed", *(f"step {t}" for t in steps), "end - baseline", "largest fall", "zero-gradient steps"]
-        head += ["skipped", "evicted (mean age)", f"entropy, first / last {rule['entropy_steps']} steps"]
+        head = ["seed", *(f"step {t}" for t in steps), "baseline's end", "end - baseline", "largest fall"]
+        head += ["zero-gradient steps", "skipped", "evicted by drift", "evicted (mean age)"]
+        head += [f"entropy, first / last {rule['entropy_steps']} steps"]
         head += ["clipped", "distance per 1k generated", "wall", "folder made"]
         body = []
         for r in rows:
             age = f" ({r['evicted_age_mean']:.1f})" if r["evicted_age_mean"] is not None else ""
             body.append(
-                [r["seed"], *(fmt.acc(r["acc"].get(t)) for t in steps), fmt.diff(r["end_over_baseline"])]
-                + [fmt.acc(r["largest_fall"]), fmt.number("d")(r["zero_signal_steps"])]
-                + [fmt.number("d")(r["zero_signal_skipped_steps"]), rrs.evicted_cell(r["evicted"]) + age]
+                [r["seed"], *(fmt.acc(r["acc"].get(t)) for t in steps), fmt.acc(r["baseline_end"])]
+                + [fmt.diff(r["end_over_baseline"]), fmt.acc(r["largest_fall"])]
+                + [fmt.number("d")(r["zero_signal_steps"]), fmt.number("d")(r["zero_signal_skipped_steps"])]
+                + [fmt.number("d")(r["evicted_by_drift"]), rrs.evicted_cell(r["evicted"]) + age]
                 + [" / ".join(fmt.mu(e) for e in r["entropy"]), fmt.number(".1%")(r["clip_frac"])]
                 + [per_kilo(None if r["distance_per_generated"] is None else 1000 * r["distance_per_generated"])]
                 + [f"{r['minutes']:.1f} min", r["made"] or "—"]
