@@ -76,7 +76,7 @@ def weight_distance(run_dir: Path, cfg: dict, base_cache: dict) -> float:
     return total**0.5
 
 
-def compact(run_dir: Path, variant: str, seed: int, seconds: float, base_cache: dict) -> dict:
+def compact(variant: str, seed: int, run_dir: Path, seconds: float, base_cache: dict) -> dict:
     """real_replay_study's record of the run, with entropy early and late, the mean clipped fraction, the mean age at
     eviction and the weights' distance moved."""
     records = runner.read_metrics(run_dir / "metrics.jsonl")
@@ -84,8 +84,8 @@ def compact(run_dir: Path, variant: str, seed: int, seconds: float, base_cache: 
     entropy = [r["entropy"] for r in records if runner.is_number(r.get("entropy"))]
     clip = [r["clip_frac"] for r in records if runner.is_number(r.get("clip_frac"))]
     run = rrs.compact(run_dir, variant, seed, seconds) | {
-        "entropy": [mean(entropy[:EARLY_LATE]), mean(entropy[-EARLY_LATE:])],
-        "clip_frac": mean(clip),
+        "entropy": [rrs.mean_or_none(entropy[:EARLY_LATE]), rrs.mean_or_none(entropy[-EARLY_LATE:])],
+        "clip_frac": rrs.mean_or_none(clip),
         "evicted_age_mean": records[-1].get("evicted_age_mean") if records else None,
         "distance": 0.0,
     }
@@ -94,24 +94,10 @@ def compact(run_dir: Path, variant: str, seed: int, seconds: float, base_cache: 
     return run | {"distance": weight_distance(run_dir, cfg, base_cache)}
 
 
-def mean(values: list) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
 def collect(runs: Path) -> dict:
     """Every finished seed (its wall time in VARIANT/seed_table.json) of each variant's folder under `runs`."""
-    out, base_cache = [], {}
-    for variant in VARIANTS:
-        folder = runs / variant
-        if not folder.is_dir():
-            print(f"report: {folder}: no such folder, the variant has no runs")
-            continue
-        times = runner.read_json(folder / "seed_table.json")
-        for seed in sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()):
-            if str(seed) not in times:
-                print(f"report: {variant} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
-                continue
-            out.append(compact(folder / str(seed) / "run", variant, seed, times[str(seed)], base_cache))
+    base_cache = {}
+    out = [compact(*found, base_cache) for found in runner.finished_seeds(runs, VARIANTS, "variant")]
     runner.refuse_non_finite(out, lambda run, i: f"--runs {runs}: {run['arm']} seed {run['seed']}")
     return {"runs": out}
 
@@ -222,8 +208,8 @@ def analyse(records: dict) -> dict:
             "seeds": [r["seed"] for r in rs],
             "lrs": sorted({r["lr"] for r in rs}),
             "max_drift": sorted({r["max_drift"] for r in rs if r["max_drift"] is not None}),
-            "end": mean([r["end"] for r in rs]),
-            "distance_per_generated": mean([r["distance_per_generated"] for r in rs]),
+            "end": rrs.mean_or_none([r["end"] for r in rs]),
+            "distance_per_generated": rrs.mean_or_none([r["distance_per_generated"] for r in rs]),
         } | ({} if variant == BASELINE else holds(rs, list(base)))
     return {
         "failed_replay": {"hold_gain": HOLD_GAIN, "hold_fall": HOLD_FALL, "entropy_steps": EARLY_LATE},
@@ -321,12 +307,7 @@ def with_seed_curves(s: dict, records: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--runs", type=Path, help="the folder of VARIANT/SEED/run folders (seed_table.py's)")
-    source.add_argument("--records", type=Path, help="a records.json.xz this tool wrote")
-    ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
-    args = ap.parse_args(argv)
+    args = runner.seed_study_parser(__doc__, "VARIANT").parse_args(argv)
     records = runner.runs_or_records(args.runs, args.records, collect=collect, check=problem)
     s = with_seed_curves(analyse(records), records)
     report.write_report(args.report_dir, s, private="seed_curves", table_md=table_md, plot=plot, records=records)

@@ -17,7 +17,6 @@ credited (the data set's own score, whatever credit the run trained on) come fro
 replay arm, the report compares them as the study's rule says (compare).
 """
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -246,12 +245,7 @@ def plot(records: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--runs", type=Path, help="the folder of ARM/SEED/run folders (seed_table.py's)")
-    source.add_argument("--records", type=Path, help="a records.json.xz this tool wrote")
-    ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
-    args = ap.parse_args(argv)
+    args = runner.seed_study_parser(__doc__, "ARM").parse_args(argv)
     records = runner.runs_or_records(args.runs, args.records, collect=collect, check=problem)
     summary = analyse(records)
     args.report_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ interval, percentiles 5 and 95 of 10,000 bootstrap resamples of each arm's seeds
 each resample's on-policy seeds (the budget stays the full sample's, a constant of the schedule).
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -113,19 +112,10 @@ def compact(run_dir: Path, arm: str, seed: int, seconds: float) -> dict:
 def collect(runs: Path) -> dict:
     """Every finished seed (its wall time in ARM/seed_table.json) of each arm's folder under `runs`."""
     out = []
-    for arm in ARMS:
-        folder = runs / arm
-        if not folder.is_dir():
-            print(f"report: {folder}: no such folder, the arm has no runs")
-            continue
-        times = runner.read_json(folder / "seed_table.json")
-        for seed in sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()):
-            if str(seed) not in times:
-                print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
-                continue
-            out.append(compact(folder / str(seed) / "run", arm, seed, times[str(seed)]))
-            if why := problem(out[-1]):  # what --records would leave out stops the report here: a folder to mend
-                raise SystemExit(f"error: --runs {folder / str(seed) / 'run'}: {why}")
+    for arm, seed, run_dir, seconds in runner.finished_seeds(runs, ARMS):
+        out.append(compact(run_dir, arm, seed, seconds))
+        if why := problem(out[-1]):  # what --records would leave out stops the report here: a folder to mend
+            raise SystemExit(f"error: --runs {run_dir}: {why}")
     runner.refuse_non_finite(out, lambda run, i: f"--runs {runs}: {run['arm']} seed {run['seed']}")
     return {"runs": out}
 
@@ -613,11 +603,7 @@ def with_seed_curves(s: dict, records: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = ap.add_mutually_exclusive_group(required=True)
-    source.add_argument("--runs", type=Path, help="the folder of ARM/SEED/run folders (seed_table.py's)")
-    source.add_argument("--records", type=Path, help="a records.json.xz this tool wrote")
-    ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
+    ap = runner.seed_study_parser(__doc__, "ARM")
     ap.add_argument("--replicates", type=int, default=REPLICATES, help="bootstrap resamples (the rule's: 10,000)")
     args = ap.parse_args(argv)
     records = runner.runs_or_records(args.runs, args.records, collect=collect, check=problem)

@@ -2,6 +2,7 @@
 run folders read back (load_runs). A run folder is what replay_grpo.py writes: config.json, metrics.jsonl, a
 checkpoint, resumes.jsonl after a resume, and sweep_run.json when a study planned it."""
 
+import argparse
 import bz2
 import contextlib
 import fcntl
@@ -463,6 +464,34 @@ def refuse_non_finite(runs: list[dict], where) -> None:
                 f"error: {where(run, i)}: {found[0]} is {found[1]}, not a finite number: the report's statistics read "
                 "it; correct the run's records, or remove the run to report without it"
             )
+
+
+def seed_study_parser(doc: str, layout: str) -> argparse.ArgumentParser:
+    """The arguments of a per-seed study's report: --runs (the folder of LAYOUT/SEED/run folders, seed_table.py's) or
+    --records (the records file it wrote), and --report-dir; a tool adds its own after."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--runs", type=Path, help=f"the folder of {layout}/SEED/run folders (seed_table.py's)")
+    source.add_argument("--records", type=Path, help="a records.json.xz this tool wrote")
+    ap.add_argument("--report-dir", type=Path, required=True, help="where the report's files go")
+    return ap
+
+
+def finished_seeds(runs: Path, arms: tuple, kind: str = "arm"):
+    """(arm, seed, run folder, wall seconds) of every finished seed (its wall time in ARM/seed_table.json) of each of
+    `arms`' folders under `runs`, arm by arm, seed by seed; an arm without a folder or a seed unfinished is named (as
+    a `kind`) and left out."""
+    for arm in arms:
+        folder = runs / arm
+        if not folder.is_dir():
+            print(f"report: {folder}: no such folder, the {kind} has no runs")
+            continue
+        times = read_json(folder / "seed_table.json")
+        for seed in sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()):
+            if str(seed) not in times:
+                print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
+                continue
+            yield arm, seed, folder / str(seed) / "run", times[str(seed)]
 
 
 def runs_or_records(runs: Path | None, records: Path | None, *, collect, check) -> dict:
