@@ -49,6 +49,7 @@ FROM_RECORDS = {
     "docs/study/real_model/full": ["real_model_study"],
     "docs/study/real_model/lr1e5": ["real_model_study"],
     "docs/study/real_model/shared": ["real_model_study"],
+    "docs/study/real_replay/results": ["real_replay_study"],
     "docs/study/rerun": ["replay_study"],
     "docs/study/variants/rerun": ["replay_study", "--reference", "N224-R32-grpo"],
 }
