@@ -76,7 +76,7 @@ def weight_distance(run_dir: Path, cfg: dict, base_cache: dict) -> float:
     return total**0.5
 
 
-def compact(variant: str, seed: int, run_dir: Path, seconds: float, base_cache: dict) -> dict:
+def compact(run_dir: Path, variant: str, seed: int, seconds: float, base_cache: dict) -> dict:
     """real_replay_study's record of the run, with entropy early and late, the mean clipped fraction, the mean age at
     eviction and the weights' distance moved."""
     records = runner.read_metrics(run_dir / "metrics.jsonl")
@@ -96,8 +96,9 @@ def compact(variant: str, seed: int, run_dir: Path, seconds: float, base_cache: 
 
 def collect(runs: Path) -> dict:
     """Every finished seed (its wall time in VARIANT/seed_table.json) of each variant's folder under `runs`."""
-    base_cache = {}
-    out = [compact(*found, base_cache) for found in runner.finished_seeds(runs, VARIANTS, "variant")]
+    base_cache = {}  # the base model, loaded once for every run
+    found = runner.finished_seeds(runs, VARIANTS, "variant")
+    out = [compact(run_dir, variant, seed, seconds, base_cache) for variant, seed, run_dir, seconds in found]
     runner.refuse_non_finite(out, lambda run, i: f"--runs {runs}: {run['arm']} seed {run['seed']}")
     return {"runs": out}
 
