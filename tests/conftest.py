@@ -48,12 +48,18 @@ def stop_launched() -> None:
     serving.stop_servers(LAUNCHED, timeout=5.0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
-    """pytest-xdist (`-n`, pyproject.toml) runs each group in one worker: every test of the session's vLLM servers
-    (launched once), and otherwise each file's tests (its module fixtures built once, its tests in their order)."""
+    """pytest-xdist (`-n`, pyproject.toml) runs each group in one worker, so that no shared fixture is built twice:
+    every test of the session's vLLM servers (launched once), and a file's tests that take one of its module
+    fixtures. Every other test goes to whichever worker is free, which keeps the two workers evenly loaded."""
     for item in items:
-        group = "vllm-servers" if "vllm_servers" in getattr(item, "fixturenames", ()) else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+        if "vllm_servers" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("vllm-servers"))
+        elif any(
+            d.baseid and d.scope != "function" for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 def untied_tiny(seed: int):

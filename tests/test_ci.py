@@ -1,7 +1,10 @@
-"""The source rules CI checks before the tests (.ci/check_source.py), on code made to break each one."""
+"""The source rules CI checks before the tests (.ci/check_source.py), on code made to break each one; the suite's split
+over two workers."""
 
 import importlib.util
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,3 +87,44 @@ def test_the_source_check_fails_on_a_tracked_tree_over_its_size_limit(tmp_path, 
     assert f"more than {check.MAX_TREE_BYTES // 2**20} MiB" in out and "data.bin (32.0 MiB)" in out, out
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert check.tree_violations(ROOT, tracked.stdout.split("\0")[:-1]) == []
+
+
+def test_the_suites_groups_reach_pytest_xdist(tmp_path):
+    """Under two workers (pyproject.toml's addopts), the tests that take a module fixture run in one worker, which
+    builds it once; the hook must mark them before pytest-xdist reads the marks, or it splits them silently."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(ROOT / 'tests' / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+    )
+    built = tmp_path / "built.txt"
+    (tmp_path / "test_shared.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.fixture(scope='module')\ndef shared():\n"
+        f"    with open({str(built)!r}, 'a') as f:\n        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n\n\n"
+        + "".join(f"def test_{i}(shared):\n    pass\n\n\n" for i in range(20))
+        + "".join(f"def test_free_{i}():\n    pass\n\n\n" for i in range(20))
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist=loadgroup",
+            "-rA",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(built.read_text().split()) == 1, built.read_text()  # one worker built it
+    assert done.stdout.count("@test_shared.py") == 20, done.stdout[-3000:]  # the free tests carry no group
