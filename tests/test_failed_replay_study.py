@@ -102,7 +102,10 @@ def test_a_seed_not_run_leaves_a_variant_undecided_and_a_fall_of_ten_points_fail
     )
     # 0.5 -> 0.4 is a fall a hair under 0.1 in floats: ten points, which fails
     write_variant(runs, "skip-zero-signal", {7: [0.3, 0.5, 0.6], 8: [0.3, 0.7, 0.6], 9: [0.3, 0.5, 0.4]}, moved={})
+    # max-drift's first seed still runs: seed_table.py writes seed_table.json when a seed finishes
+    (runs / "max-drift" / "7" / "run").mkdir(parents=True)
     s = main(["--runs", str(runs), "--report-dir", str(tmp_path / "a")])
+    assert "max-drift" not in s["variants"]
     v, skip = s["variants"]["lr-reuse-exponent"], s["variants"]["skip-zero-signal"]
     assert (v["holds"], v["missing_seeds"], v["gains"], v["steady"]) == (False, [9], True, True)
     assert s["runs"]["lr-reuse-exponent"][0]["lr"] == pytest.approx(1e-5 * 8 / 32)

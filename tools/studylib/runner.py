@@ -486,7 +486,8 @@ def finished_seeds(runs: Path, arms: tuple, kind: str = "arm"):
         if not folder.is_dir():
             print(f"report: {folder}: no such folder, the {kind} has no runs")
             continue
-        times = read_json(folder / "seed_table.json")
+        table = folder / "seed_table.json"  # written when the arm's first seed finishes
+        times = read_json(table) if table.exists() else {}
         for seed in sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()):
             if str(seed) not in times:
                 print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
