@@ -105,20 +105,9 @@ def test_the_suites_groups_reach_pytest_xdist(tmp_path):
         + "".join(f"def test_{i}(shared):\n    pass\n\n\n" for i in range(20))
         + "".join(f"def test_free_{i}():\n    pass\n\n\n" for i in range(20))
     )
+    flags = ["-q", "-p", "no:cacheprovider", "-n", "2", "--dist=loadgroup", "-rA"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "2",
-            "--dist=loadgroup",
-            "-rA",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "pytest", *flags, str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
