@@ -490,7 +490,7 @@ def finished_seeds(runs: Path, arms: tuple, kind: str = "arm"):
         times = read_json(table) if table.exists() else {}
         for seed in sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()):
             if str(seed) not in times:
-                print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {folder}/seed_table.json)")
+                print(f"report: {arm} seed {seed} left out: unfinished (no wall time in {table})")
                 continue
             yield arm, seed, folder / str(seed) / "run", times[str(seed)]
 
